@@ -1,0 +1,342 @@
+//! The map keys and values that the kernel programs (`lb-ebpf`) and the agent
+//! (`lb-agent`) share: one definition of each, the way Cilium's `bpf/lib/lb.h`
+//! is one header for every hook.
+//!
+//! Conventions, chosen so that `bpftool map dump` is readable as it is:
+//! - addresses are `[u8; 16]` in network order; IPv4 is stored IPv4-mapped
+//!   (`::ffff:a.b.c.d`), so one map serves both families and an IPv6 socket
+//!   that connects to `::ffff:10.96.0.10` finds the IPv4 Service as it is;
+//! - ports are in host order (`80` dumps as `80`), the kernel side swaps once;
+//! - every struct is `#[repr(C)]` with explicit padding and a size asserted at
+//!   compile time, so that both sides and the BTF agree byte for byte.
+//!
+//! The map design is described in `docs/maps.md`.
+#![no_std]
+
+/// IP protocol numbers as they appear in `ServiceKey::proto` and `Backend::proto`.
+pub mod proto {
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+}
+
+/// Which clients a `ServiceKey` entry serves (Cilium's `LB_LOOKUP_SCOPE_*`).
+/// The socket hooks see only in-cluster clients and look up `INTERNAL`; the tc
+/// path sees traffic from outside the node and looks up `EXTERNAL`. A Service
+/// whose traffic policies differ gets different backend sets in the two scopes.
+pub mod scope {
+    pub const INTERNAL: u8 = 0;
+    pub const EXTERNAL: u8 = 1;
+}
+
+/// `ServiceValue::flags`.
+pub mod service_flags {
+    /// The entry only marks its address as a live Service VIP (port 0,
+    /// protocol 0): a connect to a port the Service does not have is refused,
+    /// as kube-proxy's REJECT rule does, instead of leaking towards the VIP.
+    pub const WILDCARD: u16 = 1 << 0;
+    /// `sessionAffinity: ClientIP`; the timeout is `affinity_timeout`.
+    pub const AFFINITY: u16 = 1 << 1;
+    /// Select through the Service's Maglev table instead of uniformly at random.
+    pub const MAGLEV: u16 = 1 << 2;
+}
+
+/// `Backend::flags`.
+pub mod backend_flags {
+    /// The backend runs on this node (traffic policy `Local`, hairpin, health checks).
+    pub const LOCAL: u8 = 1 << 0;
+    /// The endpoint is serving but terminating (KEP-1669).
+    pub const TERMINATING: u8 = 1 << 1;
+}
+
+/// An IPv4 address as it is stored in the 16-byte address fields.
+pub const fn ipv4_mapped(octets: [u8; 4]) -> [u8; 16] {
+    [
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, octets[0], octets[1], octets[2], octets[3],
+    ]
+}
+
+/// Whether a 16-byte address is an IPv4-mapped one (`::ffff:a.b.c.d`).
+pub fn is_ipv4_mapped(addr: &[u8; 16]) -> bool {
+    addr[..10].iter().all(|b| *b == 0) && addr[10] == 0xff && addr[11] == 0xff
+}
+
+/// A Service frontend: what a client addresses. Key of `LB_SERVICES`.
+///
+/// | offset | field   | meaning                                            |
+/// |--------|---------|----------------------------------------------------|
+/// | 0      | `addr`  | VIP, node address or ingress IP; IPv4 is mapped    |
+/// | 16     | `port`  | host order; 0 in a `WILDCARD` entry                 |
+/// | 18     | `proto` | `proto::TCP` or `proto::UDP`; 0 in a `WILDCARD` entry |
+/// | 19     | `scope` | `scope::INTERNAL` or `scope::EXTERNAL`              |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub proto: u8,
+    pub scope: u8,
+}
+
+impl ServiceKey {
+    /// The entry that marks `addr` as a live VIP in `scope`.
+    pub const fn wildcard(addr: [u8; 16], scope: u8) -> Self {
+        Self {
+            addr,
+            port: 0,
+            proto: 0,
+            scope,
+        }
+    }
+}
+
+/// What a frontend resolves to. Value of `LB_SERVICES`.
+///
+/// The backends of a frontend live in `LB_SLOTS` under `backend_set`: slots
+/// `0..active` hold the active backends, slots `active..active + terminating`
+/// the serving-but-terminating ones, chosen only while `active` is 0.
+/// A new backend set is written under a fresh `backend_set` id and published
+/// by rewriting this one value, so no lookup ever sees a half-written set.
+///
+/// | offset | field              | meaning                                     |
+/// |--------|--------------------|---------------------------------------------|
+/// | 0      | `id`               | `ServiceId`: stable per frontend            |
+/// | 4      | `backend_set`      | `BackendSetId` of the slots in `LB_SLOTS`  |
+/// | 8      | `active`           | number of active slots                      |
+/// | 10     | `terminating`      | number of terminating slots after them      |
+/// | 12     | `flags`            | `service_flags::*`                          |
+/// | 14     | `_pad`             | zero                                        |
+/// | 16     | `affinity_timeout` | seconds, with `service_flags::AFFINITY`     |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ServiceValue {
+    pub id: u32,
+    pub backend_set: u32,
+    pub active: u16,
+    pub terminating: u16,
+    pub flags: u16,
+    pub _pad: u16,
+    pub affinity_timeout: u32,
+}
+
+/// One slot of a backend set. Key of `LB_SLOTS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendSlotKey {
+    pub backend_set: u32,
+    pub slot: u32,
+}
+
+/// The backend a slot points at. Value of `LB_SLOTS`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BackendSlot {
+    pub backend_id: u32,
+}
+
+/// Key of `LB_BACKENDS`: one id per distinct (address, port, protocol).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendId {
+    pub id: u32,
+}
+
+/// An endpoint a connection can be sent to. Value of `LB_BACKENDS`.
+///
+/// | offset | field   | meaning                          |
+/// |--------|---------|----------------------------------|
+/// | 0      | `addr`  | pod address; IPv4 is mapped      |
+/// | 16     | `port`  | host order                       |
+/// | 18     | `proto` | `proto::TCP` or `proto::UDP`     |
+/// | 19     | `flags` | `backend_flags::*`               |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub proto: u8,
+    pub flags: u8,
+}
+
+/// Key of `LB_REV_SOCK`: a socket (by its cookie) and the backend it was sent to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReverseSockKey {
+    pub cookie: u64,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+
+/// The frontend a socket addressed, so that `recvmsg` and `getpeername`
+/// report the VIP instead of the backend. Value of `LB_REV_SOCK`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReverseSockValue {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub _pad: u16,
+    pub service_id: u32,
+}
+
+/// `AffinityKey::kind`: what identifies the client.
+pub mod affinity_client {
+    /// Socket path: the client's network namespace cookie in `client[..8]`
+    /// (little-endian u64), which stands for the pod.
+    pub const NETNS_COOKIE: u8 = 0;
+    /// tc path: the packet's source address.
+    pub const SOURCE_IP: u8 = 1;
+}
+
+/// Key of `LB_AFFINITY` (sessionAffinity: ClientIP).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityKey {
+    pub client: [u8; 16],
+    pub service_id: u32,
+    pub kind: u8,
+    pub _pad: [u8; 3],
+}
+
+/// Value of `LB_AFFINITY`: the backend a client sticks to and when it last
+/// used it (`bpf_ktime_get_ns`, CLOCK_MONOTONIC).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AffinityEntry {
+    pub backend_id: u32,
+    pub _pad: u32,
+    pub last_used_ns: u64,
+}
+
+/// Indexes into the per-CPU `LB_STATS` array.
+pub mod stat {
+    /// connect/sendmsg rewritten to a backend.
+    pub const TRANSLATED: u32 = 0;
+    /// Refused: frontend without backends, or a port the VIP does not serve.
+    pub const REFUSED: u32 = 1;
+    /// recvmsg/getpeername answers rewritten back to the frontend.
+    pub const REVERSED: u32 = 2;
+    /// Affinity entry reused.
+    pub const AFFINITY_HIT: u32 = 3;
+    pub const COUNT: u32 = 4;
+}
+
+/// The names under which the maps are pinned and show in `bpftool map list`.
+pub mod map_names {
+    pub const SERVICES: &str = "LB_SERVICES";
+    pub const SLOTS: &str = "LB_SLOTS";
+    pub const BACKENDS: &str = "LB_BACKENDS";
+    pub const REV_SOCK: &str = "LB_REV_SOCK";
+    pub const AFFINITY: &str = "LB_AFFINITY";
+    pub const STATS: &str = "LB_STATS";
+    pub const ALL: [&str; 6] = [SERVICES, SLOTS, BACKENDS, REV_SOCK, AFFINITY, STATS];
+}
+
+/// Default capacities; the agent can override each at load time.
+pub mod capacity {
+    pub const SERVICES: u32 = 65_536;
+    /// Two slots per backend: a replaced set and its successor coexist briefly.
+    pub const SLOTS: u32 = 524_288;
+    pub const BACKENDS: u32 = 262_144;
+    pub const REV_SOCK: u32 = 262_144;
+    pub const AFFINITY: u32 = 262_144;
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<ServiceKey>() == 20);
+    assert!(core::mem::size_of::<ServiceValue>() == 20);
+    assert!(core::mem::size_of::<BackendSlotKey>() == 8);
+    assert!(core::mem::size_of::<BackendSlot>() == 4);
+    assert!(core::mem::size_of::<BackendId>() == 4);
+    assert!(core::mem::size_of::<Backend>() == 20);
+    assert!(core::mem::size_of::<ReverseSockKey>() == 32);
+    assert!(core::mem::size_of::<ReverseSockValue>() == 24);
+    assert!(core::mem::size_of::<AffinityKey>() == 24);
+    assert!(core::mem::size_of::<AffinityEntry>() == 16);
+};
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: every type is #[repr(C)], Copy, made only of integers and byte
+    // arrays with explicit padding fields, so any bit pattern is valid.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for BackendSlotKey {}
+    unsafe impl aya::Pod for BackendSlot {}
+    unsafe impl aya::Pod for BackendId {}
+    unsafe impl aya::Pod for Backend {}
+    unsafe impl aya::Pod for ReverseSockKey {}
+    unsafe impl aya::Pod for ReverseSockValue {}
+    unsafe impl aya::Pod for AffinityKey {}
+    unsafe impl aya::Pod for AffinityEntry {}
+}
+
+/// Backend selection shared by every hook, kept free of helpers so that host
+/// tests cover it.
+pub mod select {
+    use super::ServiceValue;
+
+    /// The slot a new flow goes to, given a random (or hashed) number:
+    /// uniformly among the active slots, or among the terminating ones when
+    /// no backend is active (KEP-1669). `None` means the Service has no
+    /// backend to offer and the connection is refused.
+    #[inline(always)]
+    pub fn slot(svc: &ServiceValue, random: u32) -> Option<u32> {
+        let (base, count) = if svc.active > 0 {
+            (0u32, svc.active as u32)
+        } else {
+            (svc.active as u32, svc.terminating as u32)
+        };
+        if count == 0 {
+            None
+        } else {
+            Some(base + random % count)
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        fn svc(active: u16, terminating: u16) -> ServiceValue {
+            ServiceValue {
+                id: 1,
+                backend_set: 1,
+                active,
+                terminating,
+                flags: 0,
+                _pad: 0,
+                affinity_timeout: 0,
+            }
+        }
+
+        #[test]
+        fn picks_only_active_slots_when_any_is_active() {
+            for r in 0..100 {
+                assert!(slot(&svc(3, 2), r).unwrap() < 3);
+            }
+        }
+
+        #[test]
+        fn falls_back_to_terminating_slots() {
+            for r in 0..100 {
+                let s = slot(&svc(0, 2), r).unwrap();
+                assert!(s < 2, "{s}");
+            }
+        }
+
+        #[test]
+        fn no_backend_means_none() {
+            assert_eq!(slot(&svc(0, 0), 7), None);
+        }
+
+        #[test]
+        fn spreads_evenly() {
+            let mut hits = [0u32; 4];
+            for r in 0..4000 {
+                hits[slot(&svc(4, 0), r).unwrap() as usize] += 1;
+            }
+            assert_eq!(hits, [1000; 4]);
+        }
+    }
+}

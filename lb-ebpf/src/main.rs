@@ -1,0 +1,63 @@
+//! Kernel programs of the load balancer.
+//!
+//! The socket programs translate at the cgroup sock_addr hooks: a connect or
+//! sendmsg to a Service frontend is rewritten to a backend before the kernel
+//! routes anything, so there is no per-packet NAT; recvmsg and getpeername
+//! translate back so that the application only ever sees the frontend.
+#![no_std]
+#![no_main]
+
+mod maps;
+mod sock;
+
+use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    sock::forward(&ctx, sock::Family::V4)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6(ctx: SockAddrContext) -> i32 {
+    sock::forward(&ctx, sock::Family::V6)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::forward(&ctx, sock::Family::V4)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::forward(&ctx, sock::Family::V6)
+}
+
+#[cgroup_sock_addr(recvmsg4)]
+pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, sock::Family::V4)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, sock::Family::V6)
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, sock::Family::V4)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn getpeername6(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, sock::Family::V6)
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 4] = *b"GPL\0";

@@ -1,0 +1,215 @@
+//! Socket-layer translation at the cgroup sock_addr hooks.
+//!
+//! `forward` (connect, sendmsg): frontend -> backend, remembering the pair per
+//! socket in `LB_REV_SOCK`. `reverse` (recvmsg, getpeername): backend ->
+//! frontend, from that memory. Addresses are handled as the 16-byte form of
+//! `lb-common` (IPv4 mapped), so both families share one path.
+use aya_ebpf::{
+    bindings::{bpf_sock_addr, BPF_ANY},
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    programs::SockAddrContext,
+    EbpfContext,
+};
+use lb_common::{
+    ipv4_mapped, is_ipv4_mapped, proto, scope, select, stat, Backend, BackendId, BackendSlotKey,
+    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
+};
+
+use crate::maps::{count, LB_BACKENDS, LB_REV_SOCK, LB_SERVICES, LB_SLOTS};
+
+/// Let the syscall proceed (with whatever address the program left).
+const PROCEED: i32 = 1;
+/// Fail the syscall; the error is the one set by `bpf_set_retval`.
+const REJECT: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    V4,
+    V6,
+}
+
+/// The destination as the hook sees it, in `lb-common`'s 16-byte form.
+struct SockAddr {
+    addr: [u8; 16],
+    port: u16,
+}
+
+#[inline(always)]
+fn raw(ctx: &SockAddrContext) -> *mut bpf_sock_addr {
+    ctx.sock_addr
+}
+
+#[inline(always)]
+fn read_addr(ctx: &SockAddrContext, family: Family) -> SockAddr {
+    let sa = raw(ctx);
+    // SAFETY: the context pointer is valid for the program's whole run; the
+    // verifier allows 4-byte reads of these fields, which volatile keeps.
+    unsafe {
+        let port = u16::from_be(core::ptr::read_volatile(&(*sa).user_port) as u16);
+        let addr = match family {
+            Family::V4 => ipv4_mapped(core::ptr::read_volatile(&(*sa).user_ip4).to_ne_bytes()),
+            Family::V6 => {
+                let mut words = [0u32; 4];
+                let mut i = 0;
+                while i < 4 {
+                    words[i] = core::ptr::read_volatile(&(*sa).user_ip6[i]);
+                    i += 1;
+                }
+                // SAFETY: [u32; 4] and [u8; 16] have the same size and the
+                // words are already in network order.
+                core::mem::transmute::<[u32; 4], [u8; 16]>(words)
+            }
+        };
+        SockAddr { addr, port }
+    }
+}
+
+/// Writes `addr:port` into the context. `false` when the address cannot be
+/// expressed in the socket's family (an IPv6 backend for an IPv4 socket).
+#[inline(always)]
+fn write_addr(ctx: &SockAddrContext, family: Family, addr: &[u8; 16], port: u16) -> bool {
+    let sa = raw(ctx);
+    match family {
+        Family::V4 => {
+            if !is_ipv4_mapped(addr) {
+                return false;
+            }
+            let ip = u32::from_ne_bytes([addr[12], addr[13], addr[14], addr[15]]);
+            // SAFETY: 4-byte stores to user_ip4/user_port are what the
+            // verifier allows for these hooks.
+            unsafe {
+                core::ptr::write_volatile(&mut (*sa).user_ip4, ip);
+                core::ptr::write_volatile(&mut (*sa).user_port, port.to_be() as u32);
+            }
+        }
+        Family::V6 => {
+            // SAFETY: as above, 4-byte stores to each user_ip6 word.
+            let words = unsafe { core::mem::transmute::<[u8; 16], [u32; 4]>(*addr) };
+            unsafe {
+                let mut i = 0;
+                while i < 4 {
+                    core::ptr::write_volatile(&mut (*sa).user_ip6[i], words[i]);
+                    i += 1;
+                }
+                core::ptr::write_volatile(&mut (*sa).user_port, port.to_be() as u32);
+            }
+        }
+    }
+    true
+}
+
+#[inline(always)]
+fn protocol(ctx: &SockAddrContext) -> u8 {
+    // SAFETY: valid context; `protocol` is readable in every sock_addr hook.
+    let p = unsafe { core::ptr::read_volatile(&(*raw(ctx)).protocol) };
+    p as u8
+}
+
+#[inline(always)]
+fn refuse(_ctx: &SockAddrContext) -> i32 {
+    count(stat::REFUSED);
+    // SAFETY: plain helper call; only the return code of the syscall changes.
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    REJECT
+}
+
+#[inline(always)]
+fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
+    // SAFETY: the value is copied out at once; the agent replaces values
+    // whole, so a copy is either the old or the new one.
+    LB_SERVICES.get_ptr(key).map(|p| unsafe { core::ptr::read(p) })
+}
+
+#[inline(always)]
+fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(BackendId, Backend)> {
+    let key = BackendSlotKey {
+        backend_set: svc.backend_set,
+        slot,
+    };
+    // SAFETY: copied out at once, as in `lookup_service`.
+    let id = BackendId {
+        id: unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id,
+    };
+    let backend = unsafe { core::ptr::read(LB_BACKENDS.get_ptr(&id)?) };
+    Some((id, backend))
+}
+
+/// connect and sendmsg: rewrite a frontend to one of its backends.
+#[inline(always)]
+pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
+    let proto = protocol(ctx);
+    if proto != proto::TCP && proto != proto::UDP {
+        return PROCEED;
+    }
+    let dst = read_addr(ctx, family);
+    let key = ServiceKey {
+        addr: dst.addr,
+        port: dst.port,
+        proto,
+        scope: scope::INTERNAL,
+    };
+    let Some(svc) = lookup_service(&key) else {
+        // A live VIP on a port it does not serve: refuse, as kube-proxy does.
+        if LB_SERVICES
+            .get_ptr(&ServiceKey::wildcard(dst.addr, scope::INTERNAL))
+            .is_some()
+        {
+            return refuse(ctx);
+        }
+        return PROCEED;
+    };
+    // SAFETY: plain helper call.
+    let random = unsafe { bpf_get_prandom_u32() };
+    let Some(slot) = select::slot(&svc, random) else {
+        return refuse(ctx);
+    };
+    let Some((_id, backend)) = backend_of(&svc, slot) else {
+        return refuse(ctx);
+    };
+    if !write_addr(ctx, family, &backend.addr, backend.port) {
+        return refuse(ctx);
+    }
+    // SAFETY: plain helper call on the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let rev_key = ReverseSockKey {
+        cookie,
+        addr: backend.addr,
+        port: backend.port,
+        _pad: [0; 6],
+    };
+    let rev = ReverseSockValue {
+        addr: dst.addr,
+        port: dst.port,
+        _pad: 0,
+        service_id: svc.id,
+    };
+    // A full LRU map evicts the oldest entry; failure only loses the reverse
+    // view of this socket, never the connection, so it is not fatal.
+    let _ = LB_REV_SOCK.insert(&rev_key, &rev, BPF_ANY as u64);
+    count(stat::TRANSLATED);
+    PROCEED
+}
+
+/// recvmsg and getpeername: show the frontend the socket addressed.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
+    let src = read_addr(ctx, family);
+    // SAFETY: plain helper call on the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let key = ReverseSockKey {
+        cookie,
+        addr: src.addr,
+        port: src.port,
+        _pad: [0; 6],
+    };
+    let Some(rev) = LB_REV_SOCK.get_ptr(&key) else {
+        return PROCEED;
+    };
+    // SAFETY: copied out at once.
+    let rev = unsafe { core::ptr::read(rev) };
+    if write_addr(ctx, family, &rev.addr, rev.port) {
+        count(stat::REVERSED);
+    }
+    PROCEED
+}
