@@ -1,1 +1,3 @@
-
+//! The agent: keeps the kernel's load-balancing maps in sync with Services.
+pub mod model;
+pub mod cli;

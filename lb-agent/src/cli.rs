@@ -1,0 +1,96 @@
+//! Command line of `lb-agent`.
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::{Args, Parser, Subcommand};
+
+pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
+
+#[derive(Debug, Parser)]
+#[command(name = "lb-agent", version, about = "eBPF service load balancer for Kubernetes")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Load the programs, attach them, and keep the maps in sync.
+    Run(RunArgs),
+    /// Read the pinned maps and show what the datapath does.
+    Inspect {
+        #[command(subcommand)]
+        what: InspectWhat,
+    },
+    /// Detach the programs and remove every pin.
+    Cleanup {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+    },
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Standalone mode: read Services, EndpointSlices and Endpoints from this
+    /// directory (*.yaml, *.yml, *.json) and follow its changes.
+    #[arg(long)]
+    pub manifests: Option<PathBuf>,
+    /// The cgroup v2 directory the socket programs attach to (default: the
+    /// cgroup v2 root, found in /proc/mounts).
+    #[arg(long)]
+    pub cgroup: Option<PathBuf>,
+    /// bpffs directory holding the pinned maps and links.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// This node's name: decides which endpoints are local.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Address of the /healthz and /readyz endpoints.
+    #[arg(long, default_value = "127.0.0.1:10256")]
+    pub health_addr: SocketAddr,
+    /// Coalesce bursts of changes for this long before a sync.
+    #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
+    pub sync_debounce: Duration,
+    #[command(flatten)]
+    pub capacity: Capacity,
+}
+
+/// Map sizes; the defaults are `lb_common::capacity`.
+#[derive(Debug, Clone, Args)]
+pub struct Capacity {
+    #[arg(long, default_value_t = lb_common::capacity::SERVICES)]
+    pub max_services: u32,
+    #[arg(long, default_value_t = lb_common::capacity::BACKENDS)]
+    pub max_backends: u32,
+    /// Backend slots over all Services; twice the backends leaves room for a
+    /// set and its replacement.
+    #[arg(long, default_value_t = lb_common::capacity::SLOTS)]
+    pub max_slots: u32,
+    #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
+    pub max_reverse_sockets: u32,
+    #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
+    pub max_affinity: u32,
+}
+
+impl Default for Capacity {
+    fn default() -> Self {
+        Self {
+            max_services: lb_common::capacity::SERVICES,
+            max_backends: lb_common::capacity::BACKENDS,
+            max_slots: lb_common::capacity::SLOTS,
+            max_reverse_sockets: lb_common::capacity::REV_SOCK,
+            max_affinity: lb_common::capacity::AFFINITY,
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum InspectWhat {
+    /// Every frontend with its backends, like `ipvsadm -Ln`.
+    Services {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+}

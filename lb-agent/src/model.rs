@@ -1,0 +1,169 @@
+//! The desired datapath state: what the translation layer (`translate`)
+//! produces from Kubernetes objects and what the reconciler (`datapath`)
+//! writes into the maps. Plain data, no I/O, ordered so that diffs and
+//! outputs are deterministic.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+};
+
+use lb_common::{proto, scope};
+
+/// Transport protocol of a frontend or backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Protocol {
+    Tcp,
+    Udp,
+}
+
+impl Protocol {
+    pub fn number(self) -> u8 {
+        match self {
+            Protocol::Tcp => proto::TCP,
+            Protocol::Udp => proto::UDP,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            proto::TCP => Some(Protocol::Tcp),
+            proto::UDP => Some(Protocol::Udp),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
+/// Which clients a frontend serves; see `lb_common::scope`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Scope {
+    /// In-cluster clients, seen by the socket hooks.
+    Internal,
+    /// Clients outside the node, seen by the tc path.
+    External,
+}
+
+impl Scope {
+    pub fn number(self) -> u8 {
+        match self {
+            Scope::Internal => scope::INTERNAL,
+            Scope::External => scope::EXTERNAL,
+        }
+    }
+
+    pub fn from_number(n: u8) -> Option<Self> {
+        match n {
+            scope::INTERNAL => Some(Scope::Internal),
+            scope::EXTERNAL => Some(Scope::External),
+            _ => None,
+        }
+    }
+}
+
+/// How a frontend came to be, for inspection and for the tc path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    LoadBalancer,
+    ExternalIp,
+}
+
+/// `namespace/name` of a Service.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct ServiceName {
+    pub namespace: String,
+    pub name: String,
+}
+
+impl fmt::Display for ServiceName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// What a client addresses: the identity of one `LB_SERVICES` entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct Frontend {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+    pub scope: Scope,
+}
+
+impl fmt::Display for Frontend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.addr {
+            IpAddr::V4(a) => write!(f, "{a}:{}/{}", self.port, self.protocol),
+            IpAddr::V6(a) => write!(f, "[{a}]:{}/{}", self.port, self.protocol),
+        }
+    }
+}
+
+/// One endpoint a frontend can send to: the identity of one `LB_BACKENDS` entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct BackendAddr {
+    pub addr: IpAddr,
+    pub port: u16,
+    pub protocol: Protocol,
+}
+
+impl fmt::Display for BackendAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.addr {
+            IpAddr::V4(a) => write!(f, "{a}:{}", self.port),
+            IpAddr::V6(a) => write!(f, "[{a}]:{}", self.port),
+        }
+    }
+}
+
+/// A backend as one frontend uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct BackendRef {
+    pub backend: BackendAddr,
+    /// The endpoint runs on this node.
+    pub local: bool,
+}
+
+/// The selection algorithm of a frontend.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Algorithm {
+    #[default]
+    Random,
+    Maglev,
+}
+
+/// Everything the datapath needs to know about one frontend.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct FrontendState {
+    pub service: ServiceName,
+    /// The Service port's name ("" when unnamed).
+    pub port_name: String,
+    pub kind: FrontendKind,
+    /// Chosen uniformly (or by Maglev); sorted, no duplicates.
+    pub active: Vec<BackendRef>,
+    /// Serving but terminating, used only while `active` is empty (KEP-1669);
+    /// sorted, no duplicates, disjoint from `active`.
+    pub terminating: Vec<BackendRef>,
+    /// `sessionAffinity: ClientIP` timeout in seconds.
+    pub affinity_timeout: Option<u32>,
+    pub algorithm: Algorithm,
+}
+
+/// The whole desired datapath.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DesiredState {
+    pub frontends: BTreeMap<Frontend, FrontendState>,
+    /// Addresses that are live VIPs in a scope: a connect to one of them on a
+    /// port without a frontend is refused instead of leaking out.
+    pub vips: BTreeSet<(IpAddr, Scope)>,
+}
