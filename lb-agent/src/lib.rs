@@ -1,3 +1,4 @@
 //! The agent: keeps the kernel's load-balancing maps in sync with Services.
-pub mod model;
 pub mod cli;
+pub mod model;
+pub mod reconcile;

@@ -1,0 +1,761 @@
+//! Diffs the desired state against what is programmed and writes only the
+//! difference, through `MapOps` so that the logic is tested without a kernel.
+//!
+//! Write order is what makes every change safe for a concurrent connect:
+//! 1. backends a frontend will use are written before any slot points at them;
+//! 2. a changed backend set is written under a fresh `backend_set` id, then
+//!    published by one update of the frontend's `ServiceValue`;
+//! 3. the old set's slots, and backends nothing points at any more, are
+//!    deleted only in `retire`, which the caller runs a little later, so a
+//!    program that read the old `ServiceValue` still finds its slots.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use lb_common::{
+    backend_flags, service_flags, Backend, BackendId, BackendSlot, BackendSlotKey, ServiceKey,
+    ServiceValue,
+};
+
+use crate::model::{Algorithm, BackendAddr, DesiredState, Frontend, FrontendState, Scope};
+
+/// A map operation failed; `what` names the object it was for.
+#[derive(Debug, thiserror::Error)]
+#[error("{what}: {source}")]
+pub struct MapWriteError {
+    pub what: String,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// The writes the reconciler needs; implemented over the pinned BPF maps and,
+/// in tests, over plain collections.
+pub trait MapOps {
+    fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()>;
+    fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()>;
+    fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()>;
+    fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()>;
+    fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()>;
+    fn del_backend(&mut self, id: BackendId) -> std::io::Result<()>;
+}
+
+pub fn addr_bytes(addr: IpAddr) -> [u8; 16] {
+    match addr {
+        IpAddr::V4(a) => lb_common::ipv4_mapped(a.octets()),
+        IpAddr::V6(a) => a.octets(),
+    }
+}
+
+pub fn service_key(f: &Frontend) -> ServiceKey {
+    ServiceKey {
+        addr: addr_bytes(f.addr),
+        port: f.port,
+        proto: f.protocol.number(),
+        scope: f.scope.number(),
+    }
+}
+
+fn vip_key(addr: IpAddr, scope: Scope) -> ServiceKey {
+    ServiceKey::wildcard(addr_bytes(addr), scope.number())
+}
+
+/// A frontend as it is in the maps.
+#[derive(Debug, Clone)]
+struct Programmed {
+    id: u32,
+    backend_set: u32,
+    state: FrontendState,
+    /// Backend ids in slot order.
+    slots: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+struct ProgrammedBackend {
+    id: u32,
+    value: Backend,
+}
+
+/// Counts of one sync, for logs and metrics.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct SyncReport {
+    pub frontends_written: usize,
+    pub frontends_removed: usize,
+    pub backends_written: usize,
+    pub errors: Vec<String>,
+}
+
+/// What is programmed, and the ids in use.
+#[derive(Debug, Default)]
+pub struct Reconciler {
+    frontends: BTreeMap<Frontend, Programmed>,
+    vips: BTreeSet<(IpAddr, Scope)>,
+    backends: BTreeMap<BackendAddr, ProgrammedBackend>,
+    used_service_ids: BTreeSet<u32>,
+    used_backend_ids: BTreeSet<u32>,
+    used_sets: BTreeSet<u32>,
+    next_set: u32,
+    /// Sets replaced or removed by the last `apply`: (set id, slot count).
+    retiring: Vec<(u32, u32)>,
+}
+
+fn lowest_free(used: &BTreeSet<u32>) -> u32 {
+    // Ids start at 1 so that 0 never names a live object in a dump.
+    let mut candidate = 1;
+    for &id in used.range(1..) {
+        if id != candidate {
+            break;
+        }
+        candidate += 1;
+    }
+    candidate
+}
+
+fn service_value(id: u32, backend_set: u32, state: &FrontendState) -> ServiceValue {
+    let mut flags = 0;
+    if state.affinity_timeout.is_some() {
+        flags |= service_flags::AFFINITY;
+    }
+    if state.algorithm == Algorithm::Maglev {
+        flags |= service_flags::MAGLEV;
+    }
+    ServiceValue {
+        id,
+        backend_set,
+        active: state.active.len() as u16,
+        terminating: state.terminating.len() as u16,
+        flags,
+        _pad: 0,
+        affinity_timeout: state.affinity_timeout.unwrap_or(0),
+    }
+}
+
+impl Reconciler {
+    pub fn new() -> Self {
+        Self {
+            next_set: 1,
+            ..Default::default()
+        }
+    }
+
+    pub fn frontend_count(&self) -> usize {
+        self.frontends.len()
+    }
+
+    pub fn backend_count(&self) -> usize {
+        self.backends.len()
+    }
+
+    fn alloc_set(&mut self) -> u32 {
+        loop {
+            let id = self.next_set;
+            self.next_set = self.next_set.wrapping_add(1).max(1);
+            if !self.used_sets.contains(&id) {
+                self.used_sets.insert(id);
+                return id;
+            }
+        }
+    }
+
+    /// The backend flags one endpoint should carry, merged over every
+    /// frontend that uses it.
+    fn desired_backends(desired: &DesiredState) -> BTreeMap<BackendAddr, Backend> {
+        let mut out: BTreeMap<BackendAddr, Backend> = BTreeMap::new();
+        for state in desired.frontends.values() {
+            let lists = [(&state.active, 0), (&state.terminating, backend_flags::TERMINATING)];
+            for (list, extra) in lists {
+                for r in list {
+                    let entry = out.entry(r.backend).or_insert(Backend {
+                        addr: addr_bytes(r.backend.addr),
+                        port: r.backend.port,
+                        proto: r.backend.protocol.number(),
+                        flags: 0,
+                    });
+                    if r.local {
+                        entry.flags |= backend_flags::LOCAL;
+                    }
+                    entry.flags |= extra;
+                }
+            }
+        }
+        out
+    }
+
+    /// Brings the maps to `desired`, writing only what differs. Failures are
+    /// reported per object and leave that object as it was; the rest goes on.
+    pub fn apply(&mut self, desired: &DesiredState, ops: &mut impl MapOps) -> SyncReport {
+        let mut report = SyncReport::default();
+
+        // 1. Backends first, so that no slot ever points at a missing one.
+        for (addr, value) in Self::desired_backends(desired) {
+            match self.backends.get(&addr) {
+                Some(b) if b.value == value => {}
+                existing => {
+                    let id = match existing {
+                        Some(b) => b.id,
+                        None => lowest_free(&self.used_backend_ids),
+                    };
+                    match ops.put_backend(BackendId { id }, value) {
+                        Ok(()) => {
+                            self.used_backend_ids.insert(id);
+                            self.backends.insert(addr, ProgrammedBackend { id, value });
+                            report.backends_written += 1;
+                        }
+                        Err(source) => report.errors.push(
+                            MapWriteError {
+                                what: format!("backend {addr}"),
+                                source,
+                            }
+                            .to_string(),
+                        ),
+                    }
+                }
+            }
+        }
+
+        // 2. Frontends whose backends or options changed.
+        for (frontend, state) in &desired.frontends {
+            if let Some(p) = self.frontends.get(frontend) {
+                if &p.state == state {
+                    continue;
+                }
+            }
+            match self.write_frontend(frontend, state, ops) {
+                Ok(()) => report.frontends_written += 1,
+                Err(e) => report.errors.push(e.to_string()),
+            }
+        }
+
+        // 3. VIP markers: add before removing frontends so a VIP never
+        // flickers to "unknown" while its ports change.
+        for &(addr, scope) in desired.vips.difference(&self.vips.clone()) {
+            let value = ServiceValue {
+                id: 0,
+                backend_set: 0,
+                active: 0,
+                terminating: 0,
+                flags: service_flags::WILDCARD,
+                _pad: 0,
+                affinity_timeout: 0,
+            };
+            match ops.put_service(vip_key(addr, scope), value) {
+                Ok(()) => {
+                    self.vips.insert((addr, scope));
+                }
+                Err(source) => report.errors.push(
+                    MapWriteError {
+                        what: format!("VIP {addr}"),
+                        source,
+                    }
+                    .to_string(),
+                ),
+            }
+        }
+
+        // 4. Frontends no longer wanted.
+        let stale: Vec<Frontend> = self
+            .frontends
+            .keys()
+            .filter(|f| !desired.frontends.contains_key(f))
+            .copied()
+            .collect();
+        for frontend in stale {
+            match ops.del_service(service_key(&frontend)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    report.errors.push(
+                        MapWriteError {
+                            what: format!("removing frontend {frontend}"),
+                            source: e,
+                        }
+                        .to_string(),
+                    );
+                }
+                _ => {
+                    let p = self.frontends.remove(&frontend).expect("listed above");
+                    self.used_service_ids.remove(&p.id);
+                    self.retiring.push((p.backend_set, p.slots.len() as u32));
+                    report.frontends_removed += 1;
+                }
+            }
+        }
+        let stale_vips: Vec<(IpAddr, Scope)> =
+            self.vips.difference(&desired.vips).copied().collect();
+        for (addr, scope) in stale_vips {
+            // A missing entry is already what we want.
+            let _ = ops.del_service(vip_key(addr, scope));
+            self.vips.remove(&(addr, scope));
+        }
+        report
+    }
+
+    fn write_frontend(
+        &mut self,
+        frontend: &Frontend,
+        state: &FrontendState,
+        ops: &mut impl MapOps,
+    ) -> Result<(), MapWriteError> {
+        let mut slots = Vec::with_capacity(state.active.len() + state.terminating.len());
+        for r in state.active.iter().chain(&state.terminating) {
+            match self.backends.get(&r.backend) {
+                Some(b) => slots.push(b.id),
+                None => {
+                    return Err(MapWriteError {
+                        what: format!("frontend {frontend} ({})", state.service),
+                        source: std::io::Error::other(format!(
+                            "backend {} could not be written",
+                            r.backend
+                        )),
+                    })
+                }
+            }
+        }
+        let previous = self.frontends.get(frontend).cloned();
+        // Options alone changed: the set can stay.
+        let reuse = previous.as_ref().filter(|p| p.slots == slots);
+        let (id, set) = match (reuse, &previous) {
+            (Some(p), _) => (p.id, p.backend_set),
+            (None, prev) => {
+                let id = prev
+                    .as_ref()
+                    .map(|p| p.id)
+                    .unwrap_or_else(|| lowest_free(&self.used_service_ids));
+                let set = self.alloc_set();
+                for (slot, backend_id) in slots.iter().enumerate() {
+                    let key = BackendSlotKey {
+                        backend_set: set,
+                        slot: slot as u32,
+                    };
+                    let value = BackendSlot {
+                        backend_id: *backend_id,
+                    };
+                    if let Err(source) = ops.put_slot(key, value) {
+                        for undo in 0..slot {
+                            let _ = ops.del_slot(BackendSlotKey {
+                                backend_set: set,
+                                slot: undo as u32,
+                            });
+                        }
+                        self.used_sets.remove(&set);
+                        return Err(MapWriteError {
+                            what: format!("frontend {frontend} ({}) slot {slot}", state.service),
+                            source,
+                        });
+                    }
+                }
+                (id, set)
+            }
+        };
+        let value = service_value(id, set, state);
+        if let Err(source) = ops.put_service(service_key(frontend), value) {
+            if reuse.is_none() {
+                self.retiring.push((set, slots.len() as u32));
+            }
+            return Err(MapWriteError {
+                what: format!("frontend {frontend} ({})", state.service),
+                source,
+            });
+        }
+        if let Some(p) = previous {
+            if p.backend_set != set {
+                self.retiring.push((p.backend_set, p.slots.len() as u32));
+            }
+        }
+        self.used_service_ids.insert(id);
+        self.frontends.insert(
+            *frontend,
+            Programmed {
+                id,
+                backend_set: set,
+                state: state.clone(),
+                slots,
+            },
+        );
+        Ok(())
+    }
+
+    /// Whether `apply` left sets or backends for `retire` to delete.
+    pub fn has_retiring(&self) -> bool {
+        !self.retiring.is_empty() || self.backends.len() > self.referenced_backends().len()
+    }
+
+    fn referenced_backends(&self) -> BTreeSet<u32> {
+        self.frontends
+            .values()
+            .flat_map(|p| p.slots.iter().copied())
+            .collect()
+    }
+
+    /// Deletes replaced sets and unreferenced backends. Run it a moment after
+    /// `apply`, once no program can still hold the old `ServiceValue`.
+    pub fn retire(&mut self, ops: &mut impl MapOps) -> Vec<String> {
+        let mut errors = Vec::new();
+        for (set, len) in std::mem::take(&mut self.retiring) {
+            for slot in 0..len {
+                // A slot already gone is what we want.
+                let _ = ops.del_slot(BackendSlotKey {
+                    backend_set: set,
+                    slot,
+                });
+            }
+            self.used_sets.remove(&set);
+        }
+        let referenced = self.referenced_backends();
+        let unused: Vec<BackendAddr> = self
+            .backends
+            .iter()
+            .filter(|(_, b)| !referenced.contains(&b.id))
+            .map(|(a, _)| *a)
+            .collect();
+        for addr in unused {
+            let id = self.backends[&addr].id;
+            match ops.del_backend(BackendId { id }) {
+                Ok(()) => {
+                    self.backends.remove(&addr);
+                    self.used_backend_ids.remove(&id);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    self.backends.remove(&addr);
+                    self.used_backend_ids.remove(&id);
+                }
+                Err(source) => errors.push(
+                    MapWriteError {
+                        what: format!("backend {addr}"),
+                        source,
+                    }
+                    .to_string(),
+                ),
+            }
+        }
+        errors
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::model::{BackendRef, FrontendKind, Protocol, ServiceName};
+
+    /// Maps as plain collections. After every single write it checks what a
+    /// concurrent connect could observe: each frontend's slots all resolve
+    /// to backends. `capacity` makes a map "full" to test failures.
+    #[derive(Default)]
+    struct FakeMaps {
+        services: HashMap<ServiceKey, ServiceValue>,
+        slots: HashMap<BackendSlotKey, BackendSlot>,
+        backends: HashMap<BackendId, Backend>,
+        slot_capacity: Option<usize>,
+        writes: usize,
+    }
+
+    impl FakeMaps {
+        fn check(&self) {
+            for (k, v) in &self.services {
+                if v.flags & service_flags::WILDCARD != 0 {
+                    continue;
+                }
+                for slot in 0..(v.active + v.terminating) as u32 {
+                    let s = self
+                        .slots
+                        .get(&BackendSlotKey {
+                            backend_set: v.backend_set,
+                            slot,
+                        })
+                        .unwrap_or_else(|| panic!("{k:?}: slot {slot} missing"));
+                    assert!(
+                        self.backends.contains_key(&BackendId { id: s.backend_id }),
+                        "{k:?}: backend {} missing",
+                        s.backend_id
+                    );
+                }
+            }
+        }
+
+        fn backends_of(&self, f: &Frontend) -> Vec<BackendAddr> {
+            let v = self.services[&service_key(f)];
+            (0..(v.active + v.terminating) as u32)
+                .map(|slot| {
+                    let id = self.slots[&BackendSlotKey {
+                        backend_set: v.backend_set,
+                        slot,
+                    }]
+                    .backend_id;
+                    let b = self.backends[&BackendId { id }];
+                    let addr = if lb_common::is_ipv4_mapped(&b.addr) {
+                        IpAddr::from([b.addr[12], b.addr[13], b.addr[14], b.addr[15]])
+                    } else {
+                        IpAddr::from(b.addr)
+                    };
+                    BackendAddr {
+                        addr,
+                        port: b.port,
+                        protocol: Protocol::from_number(b.proto).unwrap(),
+                    }
+                })
+                .collect()
+        }
+    }
+
+    impl MapOps for FakeMaps {
+        fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
+            self.writes += 1;
+            self.services.insert(key, value);
+            self.check();
+            Ok(())
+        }
+        fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
+            self.writes += 1;
+            self.services.remove(&key);
+            self.check();
+            Ok(())
+        }
+        fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
+            if let Some(cap) = self.slot_capacity {
+                if self.slots.len() >= cap && !self.slots.contains_key(&key) {
+                    return Err(std::io::Error::from_raw_os_error(libc::E2BIG));
+                }
+            }
+            self.writes += 1;
+            self.slots.insert(key, value);
+            self.check();
+            Ok(())
+        }
+        fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
+            self.writes += 1;
+            self.slots.remove(&key);
+            self.check();
+            Ok(())
+        }
+        fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
+            self.writes += 1;
+            self.backends.insert(id, backend);
+            self.check();
+            Ok(())
+        }
+        fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
+            self.writes += 1;
+            self.backends.remove(&id);
+            self.check();
+            Ok(())
+        }
+    }
+
+    fn fe(ip: &str, port: u16) -> Frontend {
+        Frontend {
+            addr: ip.parse().unwrap(),
+            port,
+            protocol: Protocol::Tcp,
+            scope: Scope::Internal,
+        }
+    }
+
+    fn be(ip: &str, port: u16) -> BackendAddr {
+        BackendAddr {
+            addr: ip.parse().unwrap(),
+            port,
+            protocol: Protocol::Tcp,
+        }
+    }
+
+    fn state(name: &str, active: &[BackendAddr]) -> FrontendState {
+        FrontendState {
+            service: ServiceName {
+                namespace: "default".into(),
+                name: name.into(),
+            },
+            port_name: String::new(),
+            kind: FrontendKind::ClusterIp,
+            active: active
+                .iter()
+                .map(|b| BackendRef {
+                    backend: *b,
+                    local: false,
+                })
+                .collect(),
+            terminating: vec![],
+            affinity_timeout: None,
+            algorithm: Algorithm::Random,
+        }
+    }
+
+    fn desired(entries: &[(Frontend, FrontendState)]) -> DesiredState {
+        let mut d = DesiredState::default();
+        for (f, s) in entries {
+            d.frontends.insert(*f, s.clone());
+            d.vips.insert((f.addr, f.scope));
+        }
+        d
+    }
+
+    fn sync(r: &mut Reconciler, d: &DesiredState, m: &mut FakeMaps) -> SyncReport {
+        let report = r.apply(d, m);
+        assert!(r.retire(m).is_empty());
+        report
+    }
+
+    #[test]
+    fn writes_frontends_backends_and_vips() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        let d = desired(&[(web, state("web", &[be("10.244.1.1", 8080), be("10.244.1.2", 8080)]))]);
+        let report = sync(&mut r, &d, &mut m);
+        assert_eq!(report.frontends_written, 1);
+        assert_eq!(report.backends_written, 2);
+        assert_eq!(m.backends_of(&web), vec![be("10.244.1.1", 8080), be("10.244.1.2", 8080)]);
+        let vip = ServiceKey::wildcard(addr_bytes("10.96.0.10".parse().unwrap()), 0);
+        assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
+        assert_eq!(m.services.len(), 2);
+    }
+
+    #[test]
+    fn unchanged_state_writes_nothing() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let d = desired(&[(fe("10.96.0.10", 80), state("web", &[be("10.244.1.1", 8080)]))]);
+        sync(&mut r, &d, &mut m);
+        let writes = m.writes;
+        let report = sync(&mut r, &d, &mut m);
+        assert_eq!(report, SyncReport::default());
+        assert_eq!(m.writes, writes);
+    }
+
+    #[test]
+    fn changing_one_service_leaves_the_other_untouched() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        let d1 = desired(&[
+            (a, state("a", &[be("10.244.1.1", 80)])),
+            (b, state("b", &[be("10.244.1.2", 80)])),
+        ]);
+        sync(&mut r, &d1, &mut m);
+        let b_value = m.services[&service_key(&b)];
+        let d2 = desired(&[
+            (a, state("a", &[be("10.244.1.1", 80), be("10.244.1.3", 80)])),
+            (b, state("b", &[be("10.244.1.2", 80)])),
+        ]);
+        let report = sync(&mut r, &d2, &mut m);
+        assert_eq!(report.frontends_written, 1);
+        assert_eq!(m.services[&service_key(&b)], b_value);
+        assert_eq!(m.backends_of(&a).len(), 2);
+    }
+
+    #[test]
+    fn replaced_set_is_kept_until_retire_and_then_deleted() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        sync(&mut r, &desired(&[(web, state("web", &[be("10.244.1.1", 80)]))]), &mut m);
+        let old = m.services[&service_key(&web)];
+        r.apply(&desired(&[(web, state("web", &[be("10.244.1.2", 80)]))]), &mut m);
+        // A connect that read the old value still resolves its slot.
+        assert!(m.slots.contains_key(&BackendSlotKey {
+            backend_set: old.backend_set,
+            slot: 0
+        }));
+        assert_eq!(m.backends.len(), 2);
+        assert!(r.has_retiring());
+        assert!(r.retire(&mut m).is_empty());
+        assert_eq!(m.slots.len(), 1);
+        assert_eq!(m.backends.len(), 1);
+        assert_eq!(m.backends_of(&web), vec![be("10.244.1.2", 80)]);
+        assert!(!r.has_retiring());
+    }
+
+    #[test]
+    fn removed_services_leave_no_entries() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let d = desired(&[
+            (fe("10.96.0.10", 80), state("a", &[be("10.244.1.1", 80)])),
+            (fe("fd00:96::10", 80), state("b", &[be("fd00:244::1", 80)])),
+        ]);
+        sync(&mut r, &d, &mut m);
+        let report = sync(&mut r, &DesiredState::default(), &mut m);
+        assert_eq!(report.frontends_removed, 2);
+        assert!(m.services.is_empty() && m.slots.is_empty() && m.backends.is_empty());
+        assert_eq!((r.frontend_count(), r.backend_count()), (0, 0));
+    }
+
+    #[test]
+    fn shared_backend_gets_one_id_and_survives_one_user_leaving() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let shared = be("10.244.1.1", 80);
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        sync(&mut r, &desired(&[(a, state("a", &[shared])), (b, state("b", &[shared]))]), &mut m);
+        assert_eq!(m.backends.len(), 1);
+        sync(&mut r, &desired(&[(b, state("b", &[shared]))]), &mut m);
+        assert_eq!(m.backends_of(&b), vec![shared]);
+    }
+
+    #[test]
+    fn options_change_keeps_the_set() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        let s = state("web", &[be("10.244.1.1", 80)]);
+        sync(&mut r, &desired(&[(web, s.clone())]), &mut m);
+        let before = m.services[&service_key(&web)];
+        let mut sticky = s;
+        sticky.affinity_timeout = Some(30);
+        sync(&mut r, &desired(&[(web, sticky)]), &mut m);
+        let after = m.services[&service_key(&web)];
+        assert_eq!(after.backend_set, before.backend_set);
+        assert_eq!(after.flags, service_flags::AFFINITY);
+        assert_eq!(after.affinity_timeout, 30);
+    }
+
+    #[test]
+    fn terminating_backends_follow_the_active_ones() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        let mut s = state("web", &[be("10.244.1.1", 80)]);
+        s.terminating = vec![BackendRef {
+            backend: be("10.244.1.9", 80),
+            local: true,
+        }];
+        sync(&mut r, &desired(&[(web, s)]), &mut m);
+        let v = m.services[&service_key(&web)];
+        assert_eq!((v.active, v.terminating), (1, 1));
+        assert_eq!(m.backends_of(&web)[1], be("10.244.1.9", 80));
+        let flags: Vec<u8> = m.backends.values().map(|b| b.flags).collect();
+        assert!(flags.contains(&(backend_flags::TERMINATING | backend_flags::LOCAL)));
+    }
+
+    #[test]
+    fn a_full_slot_map_fails_one_frontend_and_keeps_its_old_set() {
+        let mut r = Reconciler::new();
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        sync(&mut r, &desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]), &mut m);
+        m.slot_capacity = Some(2);
+        let many: Vec<BackendAddr> = (1..=3).map(|i| be(&format!("10.244.2.{i}"), 80)).collect();
+        let report = r.apply(
+            &desired(&[
+                (a, state("a", &[be("10.244.1.1", 80)])),
+                (b, state("b", &many)),
+            ]),
+            &mut m,
+        );
+        assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
+        assert!(report.errors[0].contains("10.96.0.11:80/TCP"), "{}", report.errors[0]);
+        assert_eq!(m.backends_of(&a), vec![be("10.244.1.1", 80)]);
+        assert!(!m.services.contains_key(&service_key(&b)));
+        r.retire(&mut m);
+        // The next sync, with room, succeeds.
+        m.slot_capacity = None;
+        let report = r.apply(
+            &desired(&[
+                (a, state("a", &[be("10.244.1.1", 80)])),
+                (b, state("b", &many)),
+            ]),
+            &mut m,
+        );
+        assert!(report.errors.is_empty());
+        assert_eq!(m.backends_of(&b), many);
+    }
+}
