@@ -2,3 +2,6 @@
 pub mod cli;
 pub mod model;
 pub mod reconcile;
+pub mod datapath;
+pub mod health;
+pub mod inspect;

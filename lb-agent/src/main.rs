@@ -1,8 +1,41 @@
+use anyhow::Context as _;
 use clap::Parser as _;
-use lb_agent::cli::Cli;
+use lb_agent::{
+    cli::{Cli, Command, InspectWhat},
+    datapath, inspect,
+};
+use tracing_subscriber::EnvFilter;
 
 fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
-    println!("{cli:?}");
-    Ok(())
+    match cli.command {
+        Command::Run(args) => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .context("starting the runtime")?
+            .block_on(async { anyhow::bail!("{args:?}") }),
+        Command::Inspect { what } => match what {
+            InspectWhat::Services { bpffs, json } => {
+                let views = inspect::read_services(&bpffs)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&views)?);
+                } else {
+                    print!("{}", inspect::render_services(&views));
+                }
+                Ok(())
+            }
+        },
+        Command::Cleanup { bpffs } => {
+            datapath::remove_pins(&bpffs)?;
+            eprintln!("removed {}", bpffs.display());
+            Ok(())
+        }
+    }
 }

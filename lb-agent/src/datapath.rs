@@ -1,0 +1,317 @@
+//! The kernel side as the agent owns it: loading the embedded object, pinning
+//! its maps, attaching the socket programs to a cgroup, and `MapOps` over the
+//! pinned maps.
+use std::{
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{bail, Context as _};
+use aya::{
+    maps::{HashMap, Map, MapData, MapError},
+    programs::{CgroupAttachMode, CgroupSockAddr},
+    Ebpf, EbpfLoader,
+};
+use lb_common::{
+    map_names, Backend, BackendId, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue,
+};
+
+use crate::{cli::Capacity, reconcile::MapOps};
+
+/// The compiled kernel programs (`lb-ebpf`), embedded by build.rs.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
+
+/// The socket programs, by the name of their function and attach point.
+pub const SOCK_PROGRAMS: [&str; 8] = [
+    "connect4",
+    "connect6",
+    "sendmsg4",
+    "sendmsg6",
+    "recvmsg4",
+    "recvmsg6",
+    "getpeername4",
+    "getpeername6",
+];
+
+/// The mount point whose filesystem type is `fstype`, from /proc/mounts.
+pub fn find_mount(fstype: &str) -> anyhow::Result<Option<PathBuf>> {
+    let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    Ok(mounts.lines().find_map(|line| {
+        let mut fields = line.split_whitespace();
+        let (_dev, path, fs) = (fields.next()?, fields.next()?, fields.next()?);
+        (fs == fstype).then(|| PathBuf::from(path))
+    }))
+}
+
+/// The cgroup v2 root; on hybrid hosts it is `/sys/fs/cgroup/unified`.
+pub fn cgroup2_root() -> anyhow::Result<PathBuf> {
+    find_mount("cgroup2")?.context("no cgroup v2 filesystem is mounted (see /proc/mounts)")
+}
+
+/// Makes sure `dir` is on a bpffs, mounting one at /sys/fs/bpf if none is.
+pub fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
+    let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    let bpf_mounts: Vec<&str> = mounts
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2) == Some(&"bpf")).then(|| f[1])
+        })
+        .collect();
+    if bpf_mounts.iter().any(|m| dir.starts_with(m)) {
+        return Ok(());
+    }
+    let default = Path::new("/sys/fs/bpf");
+    if !dir.starts_with(default) {
+        bail!(
+            "{} is not on a bpffs; mount one (mount -t bpf bpf <dir>) or use --bpffs under /sys/fs/bpf",
+            dir.display()
+        );
+    }
+    let c = |s: &str| std::ffi::CString::new(s).expect("no NUL");
+    let (src, target, fstype) = (c("bpf"), c("/sys/fs/bpf"), c("bpf"));
+    // SAFETY: valid NUL-terminated strings; no data argument.
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error()).context("mounting bpffs at /sys/fs/bpf");
+    }
+    tracing::info!("mounted bpffs at /sys/fs/bpf");
+    Ok(())
+}
+
+/// The loaded programs and the maps the agent writes.
+pub struct Datapath {
+    /// Owns the programs and their cgroup links: dropping it detaches them.
+    _ebpf: Ebpf,
+    pin_dir: PathBuf,
+    maps: PinnedMaps,
+}
+
+/// Typed handles on the pinned maps.
+pub struct PinnedMaps {
+    pub services: HashMap<MapData, ServiceKey, ServiceValue>,
+    pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
+    pub backends: HashMap<MapData, BackendId, Backend>,
+}
+
+impl PinnedMaps {
+    /// Opens the maps pinned in `dir`, as `inspect` does without an agent.
+    pub fn open(dir: &Path) -> anyhow::Result<Self> {
+        let open = |name: &str| -> anyhow::Result<Map> {
+            let path = dir.join(name);
+            let data = MapData::from_pin(&path)
+                .with_context(|| format!("opening pinned map {}", path.display()))?;
+            Map::from_map_data(data).with_context(|| format!("map {}", path.display()))
+        };
+        Ok(Self {
+            services: HashMap::try_from(open(map_names::SERVICES)?)?,
+            slots: HashMap::try_from(open(map_names::SLOTS)?)?,
+            backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
+        })
+    }
+}
+
+impl Datapath {
+    /// Loads the programs with maps pinned in `pin_dir` and attaches the
+    /// socket programs to `cgroup`. Pins left by an earlier run are removed
+    /// first: this agent programs its maps from scratch.
+    pub fn load(pin_dir: &Path, cgroup: &Path, capacity: &Capacity) -> anyhow::Result<Self> {
+        ensure_bpffs(pin_dir)?;
+        if pin_dir.exists() {
+            let stale = fs::read_dir(pin_dir)?.count();
+            if stale > 0 {
+                tracing::warn!(
+                    dir = %pin_dir.display(),
+                    pins = stale,
+                    "removing pins left by an earlier run"
+                );
+            }
+            remove_pins(pin_dir)?;
+        }
+        fs::create_dir_all(pin_dir)
+            .with_context(|| format!("creating pin directory {}", pin_dir.display()))?;
+
+        let paths: Vec<(&str, PathBuf)> = map_names::ALL
+            .iter()
+            .map(|name| (*name, pin_dir.join(name)))
+            .collect();
+        let mut loader = EbpfLoader::new();
+        loader
+            .map_max_entries(map_names::SERVICES, capacity.max_services)
+            .map_max_entries(map_names::SLOTS, capacity.max_slots)
+            .map_max_entries(map_names::BACKENDS, capacity.max_backends)
+            .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
+            .map_max_entries(map_names::AFFINITY, capacity.max_affinity);
+        for (name, path) in &paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
+            .load(EBPF_OBJECT)
+            .context("loading the kernel programs")?;
+
+        let cgroup_dir = fs::File::open(cgroup)
+            .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+        for name in SOCK_PROGRAMS {
+            let program: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .with_context(|| format!("program {name} missing from the object"))?
+                .try_into()
+                .with_context(|| format!("program {name} is not a cgroup sock_addr program"))?;
+            program
+                .load()
+                .with_context(|| format!("verifying program {name}"))?;
+            // bpf_link attachments coexist with other programs of the cgroup
+            // whatever the mode; `Single` is the one that passes no flags,
+            // which is all BPF_LINK_CREATE accepts.
+            program
+                .attach(&cgroup_dir, CgroupAttachMode::Single)
+                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+        }
+
+        let take = |ebpf: &mut Ebpf, name: &str| {
+            ebpf.take_map(name)
+                .with_context(|| format!("map {name} missing from the object"))
+        };
+        let maps = PinnedMaps {
+            services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
+            slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
+            backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
+        };
+        Ok(Self {
+            _ebpf: ebpf,
+            pin_dir: pin_dir.to_owned(),
+            maps,
+        })
+    }
+
+    pub fn maps(&mut self) -> &mut PinnedMaps {
+        &mut self.maps
+    }
+
+    /// Detaches the programs and removes the pins.
+    pub fn unload(self) -> anyhow::Result<()> {
+        let Self { _ebpf, pin_dir, maps } = self;
+        drop(maps);
+        drop(_ebpf);
+        remove_pins(&pin_dir)
+    }
+}
+
+/// Removes every pin in `dir` and the directory itself.
+pub fn remove_pins(dir: &Path) -> anyhow::Result<()> {
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("removing pins in {}", dir.display())),
+    }
+}
+
+fn io(e: MapError) -> std::io::Error {
+    match e {
+        MapError::SyscallError(s) => s.io_error,
+        MapError::IoError(e) => e,
+        MapError::KeyNotFound | MapError::ElementNotFound => {
+            std::io::Error::from(std::io::ErrorKind::NotFound)
+        }
+        other => std::io::Error::other(other.to_string()),
+    }
+}
+
+impl MapOps for PinnedMaps {
+    fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
+        self.services.insert(key, value, 0).map_err(io)
+    }
+    fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
+        self.services.remove(&key).map_err(io)
+    }
+    fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
+        self.slots.insert(key, value, 0).map_err(io)
+    }
+    fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
+        self.slots.remove(&key).map_err(io)
+    }
+    fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
+        self.backends.insert(id, backend, 0).map_err(io)
+    }
+    fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
+        self.backends.remove(&id).map_err(io)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reconcile::MapOps as _;
+
+    /// A child cgroup and pin directory that are removed however the test ends.
+    struct Scratch {
+        cgroup: PathBuf,
+        pins: PathBuf,
+    }
+
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = remove_pins(&self.pins);
+            let _ = fs::remove_dir(&self.cgroup);
+        }
+    }
+
+    fn is_root() -> bool {
+        // SAFETY: trivial libc call.
+        unsafe { libc::geteuid() == 0 }
+    }
+
+    #[test]
+    fn programs_pass_the_verifier_attach_and_pin_named_maps() {
+        if !is_root() {
+            eprintln!("SKIPPED: needs root to load BPF programs");
+            return;
+        }
+        let id = std::process::id();
+        let scratch = Scratch {
+            cgroup: cgroup2_root().unwrap().join(format!("lb-unit-{id}")),
+            pins: PathBuf::from(format!("/sys/fs/bpf/lb-unit-{id}")),
+        };
+        fs::create_dir_all(&scratch.cgroup).unwrap();
+        let small = Capacity {
+            max_services: 64,
+            max_backends: 64,
+            max_slots: 128,
+            max_reverse_sockets: 64,
+            max_affinity: 64,
+        };
+        let mut dp = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        for name in map_names::ALL {
+            assert!(scratch.pins.join(name).exists(), "{name} not pinned");
+        }
+        let key = ServiceKey::wildcard(lb_common::ipv4_mapped([10, 96, 0, 1]), 0);
+        let value = ServiceValue {
+            id: 0,
+            backend_set: 0,
+            active: 0,
+            terminating: 0,
+            flags: lb_common::service_flags::WILDCARD,
+            _pad: 0,
+            affinity_timeout: 0,
+        };
+        dp.maps().put_service(key, value).unwrap();
+        // A second reader through the pins sees the write.
+        let reader = PinnedMaps::open(&scratch.pins).unwrap();
+        assert_eq!(reader.services.get(&key, 0).unwrap(), value);
+        drop(reader);
+        assert_eq!(
+            dp.maps().del_backend(BackendId { id: 7 }).unwrap_err().kind(),
+            std::io::ErrorKind::NotFound
+        );
+        dp.unload().unwrap();
+        assert!(!scratch.pins.exists());
+    }
+}
