@@ -299,7 +299,7 @@ mod tests {
             active: 0,
             terminating: 0,
             flags: lb_common::service_flags::WILDCARD,
-            _pad: 0,
+            maglev_size: 0,
             affinity_timeout: 0,
         };
         dp.maps().put_service(key, value).unwrap();

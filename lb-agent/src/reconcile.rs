@@ -125,7 +125,7 @@ fn service_value(id: u32, backend_set: u32, state: &FrontendState) -> ServiceVal
         active: state.active.len() as u16,
         terminating: state.terminating.len() as u16,
         flags,
-        _pad: 0,
+        maglev_size: 0,
         affinity_timeout: state.affinity_timeout.unwrap_or(0),
     }
 }
@@ -235,7 +235,7 @@ impl Reconciler {
                 active: 0,
                 terminating: 0,
                 flags: service_flags::WILDCARD,
-                _pad: 0,
+                maglev_size: 0,
                 affinity_timeout: 0,
             };
             match ops.put_service(vip_key(addr, scope), value) {

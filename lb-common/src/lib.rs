@@ -93,7 +93,9 @@ impl ServiceKey {
 ///
 /// The backends of a frontend live in `LB_SLOTS` under `backend_set`: slots
 /// `0..active` hold the active backends, slots `active..active + terminating`
-/// the serving-but-terminating ones, chosen only while `active` is 0.
+/// the serving-but-terminating ones, chosen only while `active` is 0. A Maglev
+/// frontend's lookup table follows them: `maglev_size` slots, each holding
+/// the backend for that table position.
 /// A new backend set is written under a fresh `backend_set` id and published
 /// by rewriting this one value, so no lookup ever sees a half-written set.
 ///
@@ -104,7 +106,7 @@ impl ServiceKey {
 /// | 8      | `active`           | number of active slots                      |
 /// | 10     | `terminating`      | number of terminating slots after them      |
 /// | 12     | `flags`            | `service_flags::*`                          |
-/// | 14     | `_pad`             | zero                                        |
+/// | 14     | `maglev_size`      | Maglev table length M, with `MAGLEV`        |
 /// | 16     | `affinity_timeout` | seconds, with `service_flags::AFFINITY`     |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -114,7 +116,7 @@ pub struct ServiceValue {
     pub active: u16,
     pub terminating: u16,
     pub flags: u16,
-    pub _pad: u16,
+    pub maglev_size: u16,
     pub affinity_timeout: u32,
 }
 
@@ -197,6 +199,25 @@ pub struct AffinityKey {
     pub _pad: [u8; 3],
 }
 
+impl AffinityKey {
+    /// The socket path's key: the client's network namespace cookie.
+    pub fn for_netns(cookie: u64, service_id: u32) -> Self {
+        let mut client = [0u8; 16];
+        let bytes = cookie.to_le_bytes();
+        let mut i = 0;
+        while i < 8 {
+            client[i] = bytes[i];
+            i += 1;
+        }
+        Self {
+            client,
+            service_id,
+            kind: affinity_client::NETNS_COOKIE,
+            _pad: [0; 3],
+        }
+    }
+}
+
 /// Value of `LB_AFFINITY`: the backend a client sticks to and when it last
 /// used it (`bpf_ktime_get_ns`, CLOCK_MONOTONIC).
 #[repr(C)]
@@ -274,12 +295,45 @@ mod pod {
 /// Backend selection shared by every hook, kept free of helpers so that host
 /// tests cover it.
 pub mod select {
-    use super::ServiceValue;
+    use super::{service_flags, AffinityEntry, ServiceValue};
 
-    /// The slot a new flow goes to, given a random (or hashed) number:
-    /// uniformly among the active slots, or among the terminating ones when
-    /// no backend is active (KEP-1669). `None` means the Service has no
-    /// backend to offer and the connection is refused.
+    /// Whether the frontend selects through its Maglev table now: it has one
+    /// and has active backends (the terminating fallback is always random).
+    #[inline(always)]
+    pub fn uses_maglev(svc: &ServiceValue) -> bool {
+        svc.flags & service_flags::MAGLEV != 0 && svc.maglev_size > 0 && svc.active > 0
+    }
+
+    /// The Maglev table slot for a flow hash (see `uses_maglev`).
+    #[inline(always)]
+    pub fn maglev_slot(svc: &ServiceValue, flow_hash: u32) -> u32 {
+        svc.active as u32 + svc.terminating as u32 + flow_hash % svc.maglev_size as u32
+    }
+
+    /// Whether an affinity entry still binds its client at `now_ns`: used
+    /// within `timeout_s` seconds (inclusive, as kube-proxy's `--seconds`).
+    #[inline(always)]
+    pub fn affinity_live(entry: &AffinityEntry, now_ns: u64, timeout_s: u32) -> bool {
+        now_ns.wrapping_sub(entry.last_used_ns) <= timeout_s as u64 * 1_000_000_000
+    }
+
+    /// A 32-bit mix of the socket-path flow identity (murmur3's finalizer on
+    /// a combination of the words); cheap and well spread for Maglev.
+    #[inline(always)]
+    pub fn flow_hash(socket_cookie: u64, netns_cookie: u64, service_id: u32) -> u32 {
+        let mut h = socket_cookie ^ netns_cookie.rotate_left(32) ^ (service_id as u64) << 17;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^= h >> 33;
+        h as u32
+    }
+
+    /// The slot a new flow goes to, given a random number: uniformly among
+    /// the active slots, or among the terminating ones when no backend is
+    /// active (KEP-1669). `None` means the Service has no backend to offer
+    /// and the connection is refused.
     #[inline(always)]
     pub fn slot(svc: &ServiceValue, random: u32) -> Option<u32> {
         let (base, count) = if svc.active > 0 {
@@ -305,7 +359,7 @@ pub mod select {
                 active,
                 terminating,
                 flags: 0,
-                _pad: 0,
+                maglev_size: 0,
                 affinity_timeout: 0,
             }
         }
@@ -328,6 +382,42 @@ pub mod select {
         #[test]
         fn no_backend_means_none() {
             assert_eq!(slot(&svc(0, 0), 7), None);
+        }
+
+        #[test]
+        fn maglev_slots_follow_the_backend_slots() {
+            let mut s = svc(3, 1);
+            s.flags = service_flags::MAGLEV;
+            s.maglev_size = 7;
+            assert!(uses_maglev(&s));
+            for h in 0..50 {
+                let slot = maglev_slot(&s, h);
+                assert!((4..11).contains(&slot), "{slot}");
+            }
+            // No active backend: the terminating fallback is random.
+            assert!(!uses_maglev(&svc(0, 1)));
+        }
+
+        #[test]
+        fn affinity_expires_after_the_timeout() {
+            let e = AffinityEntry {
+                backend_id: 1,
+                _pad: 0,
+                last_used_ns: 5_000_000_000,
+            };
+            assert!(affinity_live(&e, 7_000_000_000, 2));
+            assert!(!affinity_live(&e, 7_000_000_001, 2));
+        }
+
+        #[test]
+        fn flow_hash_spreads_sockets() {
+            let mut buckets = [0u32; 8];
+            for cookie in 0..8000u64 {
+                buckets[(flow_hash(cookie, 4096, 3) % 8) as usize] += 1;
+            }
+            for b in buckets {
+                assert!((800..1200).contains(&b), "{buckets:?}");
+            }
         }
 
         #[test]

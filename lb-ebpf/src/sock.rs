@@ -6,16 +6,20 @@
 //! `lb-common` (IPv4 mapped), so both families share one path.
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
+        bpf_set_retval,
+    },
     programs::SockAddrContext,
     EbpfContext,
 };
 use lb_common::{
-    ipv4_mapped, is_ipv4_mapped, proto, scope, select, stat, Backend, BackendId, BackendSlotKey,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
+    ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, stat, AffinityEntry,
+    AffinityKey, Backend, BackendId, BackendSlotKey, ReverseSockKey, ReverseSockValue, ServiceKey,
+    ServiceValue,
 };
 
-use crate::maps::{count, LB_BACKENDS, LB_REV_SOCK, LB_SERVICES, LB_SLOTS};
+use crate::maps::{count, LB_AFFINITY, LB_BACKENDS, LB_REV_SOCK, LB_SERVICES, LB_SLOTS};
 
 /// Let the syscall proceed (with whatever address the program left).
 const PROCEED: i32 = 1;
@@ -122,16 +126,73 @@ fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
 }
 
 #[inline(always)]
-fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(BackendId, Backend)> {
+fn backend_by_id(id: u32) -> Option<Backend> {
+    // SAFETY: copied out at once, as in `lookup_service`.
+    LB_BACKENDS
+        .get_ptr(&BackendId { id })
+        .map(|p| unsafe { core::ptr::read(p) })
+}
+
+#[inline(always)]
+fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
     let key = BackendSlotKey {
         backend_set: svc.backend_set,
         slot,
     };
     // SAFETY: copied out at once, as in `lookup_service`.
-    let id = BackendId {
-        id: unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id,
+    let id = unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id;
+    Some((id, backend_by_id(id)?))
+}
+
+/// A backend for a new flow: through the Maglev table when the frontend
+/// has one, else uniformly at random.
+#[inline(always)]
+fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    let slot = if select::uses_maglev(svc) {
+        // SAFETY: plain helper calls on the program's own context.
+        let (sock, netns) = unsafe {
+            (
+                bpf_get_socket_cookie(ctx.as_ptr()),
+                bpf_get_netns_cookie(ctx.as_ptr()),
+            )
+        };
+        select::maglev_slot(svc, select::flow_hash(sock, netns, svc.id))
+    } else {
+        // SAFETY: plain helper call.
+        select::slot(svc, unsafe { bpf_get_prandom_u32() })?
     };
-    let backend = unsafe { core::ptr::read(LB_BACKENDS.get_ptr(&id)?) };
+    backend_of(svc, slot)
+}
+
+/// sessionAffinity ClientIP: the client's pod (its netns) keeps its backend
+/// while it keeps using it within the timeout. The agent deletes entries
+/// whose backend left the Service, so a live entry is always a valid choice.
+#[inline(always)]
+fn choose_with_affinity(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    // SAFETY: plain helper calls on the program's own context.
+    let (netns, now) = unsafe { (bpf_get_netns_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
+    let key = AffinityKey::for_netns(netns, svc.id);
+    if let Some(entry) = LB_AFFINITY.get_ptr_mut(&key) {
+        // SAFETY: the pointer is valid for this program run; a concurrent
+        // update of the same 8-byte timestamp is harmless.
+        let e = unsafe { core::ptr::read(entry) };
+        if select::affinity_live(&e, now, svc.affinity_timeout) {
+            if let Some(b) = backend_by_id(e.backend_id) {
+                unsafe { (*entry).last_used_ns = now };
+                count(stat::AFFINITY_HIT);
+                return Some((e.backend_id, b));
+            }
+        }
+    }
+    let (id, backend) = choose(ctx, svc)?;
+    let entry = AffinityEntry {
+        backend_id: id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    // A full LRU map evicts its oldest entry; failing to record only costs
+    // this client its stickiness for one connection.
+    let _ = LB_AFFINITY.insert(&key, &entry, BPF_ANY as u64);
     Some((id, backend))
 }
 
@@ -159,12 +220,12 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
         }
         return PROCEED;
     };
-    // SAFETY: plain helper call.
-    let random = unsafe { bpf_get_prandom_u32() };
-    let Some(slot) = select::slot(&svc, random) else {
-        return refuse(ctx);
+    let chosen = if svc.flags & service_flags::AFFINITY != 0 {
+        choose_with_affinity(ctx, &svc)
+    } else {
+        choose(ctx, &svc)
     };
-    let Some((_id, backend)) = backend_of(&svc, slot) else {
+    let Some((_id, backend)) = chosen else {
         return refuse(ctx);
     };
     if !write_addr(ctx, family, &backend.addr, backend.port) {
