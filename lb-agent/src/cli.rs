@@ -50,8 +50,43 @@ pub struct RunArgs {
     /// Coalesce bursts of changes for this long before a sync.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     pub sync_debounce: Duration,
+    /// Backend selection for Services without the
+    /// `lb-agent.dev/lb-algorithm` annotation.
+    #[arg(long, value_enum, default_value_t = AlgorithmArg::Random)]
+    pub algorithm: AlgorithmArg,
+    /// Length of each Maglev lookup table: a prime, one of
+    /// 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521.
+    #[arg(long, default_value_t = crate::maglev::DEFAULT_TABLE_SIZE, value_parser = maglev_size)]
+    pub maglev_table_size: u16,
     #[command(flatten)]
     pub capacity: Capacity,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum AlgorithmArg {
+    Random,
+    Maglev,
+}
+
+impl From<AlgorithmArg> for crate::model::Algorithm {
+    fn from(a: AlgorithmArg) -> Self {
+        match a {
+            AlgorithmArg::Random => crate::model::Algorithm::Random,
+            AlgorithmArg::Maglev => crate::model::Algorithm::Maglev,
+        }
+    }
+}
+
+fn maglev_size(s: &str) -> Result<u16, String> {
+    let n: u16 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    if crate::maglev::TABLE_SIZES.contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!(
+            "{n} is not one of the supported primes {:?}",
+            crate::maglev::TABLE_SIZES
+        ))
+    }
 }
 
 /// Map sizes; the defaults are `lb_common::capacity`.

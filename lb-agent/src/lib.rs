@@ -5,3 +5,4 @@ pub mod reconcile;
 pub mod datapath;
 pub mod health;
 pub mod inspect;
+pub mod maglev;

@@ -86,8 +86,10 @@ pub struct SyncReport {
 }
 
 /// What is programmed, and the ids in use.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Reconciler {
+    /// Length of every Maglev table (one of `maglev::TABLE_SIZES`).
+    maglev_size: u16,
     frontends: BTreeMap<Frontend, Programmed>,
     vips: BTreeSet<(IpAddr, Scope)>,
     backends: BTreeMap<BackendAddr, ProgrammedBackend>,
@@ -111,12 +113,12 @@ fn lowest_free(used: &BTreeSet<u32>) -> u32 {
     candidate
 }
 
-fn service_value(id: u32, backend_set: u32, state: &FrontendState) -> ServiceValue {
+fn service_value(id: u32, backend_set: u32, state: &FrontendState, maglev_size: u16) -> ServiceValue {
     let mut flags = 0;
     if state.affinity_timeout.is_some() {
         flags |= service_flags::AFFINITY;
     }
-    if state.algorithm == Algorithm::Maglev {
+    if maglev_size > 0 {
         flags |= service_flags::MAGLEV;
     }
     ServiceValue {
@@ -125,16 +127,23 @@ fn service_value(id: u32, backend_set: u32, state: &FrontendState) -> ServiceVal
         active: state.active.len() as u16,
         terminating: state.terminating.len() as u16,
         flags,
-        maglev_size: 0,
+        maglev_size,
         affinity_timeout: state.affinity_timeout.unwrap_or(0),
     }
 }
 
 impl Reconciler {
-    pub fn new() -> Self {
+    pub fn new(maglev_size: u16) -> Self {
         Self {
+            maglev_size,
+            frontends: BTreeMap::new(),
+            vips: BTreeSet::new(),
+            backends: BTreeMap::new(),
+            used_service_ids: BTreeSet::new(),
+            used_backend_ids: BTreeSet::new(),
+            used_sets: BTreeSet::new(),
             next_set: 1,
-            ..Default::default()
+            retiring: Vec::new(),
         }
     }
 
@@ -309,6 +318,20 @@ impl Reconciler {
                 }
             }
         }
+        // A Maglev frontend's table follows its backend slots (see
+        // `lb_common::ServiceValue`); it covers the active backends only.
+        let maglev_size = if state.algorithm == Algorithm::Maglev && !state.active.is_empty() {
+            let names: Vec<String> = state.active.iter().map(|r| r.backend.to_string()).collect();
+            let active_ids = slots[..state.active.len()].to_vec();
+            slots.extend(
+                crate::maglev::build(&names, self.maglev_size)
+                    .into_iter()
+                    .map(|i| active_ids[i as usize]),
+            );
+            self.maglev_size
+        } else {
+            0
+        };
         let previous = self.frontends.get(frontend).cloned();
         // Options alone changed: the set can stay.
         let reuse = previous.as_ref().filter(|p| p.slots == slots);
@@ -345,7 +368,7 @@ impl Reconciler {
                 (id, set)
             }
         };
-        let value = service_value(id, set, state);
+        let value = service_value(id, set, state, maglev_size);
         if let Err(source) = ops.put_service(service_key(frontend), value) {
             if reuse.is_none() {
                 self.retiring.push((set, slots.len() as u32));
@@ -588,6 +611,12 @@ mod tests {
         d
     }
 
+    impl Reconciler {
+        fn test() -> Self {
+            Self::new(251)
+        }
+    }
+
     fn sync(r: &mut Reconciler, d: &DesiredState, m: &mut FakeMaps) -> SyncReport {
         let report = r.apply(d, m);
         assert!(r.retire(m).is_empty());
@@ -596,7 +625,7 @@ mod tests {
 
     #[test]
     fn writes_frontends_backends_and_vips() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
         let d = desired(&[(web, state("web", &[be("10.244.1.1", 8080), be("10.244.1.2", 8080)]))]);
@@ -611,7 +640,7 @@ mod tests {
 
     #[test]
     fn unchanged_state_writes_nothing() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let d = desired(&[(fe("10.96.0.10", 80), state("web", &[be("10.244.1.1", 8080)]))]);
         sync(&mut r, &d, &mut m);
@@ -623,7 +652,7 @@ mod tests {
 
     #[test]
     fn changing_one_service_leaves_the_other_untouched() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
         let d1 = desired(&[
@@ -644,7 +673,7 @@ mod tests {
 
     #[test]
     fn replaced_set_is_kept_until_retire_and_then_deleted() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
         sync(&mut r, &desired(&[(web, state("web", &[be("10.244.1.1", 80)]))]), &mut m);
@@ -666,7 +695,7 @@ mod tests {
 
     #[test]
     fn removed_services_leave_no_entries() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let d = desired(&[
             (fe("10.96.0.10", 80), state("a", &[be("10.244.1.1", 80)])),
@@ -681,7 +710,7 @@ mod tests {
 
     #[test]
     fn shared_backend_gets_one_id_and_survives_one_user_leaving() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let shared = be("10.244.1.1", 80);
         let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
@@ -693,7 +722,7 @@ mod tests {
 
     #[test]
     fn options_change_keeps_the_set() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
         let s = state("web", &[be("10.244.1.1", 80)]);
@@ -709,8 +738,38 @@ mod tests {
     }
 
     #[test]
+    fn maglev_table_follows_the_backends_and_moves_little() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        let backends: Vec<BackendAddr> = (1..=5).map(|i| be(&format!("10.244.1.{i}"), 80)).collect();
+        let mut s = state("web", &backends);
+        s.algorithm = Algorithm::Maglev;
+        sync(&mut r, &desired(&[(web, s.clone())]), &mut m);
+        let table = |m: &FakeMaps| -> Vec<Backend> {
+            let v = m.services[&service_key(&web)];
+            assert_eq!(v.flags & service_flags::MAGLEV, service_flags::MAGLEV);
+            assert_eq!(v.maglev_size, 251);
+            (0..v.maglev_size as u32)
+                .map(|i| {
+                    let slot = lb_common::select::maglev_slot(&v, i);
+                    let id = m.slots[&BackendSlotKey { backend_set: v.backend_set, slot }].backend_id;
+                    m.backends[&BackendId { id }]
+                })
+                .collect()
+        };
+        let before = table(&m);
+        s.active.remove(2);
+        sync(&mut r, &desired(&[(web, s)]), &mut m);
+        let after = table(&m);
+        let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+        assert!(moved < 251 * 2 / 5, "{moved} of 251 positions moved");
+        assert_eq!(m.slots.len(), 4 + 251);
+    }
+
+    #[test]
     fn terminating_backends_follow_the_active_ones() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
         let mut s = state("web", &[be("10.244.1.1", 80)]);
@@ -728,7 +787,7 @@ mod tests {
 
     #[test]
     fn a_full_slot_map_fails_one_frontend_and_keeps_its_old_set() {
-        let mut r = Reconciler::new();
+        let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
         sync(&mut r, &desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]), &mut m);

@@ -1,0 +1,149 @@
+//! Maglev lookup tables (Eisenbud et al., NSDI 2016), as Cilium builds them.
+//!
+//! Each backend gets a permutation of the table positions from two hashes of
+//! its address; backends take turns claiming their next preferred free
+//! position. Removing one of N backends moves only about 1/N of the positions,
+//! which is what keeps most flows where they are.
+//!
+//! The hashes must be the same on every node and across agent versions (the
+//! tc path relies on every node choosing alike), hence xxh64 with fixed
+//! seeds rather than std's unspecified hasher.
+use xxhash_rust::xxh64::xxh64;
+
+/// Table sizes the agent accepts: primes below 65536 (the length is stored
+/// in a u16), as Cilium offers.
+pub const TABLE_SIZES: [u16; 9] = [251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521];
+pub const DEFAULT_TABLE_SIZE: u16 = 16381;
+
+const SEED_OFFSET: u64 = 0x6c62_2d6d_6167_6c76; // "lb-maglv"
+const SEED_SKIP: u64 = 0x6c62_2d73_6b69_7021; // "lb-skip!"
+
+/// Builds the table: for each of `size` positions, the index into `backends`
+/// of the backend that owns it. `backends` are stable identities (the
+/// agent uses "addr:port"); their order does not matter. Empty input gives an
+/// empty table.
+pub fn build(backends: &[String], size: u16) -> Vec<u32> {
+    let m = size as u64;
+    if backends.is_empty() || m == 0 {
+        return Vec::new();
+    }
+    // Sorting by identity makes the result independent of input order, so
+    // every node builds the same table from the same endpoints.
+    let mut order: Vec<usize> = (0..backends.len()).collect();
+    order.sort_by(|&a, &b| backends[a].cmp(&backends[b]));
+    let perms: Vec<(u64, u64)> = order
+        .iter()
+        .map(|&i| {
+            let name = backends[i].as_bytes();
+            let offset = xxh64(name, SEED_OFFSET) % m;
+            let skip = xxh64(name, SEED_SKIP) % (m - 1) + 1;
+            (offset, skip)
+        })
+        .collect();
+    let mut next = vec![0u64; order.len()];
+    let mut table = vec![u32::MAX; size as usize];
+    let mut filled = 0usize;
+    'fill: loop {
+        for (k, &(offset, skip)) in perms.iter().enumerate() {
+            let mut pos = (offset + next[k] * skip) % m;
+            while table[pos as usize] != u32::MAX {
+                next[k] += 1;
+                pos = (offset + next[k] * skip) % m;
+            }
+            table[pos as usize] = order[k] as u32;
+            next[k] += 1;
+            filled += 1;
+            if filled == size as usize {
+                break 'fill;
+            }
+        }
+    }
+    table
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("10.244.{}.{}:8080", i / 200, i % 200 + 1)).collect()
+    }
+
+    fn shares(table: &[u32], n: usize) -> Vec<f64> {
+        let mut counts = vec![0usize; n];
+        for &b in table {
+            counts[b as usize] += 1;
+        }
+        counts
+            .iter()
+            .map(|&c| c as f64 / table.len() as f64)
+            .collect()
+    }
+
+    #[test]
+    fn every_position_is_owned_and_sizes_are_prime() {
+        for size in TABLE_SIZES {
+            let size = size as u32;
+            assert!((2..size).take_while(|d| d * d <= size).all(|d| size % d != 0));
+        }
+        let t = build(&names(5), 251);
+        assert_eq!(t.len(), 251);
+        assert!(t.iter().all(|&b| b < 5));
+        assert!(build(&[], 251).is_empty());
+    }
+
+    #[test]
+    fn order_of_input_does_not_matter() {
+        let a = names(7);
+        let mut b = a.clone();
+        b.reverse();
+        let ta: Vec<&String> = build(&a, 1021).iter().map(|&i| &a[i as usize]).collect();
+        let tb: Vec<&String> = build(&b, 1021).iter().map(|&i| &b[i as usize]).collect();
+        assert_eq!(ta, tb);
+    }
+
+    /// Property: every backend's share stays close to 1/N.
+    #[test]
+    fn shares_stay_near_one_over_n() {
+        for n in [2, 3, 5, 10, 33, 100] {
+            let t = build(&names(n), DEFAULT_TABLE_SIZE);
+            let fair = 1.0 / n as f64;
+            for (i, s) in shares(&t, n).iter().enumerate() {
+                assert!(
+                    (s - fair).abs() <= fair * 0.25,
+                    "n={n}: backend {i} has {s:.4}, fair {fair:.4}"
+                );
+            }
+        }
+    }
+
+    /// Property: removing one of N backends remaps about 1/N of the positions
+    /// (those it owned, plus a small amount of churn).
+    #[test]
+    fn removing_one_backend_remaps_about_one_nth() {
+        for n in [3, 5, 10, 50] {
+            let all = names(n);
+            let before = build(&all, DEFAULT_TABLE_SIZE);
+            for removed in [0, n / 2, n - 1] {
+                let rest: Vec<String> = all
+                    .iter()
+                    .enumerate()
+                    .filter(|(i, _)| *i != removed)
+                    .map(|(_, s)| s.clone())
+                    .collect();
+                let after = build(&rest, DEFAULT_TABLE_SIZE);
+                let moved = before
+                    .iter()
+                    .zip(&after)
+                    .filter(|(b, a)| all[**b as usize] != rest[**a as usize])
+                    .count();
+                let fraction = moved as f64 / DEFAULT_TABLE_SIZE as f64;
+                let ideal = 1.0 / n as f64;
+                assert!(
+                    fraction >= ideal * 0.9 && fraction <= ideal * 1.6,
+                    "n={n} removed={removed}: remapped {fraction:.4}, ideal {ideal:.4}"
+                );
+            }
+        }
+    }
+}
