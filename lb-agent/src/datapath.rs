@@ -13,10 +13,15 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    map_names, Backend, BackendId, BackendSlot, BackendSlotKey, ServiceKey, ServiceValue,
+    map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
+    ServiceKey, ServiceValue,
 };
 
-use crate::{cli::Capacity, reconcile::MapOps};
+use crate::{
+    affinity::{self, AffinityPolicy, Stale, SweepReport},
+    cli::Capacity,
+    reconcile::MapOps,
+};
 
 /// The compiled kernel programs (`lb-ebpf`), embedded by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -100,6 +105,7 @@ pub struct PinnedMaps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     pub backends: HashMap<MapData, BackendId, Backend>,
+    pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
 }
 
 impl PinnedMaps {
@@ -115,7 +121,34 @@ impl PinnedMaps {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
             slots: HashMap::try_from(open(map_names::SLOTS)?)?,
             backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
+            affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
         })
+    }
+
+    /// Deletes affinity entries that can no longer bind (see `affinity`).
+    pub fn sweep_affinity(
+        &mut self,
+        policies: &std::collections::BTreeMap<u32, AffinityPolicy>,
+    ) -> SweepReport {
+        let now = affinity::monotonic_now_ns();
+        // Entries the kernel adds meanwhile are simply seen next time.
+        let entries: Vec<(AffinityKey, AffinityEntry)> =
+            self.affinity.iter().filter_map(Result::ok).collect();
+        let mut report = SweepReport {
+            entries: entries.len(),
+            ..Default::default()
+        };
+        for (key, why) in affinity::stale_entries(entries.iter().map(|(k, e)| (k, e)), policies, now) {
+            if self.affinity.remove(&key).is_ok() {
+                report.entries -= 1;
+                match why {
+                    Stale::Expired => report.expired += 1,
+                    Stale::NoPolicy => report.no_policy += 1,
+                    Stale::BackendLeft => report.backend_left += 1,
+                }
+            }
+        }
+        report
     }
 }
 
@@ -184,6 +217,7 @@ impl Datapath {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
+            affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
         };
         Ok(Self {
             _ebpf: ebpf,
@@ -249,7 +283,6 @@ impl MapOps for PinnedMaps {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reconcile::MapOps as _;
 
     /// A child cgroup and pin directory that are removed however the test ends.
     struct Scratch {

@@ -6,3 +6,4 @@ pub mod datapath;
 pub mod health;
 pub mod inspect;
 pub mod maglev;
+pub mod affinity;

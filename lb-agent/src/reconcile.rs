@@ -396,6 +396,25 @@ impl Reconciler {
         Ok(())
     }
 
+    /// The affinity policy of every programmed frontend that has one, by
+    /// service id, for the affinity sweeper.
+    pub fn affinity_policies(&self) -> BTreeMap<u32, crate::affinity::AffinityPolicy> {
+        self.frontends
+            .values()
+            .filter_map(|p| {
+                let timeout_s = p.state.affinity_timeout?;
+                let active_backends = p.slots[..p.state.active.len()].iter().copied().collect();
+                Some((
+                    p.id,
+                    crate::affinity::AffinityPolicy {
+                        timeout_s,
+                        active_backends,
+                    },
+                ))
+            })
+            .collect()
+    }
+
     /// Whether `apply` left sets or backends for `retire` to delete.
     pub fn has_retiring(&self) -> bool {
         !self.retiring.is_empty() || self.backends.len() > self.referenced_backends().len()

@@ -1,0 +1,105 @@
+//! sessionAffinity ClientIP: the agent's half. The kernel creates and
+//! refreshes entries and honours the timeout itself; the agent deletes
+//! entries that can no longer bind (expired, Service gone or without
+//! affinity, backend no longer active in the Service), so the map stays
+//! bounded under churn and a client whose backend left moves on at once.
+use std::collections::{BTreeMap, BTreeSet};
+
+use lb_common::{select, AffinityEntry, AffinityKey};
+
+/// What a frontend with affinity allows: its timeout and active backends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AffinityPolicy {
+    pub timeout_s: u32,
+    pub active_backends: BTreeSet<u32>,
+}
+
+/// Why an entry is deleted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stale {
+    Expired,
+    /// The Service is gone or no longer has affinity.
+    NoPolicy,
+    /// The backend left the Service's active set.
+    BackendLeft,
+}
+
+/// Pure: which entries to delete, by service id of live policies.
+pub fn stale_entries<'a>(
+    entries: impl IntoIterator<Item = (&'a AffinityKey, &'a AffinityEntry)>,
+    policies: &BTreeMap<u32, AffinityPolicy>,
+    now_ns: u64,
+) -> Vec<(AffinityKey, Stale)> {
+    entries
+        .into_iter()
+        .filter_map(|(k, e)| {
+            let why = match policies.get(&k.service_id) {
+                None => Some(Stale::NoPolicy),
+                Some(p) if !p.active_backends.contains(&e.backend_id) => Some(Stale::BackendLeft),
+                Some(p) if !select::affinity_live(e, now_ns, p.timeout_s) => Some(Stale::Expired),
+                Some(_) => None,
+            };
+            why.map(|w| (*k, w))
+        })
+        .collect()
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of `bpf_ktime_get_ns`.
+pub fn monotonic_now_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid pointer to a timespec; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Counts of one sweep.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct SweepReport {
+    pub entries: usize,
+    pub expired: usize,
+    pub no_policy: usize,
+    pub backend_left: usize,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(client: u64, service_id: u32) -> AffinityKey {
+        AffinityKey::for_netns(client, service_id)
+    }
+
+    fn entry(backend_id: u32, last_used_s: u64) -> AffinityEntry {
+        AffinityEntry {
+            backend_id,
+            _pad: 0,
+            last_used_ns: last_used_s * 1_000_000_000,
+        }
+    }
+
+    #[test]
+    fn table() {
+        let policies = BTreeMap::from([(
+            1,
+            AffinityPolicy {
+                timeout_s: 10,
+                active_backends: BTreeSet::from([7, 8]),
+            },
+        )]);
+        let now = 100 * 1_000_000_000;
+        let cases = [
+            ("fresh entry stays", key(1, 1), entry(7, 95), None),
+            ("exactly at the timeout stays", key(2, 1), entry(8, 90), None),
+            ("past the timeout goes", key(3, 1), entry(7, 89), Some(Stale::Expired)),
+            ("backend left the Service", key(4, 1), entry(9, 99), Some(Stale::BackendLeft)),
+            ("Service without affinity", key(5, 2), entry(7, 99), Some(Stale::NoPolicy)),
+        ];
+        for (name, k, e, want) in cases {
+            let got = stale_entries([(&k, &e)], &policies, now);
+            assert_eq!(got.first().map(|(_, w)| *w), want, "{name}");
+        }
+    }
+}
