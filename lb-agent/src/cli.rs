@@ -128,4 +128,11 @@ pub enum InspectWhat {
         #[arg(long)]
         json: bool,
     },
+    /// Live sessionAffinity entries: client, Service, backend and age.
+    Affinity {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
 }

@@ -8,7 +8,9 @@ use std::{
 };
 
 use anyhow::Context as _;
-use lb_common::{backend_flags, is_ipv4_mapped, service_flags, BackendId, BackendSlotKey};
+use lb_common::{
+    affinity_client, backend_flags, is_ipv4_mapped, service_flags, BackendId, BackendSlotKey,
+};
 use serde::Serialize;
 
 use crate::{
@@ -146,5 +148,61 @@ pub fn render_services(views: &[FrontendView]) -> String {
             let _ = writeln!(s, "{:>66}slot {slot} MISSING", "-> ");
         }
     }
+    s
+}
+
+#[derive(Debug, Serialize)]
+pub struct AffinityView {
+    /// "netns:<cookie>" on the socket path, "ip:<addr>" on the tc path.
+    pub client: String,
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// The backend's address, if it still exists.
+    pub backend: Option<String>,
+    pub age_ms: u64,
+}
+
+pub fn read_affinity(dir: &Path) -> anyhow::Result<Vec<AffinityView>> {
+    let maps = PinnedMaps::open(dir)?;
+    let now = crate::affinity::monotonic_now_ns();
+    let mut out = Vec::new();
+    for entry in maps.affinity.iter() {
+        let (key, value) = entry.context("reading LB_AFFINITY")?;
+        let client = if key.kind == affinity_client::NETNS_COOKIE {
+            let mut cookie = [0u8; 8];
+            cookie.copy_from_slice(&key.client[..8]);
+            format!("netns:{}", u64::from_le_bytes(cookie))
+        } else {
+            format!("ip:{}", ip_from_bytes(&key.client))
+        };
+        let backend = maps
+            .backends
+            .get(&BackendId { id: value.backend_id }, 0)
+            .ok()
+            .map(|b| match ip_from_bytes(&b.addr) {
+                IpAddr::V4(a) => format!("{a}:{}", b.port),
+                IpAddr::V6(a) => format!("[{a}]:{}", b.port),
+            });
+        out.push(AffinityView {
+            client,
+            service_id: key.service_id,
+            backend_id: value.backend_id,
+            backend,
+            age_ms: now.saturating_sub(value.last_used_ns) / 1_000_000,
+        });
+    }
+    out.sort_by(|a, b| (a.service_id, &a.client).cmp(&(b.service_id, &b.client)));
+    Ok(out)
+}
+
+pub fn render_affinity(views: &[AffinityView]) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "{:<28} {:<8} {:<28} {:>10}", "CLIENT", "SERVICE", "BACKEND", "AGE");
+    for v in views {
+        let backend = v.backend.clone().unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
+        let age = format!("{:.1}s", v.age_ms as f64 / 1000.0);
+        let _ = writeln!(s, "{:<28} {:<8} {:<28} {:>10}", v.client, v.service_id, backend, age);
+    }
+    let _ = writeln!(s, "{} entries", views.len());
     s
 }

@@ -31,6 +31,15 @@ fn main() -> anyhow::Result<()> {
                 }
                 Ok(())
             }
+            InspectWhat::Affinity { bpffs, json } => {
+                let views = inspect::read_affinity(&bpffs)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&views)?);
+                } else {
+                    print!("{}", inspect::render_affinity(&views));
+                }
+                Ok(())
+            }
         },
         Command::Cleanup { bpffs } => {
             datapath::remove_pins(&bpffs)?;

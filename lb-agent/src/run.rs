@@ -21,6 +21,9 @@ use crate::{
 const RETIRE_DELAY: Duration = Duration::from_millis(50);
 /// A full reload even without file events, in case one was missed.
 const RESYNC_PERIOD: Duration = Duration::from_secs(30);
+/// How often expired affinity entries are swept; the kernel honours the
+/// timeout on its own, so this only bounds the map.
+const AFFINITY_SWEEP_PERIOD: Duration = Duration::from_secs(5);
 
 fn hostname() -> anyhow::Result<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -49,6 +52,7 @@ impl ProblemLog {
 struct Syncer<'a> {
     dir: &'a Path,
     node_name: String,
+    algorithm: Algorithm,
     datapath: Datapath,
     reconciler: Reconciler,
     problems: ProblemLog,
@@ -62,7 +66,7 @@ impl Syncer<'_> {
         let (store, mut rejections) = manifest::load_dir(self.dir);
         let node = store.node_info(&self.node_name);
         let opts = TranslateOptions {
-            default_algorithm: Algorithm::Random,
+            default_algorithm: self.algorithm,
             node_addresses: Vec::new(),
         };
         let (desired, translate_rejections) = translate::translate(&store, &node, &opts);
@@ -73,6 +77,11 @@ impl Syncer<'_> {
         }
         self.problems
             .update(rejections.iter().map(ToString::to_string).collect());
+        // Before the old sets retire: a client must not stick to a backend
+        // that just left its Service.
+        if report.frontends_written + report.frontends_removed > 0 {
+            self.sweep_affinity();
+        }
         tracing::info!(
             frontends = desired.frontends.len(),
             written = report.frontends_written,
@@ -82,6 +91,20 @@ impl Syncer<'_> {
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "synced"
         );
+    }
+
+    fn sweep_affinity(&mut self) {
+        let policies = self.reconciler.affinity_policies();
+        let r = self.datapath.maps().sweep_affinity(&policies);
+        if r.expired + r.no_policy + r.backend_left > 0 {
+            tracing::debug!(
+                entries = r.entries,
+                expired = r.expired,
+                service_gone = r.no_policy,
+                backend_left = r.backend_left,
+                "affinity entries swept"
+            );
+        }
     }
 
     fn retire(&mut self) {
@@ -138,8 +161,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut syncer = Syncer {
         dir,
         node_name,
+        algorithm: args.algorithm.into(),
         datapath,
-        reconciler: Reconciler::new(),
+        reconciler: Reconciler::new(args.maglev_table_size),
         problems: ProblemLog::default(),
     };
     syncer.sync();
@@ -150,6 +174,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut retire_at: Option<Instant> = syncer.reconciler.has_retiring().then(|| Instant::now() + RETIRE_DELAY);
     let mut resync = tokio::time::interval(RESYNC_PERIOD);
     resync.tick().await;
+    let mut sweep = tokio::time::interval(AFFINITY_SWEEP_PERIOD);
+    sweep.tick().await;
     loop {
         let retire_sleep = async {
             match retire_at {
@@ -167,6 +193,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 syncer.sync();
             }
             _ = resync.tick() => syncer.sync(),
+            _ = sweep.tick() => syncer.sweep_affinity(),
             _ = retire_sleep => {
                 syncer.retire();
                 retire_at = None;
