@@ -7,3 +7,7 @@ pub mod health;
 pub mod inspect;
 pub mod maglev;
 pub mod affinity;
+pub mod store;
+pub mod manifest;
+pub mod translate;
+pub mod run;

@@ -2,7 +2,7 @@ use anyhow::Context as _;
 use clap::Parser as _;
 use lb_agent::{
     cli::{Cli, Command, InspectWhat},
-    datapath, inspect,
+    datapath, inspect, run,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
             .enable_all()
             .build()
             .context("starting the runtime")?
-            .block_on(async { anyhow::bail!("{args:?}") }),
+            .block_on(run::run(args)),
         Command::Inspect { what } => match what {
             InspectWhat::Services { bpffs, json } => {
                 let views = inspect::read_services(&bpffs)?;

@@ -1,0 +1,1792 @@
+//! Kubernetes semantics: turns the objects of a [`Store`] into the
+//! [`DesiredState`] of the datapath. Pure and deterministic, so that every
+//! rule can be tested with a table of objects.
+//!
+//! The rules follow kube-proxy (`pkg/proxy/serviceport.go`,
+//! `endpointslicecache.go`, `topology.go`): which addresses a Service is
+//! reachable on, which endpoints back each of them (readiness, KEP-1669
+//! terminating fallback, traffic policies, topology hints), and the
+//! per-family split of dual-stack Services.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+};
+
+use k8s_openapi::api::{
+    core::v1::{Endpoints, Service, ServiceSpec},
+    discovery::v1::EndpointSlice,
+};
+
+use crate::{
+    model::{
+        Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
+        Protocol, Scope, ServiceName,
+    },
+    store::{NodeInfo, ObjectKey, Rejection, Store},
+};
+
+/// Services carrying this label belong to another proxy.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// Joins an EndpointSlice to its Service (same namespace).
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+/// Per-Service override of the selection algorithm: `maglev` or `random`.
+pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
+/// Topology opt-in annotations, the current one and its deprecated name.
+pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
+pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
+/// The largest timeout the API server accepts.
+pub const MAX_AFFINITY_TIMEOUT: u32 = 86400;
+
+/// `Rejection::source` of everything found here; the caller may relabel.
+const SOURCE: &str = "translate";
+
+/// Settings of the translation that do not come from Kubernetes objects.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TranslateOptions {
+    /// Used unless a Service's `lb-agent.dev/lb-algorithm` says otherwise.
+    pub default_algorithm: Algorithm,
+    /// The node's own addresses, on which NodePorts are served; may be empty.
+    pub node_addresses: Vec<IpAddr>,
+}
+
+/// Translates every Service of `store` as seen from `node`.
+///
+/// Problems never abort: the offending Service port, address or endpoint is
+/// left out and reported as a [`Rejection`] naming the object and field.
+pub fn translate(
+    store: &Store,
+    node: &NodeInfo,
+    opts: &TranslateOptions,
+) -> (DesiredState, Vec<Rejection>) {
+    let ctx = Context {
+        store,
+        slices: slices_by_service(store),
+        node,
+        opts,
+    };
+    let mut out = Output::default();
+    // Services in key order, so that on a conflict the Service whose
+    // namespace/name sorts first keeps the frontend.
+    for (key, svc) in &store.services {
+        if belongs_to_other_proxy(svc) {
+            continue;
+        }
+        let mut report = Report::new(format!("Service {key}"));
+        translate_service(&ctx, key, svc, &mut report, &mut out);
+        out.rejections.extend(report.rejections);
+    }
+    (out.state, out.rejections)
+}
+
+/// What the translation of every Service reads.
+struct Context<'a> {
+    store: &'a Store,
+    slices: BTreeMap<ObjectKey, Vec<(&'a ObjectKey, &'a EndpointSlice)>>,
+    node: &'a NodeInfo,
+    opts: &'a TranslateOptions,
+}
+
+/// The result being built, plus who owns each frontend.
+#[derive(Default)]
+struct Output {
+    state: DesiredState,
+    owners: BTreeMap<Frontend, (ServiceName, String)>,
+    rejections: Vec<Rejection>,
+}
+
+impl Output {
+    /// Adds a frontend unless an earlier Service (or an earlier field of
+    /// the same Service) already claimed it.
+    fn claim(
+        &mut self,
+        frontend: Frontend,
+        state: FrontendState,
+        field: String,
+        report: &mut Report,
+    ) {
+        if let Some((owner, owner_field)) = self.owners.get(&frontend) {
+            let reason = format!(
+                "frontend {frontend} is already served by Service {owner} ({owner_field}); ignored"
+            );
+            report.reject(field, reason);
+            return;
+        }
+        self.owners.insert(frontend, (state.service.clone(), field));
+        self.state.frontends.insert(frontend, state);
+    }
+}
+
+/// Collects the rejections of one object.
+struct Report {
+    object: String,
+    rejections: Vec<Rejection>,
+}
+
+impl Report {
+    fn new(object: String) -> Self {
+        Report {
+            object,
+            rejections: Vec::new(),
+        }
+    }
+
+    /// Reports once: the External and Internal copies of a frontend hit the
+    /// same problems and the caller logs every rejection.
+    fn reject(&mut self, field: impl Into<String>, reason: impl Into<String>) {
+        let rejection = Rejection::new(SOURCE, self.object.clone(), field, reason);
+        if !self.rejections.contains(&rejection) {
+            self.rejections.push(rejection);
+        }
+    }
+}
+
+fn belongs_to_other_proxy(svc: &Service) -> bool {
+    svc.metadata
+        .labels
+        .as_ref()
+        .is_some_and(|labels| labels.contains_key(LABEL_SERVICE_PROXY_NAME))
+}
+
+/// EndpointSlices by the Service they belong to, each list in slice order.
+fn slices_by_service(store: &Store) -> BTreeMap<ObjectKey, Vec<(&ObjectKey, &EndpointSlice)>> {
+    let mut index: BTreeMap<ObjectKey, Vec<_>> = BTreeMap::new();
+    for (key, slice) in &store.slices {
+        let service = slice
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get(LABEL_SERVICE_NAME));
+        if let Some(service) = service.filter(|s| !s.is_empty()) {
+            index
+                .entry(ObjectKey::new(key.namespace.clone(), service.clone()))
+                .or_default()
+                .push((key, slice));
+        }
+    }
+    index
+}
+
+// ---------------------------------------------------------------------------
+// Services
+
+/// The IP family of an address, a Service port, or an EndpointSlice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Family {
+    V4,
+    V6,
+}
+
+impl Family {
+    fn of(addr: IpAddr) -> Self {
+        if addr.is_ipv4() {
+            Family::V4
+        } else {
+            Family::V6
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
+}
+
+/// Which endpoints a frontend may use (`externalTrafficPolicy`,
+/// `internalTrafficPolicy`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Policy {
+    /// Every endpoint, subject to topology.
+    Cluster,
+    /// Only endpoints on this node, without topology.
+    Local,
+}
+
+/// One usable entry of `spec.ports`.
+struct ServicePortInfo {
+    index: usize,
+    name: String,
+    protocol: Protocol,
+    port: u16,
+    node_port: Option<u16>,
+}
+
+/// Service-wide settings shared by all its frontends.
+struct Settings {
+    service: ServiceName,
+    internal_policy: Policy,
+    external_policy: Policy,
+    topology: bool,
+    affinity_timeout: Option<u32>,
+    algorithm: Algorithm,
+}
+
+/// An address of the Service together with the field it came from.
+type Addr = (IpAddr, String);
+
+fn translate_service(
+    ctx: &Context<'_>,
+    key: &ObjectKey,
+    svc: &Service,
+    report: &mut Report,
+    out: &mut Output,
+) {
+    let (node, opts) = (ctx.node, ctx.opts);
+    let Some(spec) = &svc.spec else {
+        return report.reject("spec", "missing");
+    };
+    match spec.type_.as_deref().unwrap_or("ClusterIP") {
+        // A DNS alias: nothing to load-balance.
+        "ExternalName" => return,
+        "ClusterIP" | "NodePort" | "LoadBalancer" => {}
+        other => return report.reject("spec.type", format!("unknown Service type {other:?}")),
+    }
+    // Headless: DNS returns the endpoints themselves.
+    if is_headless(spec) {
+        return;
+    }
+    let cluster_ips = cluster_ips(spec, report);
+    for (ip, _) in &cluster_ips {
+        out.state.vips.insert((*ip, Scope::Internal));
+    }
+    // A Service exists once per IP family of its cluster IPs (kube-proxy runs
+    // one proxier per family): north-south addresses of another family have
+    // no Service to reach.
+    let families: BTreeSet<Family> = cluster_ips.iter().map(|(ip, _)| Family::of(*ip)).collect();
+    if families.is_empty() {
+        return;
+    }
+
+    let settings = Settings {
+        service: ServiceName {
+            namespace: key.namespace.clone(),
+            name: key.name.clone(),
+        },
+        internal_policy: traffic_policy(
+            spec.internal_traffic_policy.as_deref(),
+            "spec.internalTrafficPolicy",
+            report,
+        ),
+        external_policy: traffic_policy(
+            spec.external_traffic_policy.as_deref(),
+            "spec.externalTrafficPolicy",
+            report,
+        ),
+        topology: wants_topology(svc),
+        affinity_timeout: affinity_timeout(spec, report),
+        algorithm: algorithm(svc, opts.default_algorithm, report),
+    };
+    let ports = service_ports(spec, report);
+    let node_addresses: Vec<IpAddr> = opts
+        .node_addresses
+        .iter()
+        .copied()
+        .filter(|a| families.contains(&Family::of(*a)))
+        .collect();
+    let external_ips = external_ips(spec, &families, report);
+    let lb_ips = load_balancer_ips(svc, &families, report);
+    // Only now: the endpoints of headless and broken Services do not matter.
+    let groups = endpoint_groups(ctx.store, key, ctx.slices.get(key), &mut out.rejections);
+
+    for port in &ports {
+        let candidates = candidates(&groups, port, node);
+        let mut emit = |addr: IpAddr, frontend_port: u16, kind, scope, policy, field: String| {
+            let (active, terminating) = select(
+                &candidates,
+                Family::of(addr),
+                policy,
+                settings.topology,
+                node,
+            );
+            let frontend = Frontend {
+                addr,
+                port: frontend_port,
+                protocol: port.protocol,
+                scope,
+            };
+            let state = FrontendState {
+                service: settings.service.clone(),
+                port_name: port.name.clone(),
+                kind,
+                active,
+                terminating,
+                affinity_timeout: settings.affinity_timeout,
+                algorithm: settings.algorithm,
+            };
+            out.claim(frontend, state, field, report);
+        };
+
+        for (ip, field) in &cluster_ips {
+            let policy = settings.internal_policy;
+            emit(
+                *ip,
+                port.port,
+                FrontendKind::ClusterIp,
+                Scope::Internal,
+                policy,
+                field.clone(),
+            );
+        }
+        // North-south frontends exist twice: the External one (tc path)
+        // follows externalTrafficPolicy; the Internal one serves pods that
+        // reach the same address through the socket hooks, which kube-proxy
+        // short-circuits to the cluster-wide endpoints.
+        let mut north_south = |addr: IpAddr, frontend_port: u16, kind, field: String| {
+            let policy = settings.external_policy;
+            emit(
+                addr,
+                frontend_port,
+                kind,
+                Scope::External,
+                policy,
+                field.clone(),
+            );
+            emit(
+                addr,
+                frontend_port,
+                kind,
+                Scope::Internal,
+                Policy::Cluster,
+                field,
+            );
+        };
+        if let Some(node_port) = port.node_port {
+            let field = format!("spec.ports[{}].nodePort", port.index);
+            for addr in &node_addresses {
+                north_south(*addr, node_port, FrontendKind::NodePort, field.clone());
+            }
+        }
+        for (ip, field) in &lb_ips {
+            north_south(*ip, port.port, FrontendKind::LoadBalancer, field.clone());
+        }
+        for (ip, field) in &external_ips {
+            north_south(*ip, port.port, FrontendKind::ExternalIp, field.clone());
+        }
+    }
+}
+
+fn is_headless(spec: &ServiceSpec) -> bool {
+    spec.cluster_ip.as_deref() == Some("None")
+        || spec
+            .cluster_ips
+            .as_ref()
+            .and_then(|ips| ips.first())
+            .map(String::as_str)
+            == Some("None")
+}
+
+/// `spec.clusterIPs`, falling back to the older single `spec.clusterIP`.
+fn cluster_ips(spec: &ServiceSpec, report: &mut Report) -> Vec<Addr> {
+    let listed: Vec<(&str, String)> = match spec.cluster_ips.as_deref() {
+        Some(ips) if !ips.is_empty() => ips
+            .iter()
+            .enumerate()
+            .map(|(i, ip)| (ip.as_str(), format!("spec.clusterIPs[{i}]")))
+            .collect(),
+        _ => match spec.cluster_ip.as_deref() {
+            Some(ip) if !ip.is_empty() => vec![(ip, "spec.clusterIP".to_owned())],
+            _ => {
+                report.reject("spec.clusterIP", "missing: the Service has no cluster IP");
+                return Vec::new();
+            }
+        },
+    };
+    listed
+        .into_iter()
+        .filter_map(|(raw, field)| parse_ip(raw, field, report))
+        .collect()
+}
+
+fn parse_ip(raw: &str, field: String, report: &mut Report) -> Option<Addr> {
+    match raw.parse() {
+        Ok(ip) => Some((ip, field)),
+        Err(_) => {
+            report.reject(field, format!("{raw:?} is not an IP address"));
+            None
+        }
+    }
+}
+
+/// Keeps the addresses of a family the Service has a cluster IP of.
+fn of_service_families(
+    addrs: Vec<Addr>,
+    families: &BTreeSet<Family>,
+    report: &mut Report,
+) -> Vec<Addr> {
+    addrs
+        .into_iter()
+        .filter(|(ip, field)| {
+            let family = Family::of(*ip);
+            let ok = families.contains(&family);
+            if !ok {
+                report.reject(
+                    field.clone(),
+                    format!(
+                        "{ip} ignored: the Service has no {} cluster IP",
+                        family.name()
+                    ),
+                );
+            }
+            ok
+        })
+        .collect()
+}
+
+fn external_ips(spec: &ServiceSpec, families: &BTreeSet<Family>, report: &mut Report) -> Vec<Addr> {
+    let parsed = spec
+        .external_ips
+        .iter()
+        .flatten()
+        .enumerate()
+        .filter_map(|(i, raw)| parse_ip(raw, format!("spec.externalIPs[{i}]"), report))
+        .collect();
+    of_service_families(parsed, families, report)
+}
+
+/// `status.loadBalancer.ingress[].ip` of VIP-mode entries: a `Proxy`-mode
+/// load balancer delivers to the nodes itself, kube-proxy leaves it alone.
+fn load_balancer_ips(svc: &Service, families: &BTreeSet<Family>, report: &mut Report) -> Vec<Addr> {
+    let ingress = svc
+        .status
+        .as_ref()
+        .and_then(|s| s.load_balancer.as_ref())
+        .and_then(|lb| lb.ingress.as_deref())
+        .unwrap_or_default();
+    let parsed = ingress
+        .iter()
+        .enumerate()
+        .filter(|(_, ing)| ing.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
+        .filter_map(|(i, ing)| {
+            let raw = ing.ip.as_deref().filter(|ip| !ip.is_empty())?;
+            parse_ip(raw, format!("status.loadBalancer.ingress[{i}].ip"), report)
+        })
+        .collect();
+    of_service_families(parsed, families, report)
+}
+
+/// The TCP and UDP entries of `spec.ports` with a valid port number.
+fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo> {
+    let mut ports = Vec::new();
+    for (index, p) in spec.ports.iter().flatten().enumerate() {
+        let protocol = match p.protocol.as_deref() {
+            None | Some("TCP") => Protocol::Tcp,
+            Some("UDP") => Protocol::Udp,
+            Some(other) => {
+                report.reject(
+                    format!("spec.ports[{index}].protocol"),
+                    format!("protocol {other} is not supported (only TCP and UDP); port skipped"),
+                );
+                continue;
+            }
+        };
+        let Some(port) = port_number(p.port) else {
+            report.reject(
+                format!("spec.ports[{index}].port"),
+                format!("{} is outside 1..65535", p.port),
+            );
+            continue;
+        };
+        // 0 is what an unallocated nodePort looks like.
+        let node_port = match p.node_port {
+            None | Some(0) => None,
+            Some(n) => {
+                let valid = port_number(n);
+                if valid.is_none() {
+                    report.reject(
+                        format!("spec.ports[{index}].nodePort"),
+                        format!("{n} is outside 1..65535"),
+                    );
+                }
+                valid
+            }
+        };
+        ports.push(ServicePortInfo {
+            index,
+            name: p.name.clone().unwrap_or_default(),
+            protocol,
+            port,
+            node_port,
+        });
+    }
+    ports
+}
+
+fn port_number(n: i32) -> Option<u16> {
+    u16::try_from(n).ok().filter(|&p| p != 0)
+}
+
+fn traffic_policy(value: Option<&str>, field: &str, report: &mut Report) -> Policy {
+    match value {
+        None | Some("Cluster") => Policy::Cluster,
+        Some("Local") => Policy::Local,
+        Some(other) => {
+            report.reject(
+                field,
+                format!("unknown policy {other:?}, expected Cluster or Local; using Cluster"),
+            );
+            Policy::Cluster
+        }
+    }
+}
+
+/// Whether the Service asked for topology-aware routing. The EndpointSlice
+/// controller only writes hints for such Services; honouring hints only
+/// then keeps stale hints from steering traffic after an opt-out.
+fn wants_topology(svc: &Service) -> bool {
+    let distribution = svc
+        .spec
+        .as_ref()
+        .and_then(|s| s.traffic_distribution.as_deref());
+    if matches!(
+        distribution,
+        Some("PreferClose" | "PreferSameZone" | "PreferSameNode")
+    ) {
+        return true;
+    }
+    // Like kube-proxy before trafficDistribution: the new annotation wins
+    // over the deprecated one, and any value but "disabled" opts in.
+    let annotations = svc.metadata.annotations.as_ref();
+    let mode = annotations.and_then(|a| {
+        a.get(ANNOTATION_TOPOLOGY_MODE)
+            .or_else(|| a.get(ANNOTATION_TOPOLOGY_AWARE_HINTS))
+    });
+    mode.is_some_and(|m| !m.is_empty() && !m.eq_ignore_ascii_case("disabled"))
+}
+
+/// `sessionAffinity: ClientIP` and its timeout, defaulted like the API server.
+fn affinity_timeout(spec: &ServiceSpec, report: &mut Report) -> Option<u32> {
+    match spec.session_affinity.as_deref() {
+        None | Some("None") => None,
+        Some("ClientIP") => {
+            let timeout = spec
+                .session_affinity_config
+                .as_ref()
+                .and_then(|c| c.client_ip.as_ref())
+                .and_then(|c| c.timeout_seconds);
+            match timeout {
+                None => Some(DEFAULT_AFFINITY_TIMEOUT),
+                Some(t) => match u32::try_from(t) {
+                    Ok(t) if (1..=MAX_AFFINITY_TIMEOUT).contains(&t) => Some(t),
+                    _ => {
+                        report.reject(
+                            "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                            format!(
+                                "{t} is outside 1..{MAX_AFFINITY_TIMEOUT}; using {DEFAULT_AFFINITY_TIMEOUT}"
+                            ),
+                        );
+                        Some(DEFAULT_AFFINITY_TIMEOUT)
+                    }
+                },
+            }
+        }
+        Some(other) => {
+            report.reject(
+                "spec.sessionAffinity",
+                format!("unknown session affinity {other:?}, expected None or ClientIP; none used"),
+            );
+            None
+        }
+    }
+}
+
+fn algorithm(svc: &Service, default: Algorithm, report: &mut Report) -> Algorithm {
+    let value = svc
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(ANNOTATION_ALGORITHM));
+    match value.map(String::as_str) {
+        None => default,
+        Some("maglev") => Algorithm::Maglev,
+        Some("random") => Algorithm::Random,
+        Some(other) => {
+            report.reject(
+                format!("metadata.annotations[{ANNOTATION_ALGORITHM}]"),
+                format!(
+                    "unknown algorithm {other:?}, expected maglev or random; using {default:?}"
+                ),
+            );
+            default
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Endpoints
+
+/// Endpoints sharing one port list: an EndpointSlice, or one subset of a
+/// v1 Endpoints object.
+#[derive(Debug)]
+struct EndpointGroup {
+    ports: Vec<GroupPort>,
+    endpoints: Vec<Endpoint>,
+}
+
+#[derive(Debug)]
+struct GroupPort {
+    name: String,
+    protocol: Protocol,
+    port: u16,
+}
+
+/// One endpoint address with what decides whether and where it is used.
+#[derive(Debug, Clone)]
+struct Endpoint {
+    addr: IpAddr,
+    node_name: Option<String>,
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+    zone_hints: BTreeSet<String>,
+    node_hints: BTreeSet<String>,
+}
+
+impl Endpoint {
+    fn is_local(&self, node: &NodeInfo) -> bool {
+        !node.name.is_empty() && self.node_name.as_deref() == Some(node.name.as_str())
+    }
+
+    /// KEP-1669: still serving while terminating, the fallback when nothing
+    /// is ready. Disjoint from ready so that `active` and `terminating` are.
+    fn is_serving_terminating(&self) -> bool {
+        !self.ready && self.serving && self.terminating
+    }
+
+    /// How good a duplicate is: ready beats serving-terminating beats
+    /// unusable.
+    fn usability(&self) -> u8 {
+        if self.ready {
+            2
+        } else if self.is_serving_terminating() {
+            1
+        } else {
+            0
+        }
+    }
+}
+
+/// The endpoints of Service `key`: its EndpointSlices, or, for a Service
+/// without any (a selectorless Service on a cluster without mirroring, or a
+/// hand-written manifest), the v1 Endpoints of the same name.
+fn endpoint_groups(
+    store: &Store,
+    key: &ObjectKey,
+    slices: Option<&Vec<(&ObjectKey, &EndpointSlice)>>,
+    rejections: &mut Vec<Rejection>,
+) -> Vec<EndpointGroup> {
+    match slices {
+        Some(slices) => slices
+            .iter()
+            .filter_map(|(slice_key, slice)| {
+                let mut report = Report::new(format!("EndpointSlice {slice_key}"));
+                let group = slice_group(slice, &mut report);
+                rejections.extend(report.rejections);
+                group
+            })
+            .collect(),
+        None => match store.endpoints.get(key) {
+            Some(endpoints) => {
+                let mut report = Report::new(format!("Endpoints {key}"));
+                let groups = endpoints_groups(endpoints, &mut report);
+                rejections.extend(report.rejections);
+                groups
+            }
+            None => Vec::new(),
+        },
+    }
+}
+
+fn slice_group(slice: &EndpointSlice, report: &mut Report) -> Option<EndpointGroup> {
+    let family = match slice.address_type.as_str() {
+        "IPv4" => Family::V4,
+        "IPv6" => Family::V6,
+        // Names, not addresses: nothing a datapath can send to.
+        "FQDN" => return None,
+        other => {
+            report.reject(
+                "addressType",
+                format!("unknown address type {other:?}; slice ignored"),
+            );
+            return None;
+        }
+    };
+    let mut ports = Vec::new();
+    for (j, p) in slice.ports.iter().flatten().enumerate() {
+        // SCTP and friends: the Service side already reports them.
+        let Some(protocol) = endpoint_protocol(p.protocol.as_deref()) else {
+            continue;
+        };
+        // A missing port means "all ports", which kube-proxy does not
+        // implement either.
+        let Some(number) = p.port else { continue };
+        let Some(port) = port_number(number) else {
+            report.reject(
+                format!("ports[{j}].port"),
+                format!("{number} is outside 1..65535"),
+            );
+            continue;
+        };
+        ports.push(GroupPort {
+            // The API server defaults a missing name to "".
+            name: p.name.clone().unwrap_or_default(),
+            protocol,
+            port,
+        });
+    }
+
+    let mut endpoints = Vec::new();
+    for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
+        // Like kube-proxy, only the first address is used: the API allows
+        // exactly one.
+        let Some(raw) = ep.addresses.first() else {
+            report.reject(format!("endpoints[{i}].addresses"), "no address");
+            continue;
+        };
+        let field = format!("endpoints[{i}].addresses[0]");
+        let Ok(addr) = raw.parse::<IpAddr>() else {
+            report.reject(field, format!("{raw:?} is not an IP address"));
+            continue;
+        };
+        if Family::of(addr) != family {
+            report.reject(
+                field,
+                format!(
+                    "{addr} is not an {} address as the slice's addressType says",
+                    family.name()
+                ),
+            );
+            continue;
+        }
+        let conditions = ep.conditions.as_ref();
+        let hints = ep.hints.as_ref();
+        endpoints.push(Endpoint {
+            addr,
+            node_name: ep.node_name.clone(),
+            // Unknown readiness and serving count as true, unknown
+            // terminating as false (the API's own defaults).
+            ready: conditions.and_then(|c| c.ready).unwrap_or(true),
+            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
+            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
+            zone_hints: hints
+                .and_then(|h| h.for_zones.as_ref())
+                .map(|z| z.iter().map(|z| z.name.clone()).collect())
+                .unwrap_or_default(),
+            node_hints: hints
+                .and_then(|h| h.for_nodes.as_ref())
+                .map(|n| n.iter().map(|n| n.name.clone()).collect())
+                .unwrap_or_default(),
+        });
+    }
+    Some(EndpointGroup { ports, endpoints })
+}
+
+fn endpoints_groups(endpoints: &Endpoints, report: &mut Report) -> Vec<EndpointGroup> {
+    let mut groups = Vec::new();
+    for (i, subset) in endpoints.subsets.iter().flatten().enumerate() {
+        let mut ports = Vec::new();
+        for (k, p) in subset.ports.iter().flatten().enumerate() {
+            let Some(protocol) = endpoint_protocol(p.protocol.as_deref()) else {
+                continue;
+            };
+            let Some(port) = port_number(p.port) else {
+                report.reject(
+                    format!("subsets[{i}].ports[{k}].port"),
+                    format!("{} is outside 1..65535", p.port),
+                );
+                continue;
+            };
+            ports.push(GroupPort {
+                name: p.name.clone().unwrap_or_default(),
+                protocol,
+                port,
+            });
+        }
+        let mut group_endpoints = Vec::new();
+        let lists = [
+            ("addresses", true, &subset.addresses),
+            ("notReadyAddresses", false, &subset.not_ready_addresses),
+        ];
+        for (list, ready, addresses) in lists {
+            for (j, a) in addresses.iter().flatten().enumerate() {
+                let Ok(addr) = a.ip.parse::<IpAddr>() else {
+                    report.reject(
+                        format!("subsets[{i}].{list}[{j}].ip"),
+                        format!("{:?} is not an IP address", a.ip),
+                    );
+                    continue;
+                };
+                // v1 Endpoints know nothing of terminating: not ready means
+                // not used at all.
+                group_endpoints.push(Endpoint {
+                    addr,
+                    node_name: a.node_name.clone(),
+                    ready,
+                    serving: ready,
+                    terminating: false,
+                    zone_hints: BTreeSet::new(),
+                    node_hints: BTreeSet::new(),
+                });
+            }
+        }
+        groups.push(EndpointGroup {
+            ports,
+            endpoints: group_endpoints,
+        });
+    }
+    groups
+}
+
+/// Protocol of an endpoint port, TCP by default; `None` for the ones we do
+/// not balance.
+fn endpoint_protocol(value: Option<&str>) -> Option<Protocol> {
+    match value {
+        None | Some("TCP") => Some(Protocol::Tcp),
+        Some("UDP") => Some(Protocol::Udp),
+        _ => None,
+    }
+}
+
+/// The endpoints of one Service port, with their target port resolved.
+///
+/// Endpoint ports carry resolved numbers and the Service port's name, which
+/// is how a named `targetPort` reaches us. Duplicates across slices collapse
+/// to one entry: the most usable one, and a local one on a tie (kube-proxy
+/// also favours the local copy).
+fn candidates(
+    groups: &[EndpointGroup],
+    port: &ServicePortInfo,
+    node: &NodeInfo,
+) -> Vec<(BackendAddr, Endpoint)> {
+    let mut merged: BTreeMap<BackendAddr, Endpoint> = BTreeMap::new();
+    for group in groups {
+        let Some(target) = group
+            .ports
+            .iter()
+            .find(|p| p.name == port.name && p.protocol == port.protocol)
+        else {
+            continue;
+        };
+        for ep in &group.endpoints {
+            let backend = BackendAddr {
+                addr: ep.addr,
+                port: target.port,
+                protocol: port.protocol,
+            };
+            let rank = |e: &Endpoint| (e.usability(), e.is_local(node));
+            match merged.get(&backend) {
+                Some(kept) if rank(kept) >= rank(ep) => {}
+                _ => {
+                    merged.insert(backend, ep.clone());
+                }
+            }
+        }
+    }
+    merged.into_iter().collect()
+}
+
+/// How topology narrows the cluster-wide endpoints (`topologyModeFromHints`).
+enum Topology<'a> {
+    /// Every endpoint.
+    Any,
+    /// Endpoints hinted for this node.
+    SameNode(&'a str),
+    /// Endpoints hinted for this node's zone.
+    SameZone(&'a str),
+}
+
+impl Topology<'_> {
+    fn allows(&self, ep: &Endpoint) -> bool {
+        match self {
+            Topology::Any => true,
+            Topology::SameNode(node) => ep.node_hints.contains(*node),
+            Topology::SameZone(zone) => ep.zone_hints.contains(*zone),
+        }
+    }
+}
+
+/// Hints are used only when every ready endpoint has one (a partially
+/// hinted slice set is mid-update) and some endpoint is hinted for us (or we
+/// would send nowhere). Node hints win over zone hints.
+fn topology_mode<'a>(endpoints: &[&Endpoint], node: &'a NodeInfo) -> Topology<'a> {
+    let ready: Vec<&Endpoint> = endpoints.iter().copied().filter(|e| e.ready).collect();
+    if ready.is_empty() {
+        return Topology::Any;
+    }
+    if !node.name.is_empty()
+        && ready.iter().all(|e| !e.node_hints.is_empty())
+        && ready.iter().any(|e| e.node_hints.contains(&node.name))
+    {
+        return Topology::SameNode(&node.name);
+    }
+    if let Some(zone) = node.zone.as_deref() {
+        if ready.iter().all(|e| !e.zone_hints.is_empty())
+            && ready.iter().any(|e| e.zone_hints.contains(zone))
+        {
+            return Topology::SameZone(zone);
+        }
+    }
+    Topology::Any
+}
+
+/// The `(active, terminating)` backends of a frontend of `family` under
+/// `policy` (kube-proxy's `CategorizeEndpoints`).
+fn select(
+    candidates: &[(BackendAddr, Endpoint)],
+    family: Family,
+    policy: Policy,
+    topology: bool,
+    node: &NodeInfo,
+) -> (Vec<BackendRef>, Vec<BackendRef>) {
+    // Endpoints of the other family belong to the other family's Service.
+    let eligible: Vec<&(BackendAddr, Endpoint)> = candidates
+        .iter()
+        .filter(|(_, ep)| Family::of(ep.addr) == family)
+        .filter(|(_, ep)| policy == Policy::Cluster || ep.is_local(node))
+        .collect();
+    // Topology only narrows the cluster-wide set; the terminating fallback
+    // ignores it, as a topology is only chosen when it has ready endpoints.
+    let topology = match policy {
+        Policy::Cluster if topology => {
+            let endpoints: Vec<&Endpoint> = eligible.iter().map(|(_, ep)| ep).collect();
+            topology_mode(&endpoints, node)
+        }
+        _ => Topology::Any,
+    };
+    // `candidates` is sorted and unique by backend, so these are too.
+    let pick = |keep: &dyn Fn(&Endpoint) -> bool| -> Vec<BackendRef> {
+        eligible
+            .iter()
+            .filter(|(_, ep)| keep(ep))
+            .map(|(backend, ep)| BackendRef {
+                backend: *backend,
+                local: ep.is_local(node),
+            })
+            .collect()
+    };
+    let active = pick(&|ep| ep.ready && topology.allows(ep));
+    let terminating = pick(&Endpoint::is_serving_terminating);
+    (active, terminating)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::{load_str, Format};
+
+    /// The node every case runs on unless it says otherwise.
+    fn node_a() -> NodeInfo {
+        NodeInfo {
+            name: "node-a".into(),
+            zone: Some("zone-a".into()),
+        }
+    }
+
+    /// Each case's documents are one-line flow-style YAML, joined with `---`.
+    fn store(docs: &[&str]) -> Store {
+        let (store, rejections) = load_str("test.yaml", &docs.join("\n---\n"), Format::Yaml);
+        assert!(rejections.is_empty(), "test input: {rejections:#?}");
+        store
+    }
+
+    fn backends(list: &[BackendRef]) -> String {
+        let names: Vec<String> = list
+            .iter()
+            .map(|b| match b.local {
+                true => format!("{}(local)", b.backend),
+                false => b.backend.to_string(),
+            })
+            .collect();
+        names.join(" ")
+    }
+
+    /// One line per frontend:
+    /// `int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) | terminating ... | affinity 60 | Maglev`.
+    fn render(state: &DesiredState) -> Vec<String> {
+        state
+            .frontends
+            .iter()
+            .map(|(frontend, st)| {
+                let scope = match frontend.scope {
+                    Scope::Internal => "int",
+                    Scope::External => "ext",
+                };
+                let mut line = format!("{scope} {frontend} {:?} {}", st.kind, st.service);
+                if !st.port_name.is_empty() {
+                    line += &format!(":{}", st.port_name);
+                }
+                match st.active.is_empty() {
+                    true => line += " => none",
+                    false => line += &format!(" => {}", backends(&st.active)),
+                }
+                if !st.terminating.is_empty() {
+                    line += &format!(" | terminating {}", backends(&st.terminating));
+                }
+                if let Some(timeout) = st.affinity_timeout {
+                    line += &format!(" | affinity {timeout}");
+                }
+                if st.algorithm != Algorithm::Random {
+                    line += &format!(" | {:?}", st.algorithm);
+                }
+                line
+            })
+            .collect()
+    }
+
+    #[derive(Default)]
+    struct Case<'a> {
+        name: &'a str,
+        docs: &'a [&'a str],
+        /// `None`: `node_a()`.
+        node: Option<NodeInfo>,
+        default_algorithm: Algorithm,
+        frontends: &'a [&'a str],
+        /// `object field` of each rejection, in order.
+        rejected: &'a [&'a str],
+    }
+
+    const WEB: &str =
+        "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}}";
+    /// 10.1.0.1 on this node, 10.1.0.2 elsewhere, both ready.
+    const WEB_SLICE: &str = "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+        metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, addressType: IPv4, ports: [{name: http, port: 8080}], \
+        endpoints: [{addresses: [10.1.0.2], nodeName: node-b}, {addresses: [10.1.0.1], nodeName: node-a}]}";
+    const WEB_FRONTEND: &str =
+        "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080";
+
+    fn run(cases: Vec<Case<'_>>) {
+        for case in cases {
+            let opts = TranslateOptions {
+                default_algorithm: case.default_algorithm,
+                node_addresses: vec!["192.168.1.10".parse().unwrap(), "fd00::10".parse().unwrap()],
+            };
+            let node = case.node.clone().unwrap_or_else(node_a);
+            let (state, rejections) = translate(&store(case.docs), &node, &opts);
+            assert_eq!(render(&state), case.frontends, "{}: frontends", case.name);
+            let got: Vec<String> = rejections
+                .iter()
+                .map(|r| format!("{} {}", r.object, r.field))
+                .collect();
+            assert_eq!(
+                got, case.rejected,
+                "{}: rejections {rejections:#?}",
+                case.name
+            );
+            assert!(
+                rejections.iter().all(|r| r.source == "translate"),
+                "{}",
+                case.name
+            );
+            for (frontend, st) in &state.frontends {
+                assert!(
+                    st.active.windows(2).all(|w| w[0] < w[1]),
+                    "{}: {frontend} active sorted",
+                    case.name
+                );
+                assert!(
+                    st.terminating.windows(2).all(|w| w[0] < w[1]),
+                    "{}: {frontend} sorted",
+                    case.name
+                );
+                assert!(
+                    st.active.iter().all(|b| !st.terminating.contains(b)),
+                    "{}: {frontend} disjoint",
+                    case.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn services_and_ports() {
+        run(vec![
+            Case {
+                name: "cluster IP with ready endpoints, the local one marked",
+                docs: &[WEB, WEB_SLICE],
+                frontends: &[WEB_FRONTEND],
+                ..Default::default()
+            },
+            Case {
+                name: "no endpoints at all: a frontend without backends (refused)",
+                docs: &[WEB],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+                ..Default::default()
+            },
+            Case {
+                name: "clusterIPs preferred over clusterIP; protocol defaults to TCP, unnamed port",
+                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10], ports: [{port: 80}, {port: 53, protocol: UDP}]}}"],
+                frontends: &[
+                    "int 10.96.0.10:53/UDP ClusterIp default/web => none",
+                    "int 10.96.0.10:80/TCP ClusterIp default/web => none",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "headless (clusterIP and clusterIPs) and ExternalName: nothing, their slices unread",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: h1}, spec: {clusterIP: None, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: h2}, spec: {clusterIPs: [None], ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: x}, spec: {type: ExternalName, externalName: example.com, ports: [{port: 80}]}}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: h1-1, labels: {kubernetes.io/service-name: h1}}, \
+                     addressType: IPv4, ports: [{port: 80}], endpoints: [{addresses: [not-looked-at]}]}",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "service-proxy-name label: another proxy's Service, skipped silently",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web, labels: {service.kubernetes.io/service-proxy-name: other}}, \
+                     spec: {clusterIP: 10.96.0.10, clusterIPs: [bogus], ports: [{port: 80, protocol: SCTP}]}}",
+                    WEB_SLICE,
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "SCTP rejected, the TCP port kept",
+                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}, {name: s, port: 9999, protocol: SCTP}]}}"],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+                rejected: &["Service default/web spec.ports[1].protocol"],
+                ..Default::default()
+            },
+            Case {
+                name: "ports outside 1..65535 rejected, the others kept",
+                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIP: 10.96.0.10, ports: [{name: a, port: 70000}, {name: b, port: 81}, {name: c, port: 0}]}}"],
+                frontends: &["int 10.96.0.10:81/TCP ClusterIp default/web:b => none"],
+                rejected: &["Service default/web spec.ports[0].port", "Service default/web spec.ports[2].port"],
+                ..Default::default()
+            },
+            Case {
+                name: "bad cluster IP rejected, the other family still served",
+                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIPs: [10.96.0.300, \"fd00:96::10\"], ports: [{name: http, port: 80}]}}"],
+                frontends: &["int [fd00:96::10]:80/TCP ClusterIp default/web:http => none"],
+                rejected: &["Service default/web spec.clusterIPs[0]"],
+                ..Default::default()
+            },
+            Case {
+                name: "missing cluster IP, bad single clusterIP, unknown type",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: nope, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: c}, spec: {type: Weird, clusterIP: 10.96.0.12}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: d}}",
+                ],
+                rejected: &[
+                    "Service default/a spec.clusterIP",
+                    "Service default/b spec.clusterIP",
+                    "Service default/c spec.type",
+                    "Service default/d spec",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "session affinity: default timeout, explicit, out of range, unknown type",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.1, ports: [{port: 80}], sessionAffinity: ClientIP}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.2, ports: [{port: 80}], sessionAffinity: ClientIP, \
+                     sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: c}, spec: {clusterIP: 10.96.0.3, ports: [{port: 80}], sessionAffinity: ClientIP, \
+                     sessionAffinityConfig: {clientIP: {timeoutSeconds: 86401}}}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: d}, spec: {clusterIP: 10.96.0.4, ports: [{port: 80}], sessionAffinity: ClientIP, \
+                     sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: e}, spec: {clusterIP: 10.96.0.5, ports: [{port: 80}], sessionAffinity: None, \
+                     sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: f}, spec: {clusterIP: 10.96.0.6, ports: [{port: 80}], sessionAffinity: Cookie}}",
+                ],
+                frontends: &[
+                    "int 10.96.0.1:80/TCP ClusterIp default/a => none | affinity 10800",
+                    "int 10.96.0.2:80/TCP ClusterIp default/b => none | affinity 60",
+                    "int 10.96.0.3:80/TCP ClusterIp default/c => none | affinity 10800",
+                    "int 10.96.0.4:80/TCP ClusterIp default/d => none | affinity 10800",
+                    "int 10.96.0.5:80/TCP ClusterIp default/e => none",
+                    "int 10.96.0.6:80/TCP ClusterIp default/f => none",
+                ],
+                rejected: &[
+                    "Service default/c spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                    "Service default/d spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                    "Service default/f spec.sessionAffinity",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "algorithm annotation overrides the default; bad value rejected",
+                default_algorithm: Algorithm::Maglev,
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a, annotations: {lb-agent.dev/lb-algorithm: random}}, \
+                     spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: c, annotations: {lb-agent.dev/lb-algorithm: ring}}, \
+                     spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}",
+                ],
+                frontends: &[
+                    "int 10.96.0.1:80/TCP ClusterIp default/a => none",
+                    "int 10.96.0.2:80/TCP ClusterIp default/b => none | Maglev",
+                    "int 10.96.0.3:80/TCP ClusterIp default/c => none | Maglev",
+                ],
+                rejected: &["Service default/c metadata.annotations[lb-agent.dev/lb-algorithm]"],
+                ..Default::default()
+            },
+            Case {
+                name: "maglev annotation over the random default",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web, annotations: {lb-agent.dev/lb-algorithm: maglev}}, \
+                     spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}}",
+                    WEB_SLICE,
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | Maglev"],
+                ..Default::default()
+            },
+            Case {
+                name: "duplicate frontends: the first Service by namespace/name keeps them",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}, {port: 81}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}], externalIPs: [203.0.113.5]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: c}, spec: {clusterIP: 10.96.0.12, ports: [{port: 80}], externalIPs: [203.0.113.5]}}",
+                ],
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/a => none",
+                    "int 10.96.0.10:81/TCP ClusterIp default/b => none",
+                    "int 10.96.0.12:80/TCP ClusterIp default/c => none",
+                    "int 203.0.113.5:80/TCP ExternalIp default/a => none",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/a => none",
+                ],
+                rejected: &["Service default/b spec.clusterIP", "Service default/c spec.externalIPs[0]"],
+                ..Default::default()
+            },
+        ]);
+    }
+
+    #[test]
+    fn endpoints() {
+        run(vec![
+            Case {
+                name: "several slices merged; a duplicate address counts once, ready wins; other namespaces and Services ignored",
+                docs: &[
+                    WEB,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], \
+                     endpoints: [{addresses: [10.1.0.1]}, {addresses: [10.1.0.2], conditions: {ready: false}}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-2, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], \
+                     endpoints: [{addresses: [10.1.0.2]}, {addresses: [10.1.0.3]}, {addresses: [10.1.0.1]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-3, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8081}], endpoints: [{addresses: [10.1.0.4]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-x, namespace: shop, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.9.0.1]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: other-1, labels: {kubernetes.io/service-name: other}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.9.0.2]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: nolabel}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.9.0.3]}]}",
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 10.1.0.3:8080 10.1.0.4:8081"],
+                ..Default::default()
+            },
+            Case {
+                name: "named targetPort on a multi-port Service resolved by slice port name and protocol",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [\
+                     {name: http, port: 80, targetPort: web}, {name: metrics, port: 9090, targetPort: 9100}, \
+                     {name: dns, port: 53, protocol: UDP, targetPort: dns}, {name: nomatch, port: 81}]}}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: metrics, port: 9100}, {name: http, port: 8080}, \
+                     {name: dns, port: 5353, protocol: UDP}, {name: dns, port: 5454, protocol: TCP}, {name: nomatch, port: 81, protocol: UDP}], \
+                     endpoints: [{addresses: [10.1.0.1]}]}",
+                ],
+                frontends: &[
+                    "int 10.96.0.10:53/UDP ClusterIp default/web:dns => 10.1.0.1:5353",
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080",
+                    "int 10.96.0.10:81/TCP ClusterIp default/web:nomatch => none",
+                    "int 10.96.0.10:9090/TCP ClusterIp default/web:metrics => 10.1.0.1:9100",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "conditions: unready excluded; ready present, so terminating ones are kept aside only",
+                docs: &[
+                    WEB,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [\
+                     {addresses: [10.1.0.1]}, \
+                     {addresses: [10.1.0.2], conditions: {ready: true}}, \
+                     {addresses: [10.1.0.3], conditions: {ready: false, serving: true, terminating: false}}, \
+                     {addresses: [10.1.0.4], conditions: {ready: false, serving: false}}, \
+                     {addresses: [10.1.0.5], conditions: {ready: false, serving: true, terminating: true}}, \
+                     {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}]}",
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.5:8080"],
+                ..Default::default()
+            },
+            Case {
+                name: "KEP-1669: nothing ready, serving-terminating endpoints are the fallback",
+                docs: &[
+                    WEB,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [\
+                     {addresses: [10.1.0.5], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}, \
+                     {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}]}",
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none | terminating 10.1.0.5:8080(local)"],
+                ..Default::default()
+            },
+            Case {
+                name: "KEP-1669: neither ready nor serving, nothing at all",
+                docs: &[
+                    WEB,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [\
+                     {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}, \
+                     {addresses: [10.1.0.7], conditions: {ready: false, serving: false}}]}",
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+                ..Default::default()
+            },
+            Case {
+                name: "selectorless Service: v1 Endpoints used when there is no slice at all",
+                docs: &[
+                    WEB,
+                    "{apiVersion: v1, kind: Endpoints, metadata: {name: web}, subsets: [\
+                     {addresses: [{ip: 10.1.0.1, nodeName: node-a}, {ip: 10.1.0.2}], notReadyAddresses: [{ip: 10.1.0.3}], \
+                      ports: [{name: http, port: 8080}, {name: other, port: 9}]}, \
+                     {addresses: [{ip: 10.1.0.4}, {ip: bogus}], ports: [{name: http, port: 8081}]}]}",
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 10.1.0.4:8081"],
+                rejected: &["Endpoints default/web subsets[1].addresses[1].ip"],
+                ..Default::default()
+            },
+            Case {
+                name: "v1 Endpoints ignored when the Service has slices",
+                docs: &[
+                    WEB,
+                    WEB_SLICE,
+                    "{apiVersion: v1, kind: Endpoints, metadata: {name: web}, subsets: [{addresses: [{ip: 10.9.9.9}], ports: [{name: http, port: 8080}]}]}",
+                ],
+                frontends: &[WEB_FRONTEND],
+                ..Default::default()
+            },
+            Case {
+                name: "wrong-family and FQDN slices ignored; bad slice entries rejected",
+                docs: &[
+                    WEB,
+                    WEB_SLICE,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-v6, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv6, ports: [{name: http, port: 8080}], endpoints: [{addresses: [\"fd00:1::1\"]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-fqdn, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: FQDN, ports: [{name: http, port: 8080}], endpoints: [{addresses: [example.com]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-zbad, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], \
+                     endpoints: [{addresses: [\"fd00:1::2\"]}, {addresses: [nope]}, {addresses: []}]}",
+                ],
+                frontends: &[WEB_FRONTEND],
+                rejected: &[
+                    "EndpointSlice default/web-zbad endpoints[0].addresses[0]",
+                    "EndpointSlice default/web-zbad endpoints[1].addresses[0]",
+                    "EndpointSlice default/web-zbad endpoints[2].addresses",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "dual stack: each family's frontends get that family's slice",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {type: NodePort, clusterIPs: [10.96.0.10, \"fd00:96::10\"], ports: [{name: http, port: 80, nodePort: 30080}]}}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-v4, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.1]}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-v6, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv6, ports: [{name: http, port: 8080}], endpoints: [{addresses: [\"fd00:1::1\"], nodeName: node-a}]}",
+                ],
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080",
+                    "int [fd00::10]:30080/TCP NodePort default/web:http => [fd00:1::1]:8080(local)",
+                    "ext [fd00::10]:30080/TCP NodePort default/web:http => [fd00:1::1]:8080(local)",
+                    "int [fd00:96::10]:80/TCP ClusterIp default/web:http => [fd00:1::1]:8080(local)",
+                ],
+                ..Default::default()
+            },
+        ]);
+    }
+
+    /// 10.1.0.1 local, 10.1.0.2 remote, 10.1.0.3 local and terminating.
+    const POLICY_SLICE: &str = "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+        metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, addressType: IPv4, ports: [{name: http, port: 8080}], \
+        endpoints: [{addresses: [10.1.0.1], nodeName: node-a}, {addresses: [10.1.0.2], nodeName: node-b}, \
+        {addresses: [10.1.0.3], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}]}";
+
+    #[test]
+    fn traffic_policies_and_north_south() {
+        run(vec![
+            Case {
+                name: "internalTrafficPolicy Local with local endpoints",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}",
+                    POLICY_SLICE,
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) | terminating 10.1.0.3:8080(local)"],
+                ..Default::default()
+            },
+            Case {
+                name: "internalTrafficPolicy Local without local endpoints: none (refused)",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}",
+                    POLICY_SLICE,
+                ],
+                node: Some(NodeInfo {
+                    name: "node-c".into(),
+                    zone: None,
+                }),
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+                ..Default::default()
+            },
+            Case {
+                name: "externalTrafficPolicy Local on an external IP: External copy local only, Internal copy cluster-wide",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {clusterIP: 10.96.0.10, externalIPs: [203.0.113.5], externalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}",
+                    POLICY_SLICE,
+                ],
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | terminating 10.1.0.3:8080(local)",
+                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | terminating 10.1.0.3:8080(local)",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) | terminating 10.1.0.3:8080(local)",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "externalTrafficPolicy Local on a NodePort without local endpoint; node addresses of the Service's family only",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {type: NodePort, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, ports: [{name: http, port: 80, nodePort: 30080}]}}",
+                    POLICY_SLICE,
+                ],
+                node: Some(NodeInfo {
+                    name: "node-c".into(),
+                    zone: None,
+                }),
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.3:8080",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.3:8080",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => none",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "LoadBalancer: VIP-mode ingress IPs, Proxy mode and hostnames skipped, bad and other-family IPs rejected",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {type: LoadBalancer, clusterIP: 10.96.0.10, ports: [{name: http, port: 80, nodePort: 30080}]}, \
+                     status: {loadBalancer: {ingress: [{ip: 198.51.100.1, ipMode: VIP}, {ip: 198.51.100.2, ipMode: Proxy}, \
+                     {hostname: lb.example.com}, {ip: not-an-ip}, {ip: \"2001:db8::1\"}]}}}",
+                    WEB_SLICE,
+                ],
+                frontends: &[
+                    WEB_FRONTEND,
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "int 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "ext 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                ],
+                rejected: &[
+                    "Service default/web status.loadBalancer.ingress[3].ip",
+                    "Service default/web status.loadBalancer.ingress[4].ip",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "bad external IPs and traffic policy values rejected",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {clusterIP: 10.96.0.10, externalIPs: [bogus, \"2001:db8::5\"], externalTrafficPolicy: local, ports: [{name: http, port: 80}]}}",
+                ],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+                rejected: &[
+                    "Service default/web spec.externalTrafficPolicy",
+                    "Service default/web spec.externalIPs[0]",
+                    "Service default/web spec.externalIPs[1]",
+                ],
+                ..Default::default()
+            },
+        ]);
+    }
+
+    fn topology_service(metadata_extra: &str, spec_extra: &str) -> String {
+        format!(
+            "{{apiVersion: v1, kind: Service, metadata: {{name: web{metadata_extra}}}, \
+             spec: {{clusterIP: 10.96.0.10, ports: [{{name: http, port: 80}}]{spec_extra}}}}}"
+        )
+    }
+
+    fn topology_slice(endpoints: &str) -> String {
+        format!(
+            "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}, \
+             addressType: IPv4, ports: [{{name: http, port: 8080}}], endpoints: {endpoints}}}"
+        )
+    }
+
+    #[test]
+    fn topology() {
+        let prefer_close = topology_service("", ", trafficDistribution: PreferClose");
+        // 10.1.0.1 (here) and 10.1.0.2 are hinted for zone-a, 10.1.0.3 for
+        // zone-b; 10.1.0.4 is not ready, so it needs no hint.
+        let zone_hinted = topology_slice(
+            "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.3], nodeName: node-c, hints: {forZones: [{name: zone-b}]}}, \
+             {addresses: [10.1.0.4], nodeName: node-c, conditions: {ready: false}}]",
+        );
+        let one_unhinted = topology_slice(
+            "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.3], nodeName: node-c}]",
+        );
+        let other_zones = topology_slice(
+            "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-b}]}}, \
+             {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-c}]}}, \
+             {addresses: [10.1.0.3], nodeName: node-c, hints: {forZones: [{name: zone-b}]}}]",
+        );
+        // Node hints (PreferSameNode) win over zone hints.
+        let node_hinted = topology_slice(
+            "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forNodes: [{name: node-a}], forZones: [{name: zone-b}]}}, \
+             {addresses: [10.1.0.2], nodeName: node-b, hints: {forNodes: [{name: node-b}], forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.3], nodeName: node-c, hints: {forNodes: [{name: node-c}], forZones: [{name: zone-a}]}}]",
+        );
+        let not_opted_in = topology_service("", "");
+        let mode_auto = topology_service(
+            ", annotations: {service.kubernetes.io/topology-mode: Auto}",
+            "",
+        );
+        let hints_auto = topology_service(
+            ", annotations: {service.kubernetes.io/topology-aware-hints: auto}",
+            "",
+        );
+        let mode_disabled = topology_service(
+            ", annotations: {service.kubernetes.io/topology-mode: Disabled, service.kubernetes.io/topology-aware-hints: auto}",
+            "",
+        );
+        let same_zone = topology_service("", ", trafficDistribution: PreferSameZone");
+        let itp_local = topology_service(
+            "",
+            ", trafficDistribution: PreferClose, internalTrafficPolicy: Local",
+        );
+        let etp_local = topology_service(
+            "",
+            ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5], externalTrafficPolicy: Local",
+        );
+        let etp_cluster = topology_service(
+            "",
+            ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5]",
+        );
+
+        let all = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 10.1.0.3:8080";
+        let zone_a = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080";
+        let no_zone = NodeInfo {
+            name: "node-a".into(),
+            zone: None,
+        };
+        run(vec![
+            Case {
+                name: "trafficDistribution PreferClose: zone hints used",
+                docs: &[&prefer_close, &zone_hinted],
+                frontends: &[zone_a],
+                ..Default::default()
+            },
+            Case {
+                name: "trafficDistribution PreferSameZone: zone hints used",
+                docs: &[&same_zone, &zone_hinted],
+                frontends: &[zone_a],
+                ..Default::default()
+            },
+            Case {
+                name: "annotation topology-mode Auto: zone hints used",
+                docs: &[&mode_auto, &zone_hinted],
+                frontends: &[zone_a],
+                ..Default::default()
+            },
+            Case {
+                name: "deprecated annotation topology-aware-hints auto: zone hints used",
+                docs: &[&hints_auto, &zone_hinted],
+                frontends: &[zone_a],
+                ..Default::default()
+            },
+            Case {
+                name: "topology-mode Disabled wins over the deprecated annotation",
+                docs: &[&mode_disabled, &zone_hinted],
+                frontends: &[all],
+                ..Default::default()
+            },
+            Case {
+                name: "Service did not opt in: hints ignored",
+                docs: &[&not_opted_in, &zone_hinted],
+                frontends: &[all],
+                ..Default::default()
+            },
+            Case {
+                name: "a ready endpoint without hint: hints ignored",
+                docs: &[&prefer_close, &one_unhinted],
+                frontends: &[all],
+                ..Default::default()
+            },
+            Case {
+                name: "no endpoint for our zone: hints ignored",
+                docs: &[&prefer_close, &other_zones],
+                frontends: &[all],
+                ..Default::default()
+            },
+            Case {
+                name: "node without zone: hints ignored",
+                docs: &[&prefer_close, &zone_hinted],
+                node: Some(no_zone.clone()),
+                frontends: &[all],
+                ..Default::default()
+            },
+            Case {
+                name: "node hints for this node win over zone hints",
+                docs: &[&prefer_close, &node_hinted],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)"],
+                ..Default::default()
+            },
+            Case {
+                name: "node hints without one for this node: zone hints used",
+                docs: &[&prefer_close, &node_hinted],
+                node: Some(NodeInfo {
+                    name: "node-z".into(),
+                    zone: Some("zone-a".into()),
+                }),
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080 10.1.0.3:8080"],
+                ..Default::default()
+            },
+            Case {
+                name: "internalTrafficPolicy Local: topology not applied",
+                docs: &[&itp_local, &other_zones],
+                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)"],
+                ..Default::default()
+            },
+            Case {
+                name: "externalTrafficPolicy Local: topology on the cluster-wide frontends only",
+                docs: &[&etp_local, &node_hinted],
+                node: Some(NodeInfo {
+                    name: "node-b".into(),
+                    zone: Some("zone-b".into()),
+                }),
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080(local)",
+                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.2:8080(local)",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.2:8080(local)",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "externalTrafficPolicy Cluster: topology on the External frontend too",
+                docs: &[&etp_cluster, &zone_hinted],
+                frontends: &[
+                    zone_a,
+                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "externalTrafficPolicy Local keeps a local endpoint hinted for another zone",
+                docs: &[&etp_local, &other_zones],
+                node: Some(NodeInfo {
+                    name: "node-b".into(),
+                    zone: Some("zone-b".into()),
+                }),
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.3:8080",
+                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080 10.1.0.3:8080",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.2:8080(local)",
+                ],
+                ..Default::default()
+            },
+        ]);
+    }
+
+    #[test]
+    fn vips() {
+        let store = store(&[
+            WEB,
+            "{apiVersion: v1, kind: Service, metadata: {name: dual}, spec: {clusterIPs: [10.96.0.11, \"fd00:96::11\"]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: lb}, spec: {type: LoadBalancer, clusterIP: 10.96.0.12, \
+             externalIPs: [203.0.113.5], ports: [{port: 80, nodePort: 30080}]}, status: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: headless}, spec: {clusterIP: None}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: b, labels: {service.kubernetes.io/service-proxy-name: x}}, spec: {clusterIP: 10.96.0.13}}",
+        ]);
+        let opts = TranslateOptions {
+            node_addresses: vec!["192.168.1.10".parse().unwrap()],
+            ..Default::default()
+        };
+        let (state, rejections) = translate(&store, &node_a(), &opts);
+        assert!(rejections.is_empty(), "{rejections:?}");
+        let want: BTreeSet<(IpAddr, Scope)> =
+            ["10.96.0.10", "10.96.0.11", "fd00:96::11", "10.96.0.12"]
+                .iter()
+                .map(|ip| (ip.parse().unwrap(), Scope::Internal))
+                .collect();
+        assert_eq!(state.vips, want);
+    }
+
+    #[test]
+    fn frontend_state_fields() {
+        let store = store(&[
+            "{apiVersion: v1, kind: Service, metadata: {name: web, namespace: shop, annotations: {lb-agent.dev/lb-algorithm: maglev}}, \
+             spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, protocol: UDP}], sessionAffinity: ClientIP}}",
+            "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}, \
+             addressType: IPv4, ports: [{name: http, port: 8080, protocol: UDP}], endpoints: [{addresses: [10.1.0.1], nodeName: node-a}]}",
+        ]);
+        let (state, _) = translate(&store, &node_a(), &TranslateOptions::default());
+        let frontend = Frontend {
+            addr: "10.96.0.10".parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Udp,
+            scope: Scope::Internal,
+        };
+        let backend = BackendRef {
+            backend: BackendAddr {
+                addr: "10.1.0.1".parse().unwrap(),
+                port: 8080,
+                protocol: Protocol::Udp,
+            },
+            local: true,
+        };
+        assert_eq!(
+            state.frontends[&frontend],
+            FrontendState {
+                service: ServiceName {
+                    namespace: "shop".into(),
+                    name: "web".into(),
+                },
+                port_name: "http".into(),
+                kind: FrontendKind::ClusterIp,
+                active: vec![backend],
+                terminating: vec![],
+                affinity_timeout: Some(DEFAULT_AFFINITY_TIMEOUT),
+                algorithm: Algorithm::Maglev,
+            }
+        );
+    }
+
+    #[test]
+    fn rejection_messages() {
+        let store = store(&[
+            "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, \
+             ports: [{name: a, port: 70000}, {name: s, port: 9, protocol: SCTP}]}}",
+        ]);
+        let (_, rejections) = translate(&store, &node_a(), &TranslateOptions::default());
+        let got: Vec<String> = rejections.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            got,
+            [
+                "translate: Service default/web: spec.ports[0].port: 70000 is outside 1..65535",
+                "translate: Service default/web: spec.ports[1].protocol: protocol SCTP is not supported (only TCP and UDP); port skipped",
+            ]
+        );
+    }
+}
