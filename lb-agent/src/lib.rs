@@ -11,3 +11,5 @@ pub mod store;
 pub mod manifest;
 pub mod translate;
 pub mod run;
+pub mod metrics;
+pub mod cluster;

@@ -65,8 +65,11 @@ fn vip_key(addr: IpAddr, scope: Scope) -> ServiceKey {
 struct Programmed {
     id: u32,
     backend_set: u32,
-    state: FrontendState,
-    /// Backend ids in slot order.
+    /// What it was programmed from; `None` when adopted from pinned maps
+    /// after a restart, until a desired state is found to match it.
+    state: Option<FrontendState>,
+    value: ServiceValue,
+    /// Backend ids in slot order (with the Maglev table, if any).
     slots: Vec<u32>,
 }
 
@@ -80,6 +83,8 @@ struct ProgrammedBackend {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct SyncReport {
     pub frontends_written: usize,
+    /// Adopted from the pinned maps as they were: nothing written.
+    pub frontends_adopted: usize,
     pub frontends_removed: usize,
     pub backends_written: usize,
     pub errors: Vec<String>,
@@ -145,6 +150,89 @@ impl Reconciler {
             next_set: 1,
             retiring: Vec::new(),
         }
+    }
+
+    /// Rebuilds what is programmed from the pinned maps of an earlier run,
+    /// so that the first `apply` writes only what differs. Entries that do
+    /// not hold together (a slot or backend missing) are adopted with no
+    /// slots, which forces a rewrite; orphaned sets are retired.
+    pub fn adopt(
+        maglev_size: u16,
+        services: impl IntoIterator<Item = (ServiceKey, ServiceValue)>,
+        slots: impl IntoIterator<Item = (BackendSlotKey, BackendSlot)>,
+        backends: impl IntoIterator<Item = (BackendId, Backend)>,
+    ) -> Self {
+        let mut r = Self::new(maglev_size);
+        let slots: BTreeMap<BackendSlotKey, u32> =
+            slots.into_iter().map(|(k, v)| (k, v.backend_id)).collect();
+        for (id, value) in backends {
+            let Some(protocol) = crate::model::Protocol::from_number(value.proto) else {
+                continue;
+            };
+            let addr = BackendAddr {
+                addr: crate::inspect::ip_from_bytes(&value.addr),
+                port: value.port,
+                protocol,
+            };
+            r.used_backend_ids.insert(id.id);
+            r.backends.insert(addr, ProgrammedBackend { id: id.id, value });
+        }
+        let backend_ids: BTreeSet<u32> = r.used_backend_ids.clone();
+        for (key, value) in services {
+            let addr = crate::inspect::ip_from_bytes(&key.addr);
+            let Some(scope) = Scope::from_number(key.scope) else {
+                continue;
+            };
+            if value.flags & service_flags::WILDCARD != 0 {
+                r.vips.insert((addr, scope));
+                continue;
+            }
+            let Some(protocol) = crate::model::Protocol::from_number(key.proto) else {
+                continue;
+            };
+            let len = value.active as u32 + value.terminating as u32 + value.maglev_size as u32;
+            let found: Option<Vec<u32>> = (0..len)
+                .map(|slot| {
+                    slots
+                        .get(&BackendSlotKey {
+                            backend_set: value.backend_set,
+                            slot,
+                        })
+                        .copied()
+                        .filter(|id| backend_ids.contains(id))
+                })
+                .collect();
+            let frontend = Frontend {
+                addr,
+                port: key.port,
+                protocol,
+                scope,
+            };
+            r.used_service_ids.insert(value.id);
+            r.used_sets.insert(value.backend_set);
+            r.frontends.insert(
+                frontend,
+                Programmed {
+                    id: value.id,
+                    backend_set: value.backend_set,
+                    state: None,
+                    value,
+                    // Empty never equals a desired set, so a broken entry is rewritten.
+                    slots: found.unwrap_or_default(),
+                },
+            );
+        }
+        // Sets nothing points at: left by a crash between write and retire.
+        let mut orphans: BTreeMap<u32, u32> = BTreeMap::new();
+        for key in slots.keys() {
+            if !r.used_sets.contains(&key.backend_set) {
+                let len = orphans.entry(key.backend_set).or_default();
+                *len = (*len).max(key.slot + 1);
+            }
+        }
+        r.retiring.extend(orphans);
+        r.next_set = r.used_sets.iter().next_back().map_or(1, |s| s.wrapping_add(1).max(1));
+        r
     }
 
     pub fn frontend_count(&self) -> usize {
@@ -225,12 +313,13 @@ impl Reconciler {
         // 2. Frontends whose backends or options changed.
         for (frontend, state) in &desired.frontends {
             if let Some(p) = self.frontends.get(frontend) {
-                if &p.state == state {
+                if p.state.as_ref() == Some(state) {
                     continue;
                 }
             }
             match self.write_frontend(frontend, state, ops) {
-                Ok(()) => report.frontends_written += 1,
+                Ok(true) => report.frontends_written += 1,
+                Ok(false) => report.frontends_adopted += 1,
                 Err(e) => report.errors.push(e.to_string()),
             }
         }
@@ -297,12 +386,14 @@ impl Reconciler {
         report
     }
 
+    /// Programs one frontend; `Ok(false)` when the maps already held exactly
+    /// this (an adopted entry), so nothing was written.
     fn write_frontend(
         &mut self,
         frontend: &Frontend,
         state: &FrontendState,
         ops: &mut impl MapOps,
-    ) -> Result<(), MapWriteError> {
+    ) -> Result<bool, MapWriteError> {
         let mut slots = Vec::with_capacity(state.active.len() + state.terminating.len());
         for r in state.active.iter().chain(&state.terminating) {
             match self.backends.get(&r.backend) {
@@ -369,6 +460,12 @@ impl Reconciler {
             }
         };
         let value = service_value(id, set, state, maglev_size);
+        if let Some(p) = reuse.filter(|p| p.state.is_none() && p.value == value) {
+            let mut adopted = p.clone();
+            adopted.state = Some(state.clone());
+            self.frontends.insert(*frontend, adopted);
+            return Ok(false);
+        }
         if let Err(source) = ops.put_service(service_key(frontend), value) {
             if reuse.is_none() {
                 self.retiring.push((set, slots.len() as u32));
@@ -389,11 +486,12 @@ impl Reconciler {
             Programmed {
                 id,
                 backend_set: set,
-                state: state.clone(),
+                state: Some(state.clone()),
+                value,
                 slots,
             },
         );
-        Ok(())
+        Ok(true)
     }
 
     /// The affinity policy of every programmed frontend that has one, by
@@ -402,8 +500,11 @@ impl Reconciler {
         self.frontends
             .values()
             .filter_map(|p| {
-                let timeout_s = p.state.affinity_timeout?;
-                let active_backends = p.slots[..p.state.active.len()].iter().copied().collect();
+                if p.value.flags & service_flags::AFFINITY == 0 {
+                    return None;
+                }
+                let timeout_s = p.value.affinity_timeout;
+                let active_backends = p.slots[..p.value.active as usize].iter().copied().collect();
                 Some((
                     p.id,
                     crate::affinity::AffinityPolicy {
@@ -489,10 +590,15 @@ mod tests {
         backends: HashMap<BackendId, Backend>,
         slot_capacity: Option<usize>,
         writes: usize,
+        /// For states that are broken on purpose.
+        unchecked: bool,
     }
 
     impl FakeMaps {
         fn check(&self) {
+            if self.unchecked {
+                return;
+            }
             for (k, v) in &self.services {
                 if v.flags & service_flags::WILDCARD != 0 {
                     continue;
@@ -784,6 +890,74 @@ mod tests {
         let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
         assert!(moved < 251 * 2 / 5, "{moved} of 251 positions moved");
         assert_eq!(m.slots.len(), 4 + 251);
+    }
+
+    fn adopt_from(m: &FakeMaps) -> Reconciler {
+        Reconciler::adopt(
+            251,
+            m.services.iter().map(|(k, v)| (*k, *v)),
+            m.slots.iter().map(|(k, v)| (*k, *v)),
+            m.backends.iter().map(|(k, v)| (*k, *v)),
+        )
+    }
+
+    #[test]
+    fn a_restarted_agent_adopts_the_maps_and_writes_only_changes() {
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 53));
+        let mut sb = state("b", &[be("10.244.1.2", 53)]);
+        sb.algorithm = Algorithm::Maglev;
+        sb.affinity_timeout = Some(10);
+        let d1 = desired(&[(a, state("a", &[be("10.244.1.1", 80)])), (b, sb.clone())]);
+        sync(&mut Reconciler::test(), &d1, &mut m);
+        let before = m.services.clone();
+
+        // Restart with nothing changed: not a single write.
+        let mut r = adopt_from(&m);
+        let writes = m.writes;
+        let report = sync(&mut r, &d1, &mut m);
+        assert_eq!(report.frontends_adopted, 2, "{report:?}");
+        assert_eq!(report.frontends_written, 0);
+        assert_eq!(m.writes, writes);
+        assert_eq!(r.affinity_policies().len(), 1);
+
+        // Restart while `a` changed and a third Service went away.
+        let d2 = desired(&[(a, state("a", &[be("10.244.1.3", 80)]))]);
+        let mut r = adopt_from(&m);
+        let report = sync(&mut r, &d2, &mut m);
+        assert_eq!((report.frontends_written, report.frontends_removed), (1, 1));
+        assert_eq!(m.services[&service_key(&a)].id, before[&service_key(&a)].id);
+        assert_eq!(m.backends_of(&a), vec![be("10.244.1.3", 80)]);
+        assert_eq!(m.backends.len(), 1);
+        assert_eq!(m.slots.len(), 1);
+    }
+
+    #[test]
+    fn adoption_repairs_broken_entries_and_retires_orphans() {
+        let mut m = FakeMaps::default();
+        let a = fe("10.96.0.10", 80);
+        let d = desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]);
+        sync(&mut Reconciler::test(), &d, &mut m);
+        // A crash left an orphan set, and the live set lost its slot.
+        m.slots.insert(
+            BackendSlotKey {
+                backend_set: 99,
+                slot: 0,
+            },
+            BackendSlot { backend_id: 1 },
+        );
+        m.unchecked = true;
+        let live = m.services[&service_key(&a)].backend_set;
+        m.slots.remove(&BackendSlotKey {
+            backend_set: live,
+            slot: 0,
+        });
+        let mut r = adopt_from(&m);
+        let report = r.apply(&d, &mut m);
+        assert_eq!(report.frontends_written, 1);
+        r.retire(&mut m);
+        assert_eq!(m.slots.len(), 1);
+        assert_eq!(m.backends_of(&a), vec![be("10.244.1.1", 80)]);
     }
 
     #[test]

@@ -1,0 +1,245 @@
+//! Cluster mode: kube-rs watchers feed the same `Store` that the manifests
+//! mode fills, so both modes share one translation and one reconciler.
+//!
+//! Each watcher's relist (start, watch expiry, 410 Gone, reconnect) is
+//! buffered from `Init` to `InitDone` and then replaces that kind's objects
+//! whole, so objects deleted while the watch was broken disappear and the
+//! next sync is a full reconcile. While the API server is away the store
+//! keeps the last good state and the watchers retry with backoff.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+};
+
+use anyhow::Context as _;
+use futures::{Stream, StreamExt as _};
+use k8s_openapi::api::{
+    core::v1::{Node, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    api::ObjectMeta,
+    runtime::{watcher, WatchStreamExt as _},
+    Api, Client, Resource,
+};
+use tokio::sync::mpsc;
+
+use crate::{
+    metrics::Metrics,
+    store::{ObjectKey, Store},
+};
+
+/// How to reach the API server.
+#[derive(Debug, Clone, Default)]
+pub struct ApiAccess {
+    pub kubeconfig: Option<std::path::PathBuf>,
+    pub api_server: Option<String>,
+}
+
+/// Builds a client: an explicit server URL (kube-proxy-free clusters cannot
+/// reach the `kubernetes` Service before we run), else a kubeconfig, else
+/// in-cluster config or the default kubeconfig.
+pub async fn client(access: &ApiAccess) -> anyhow::Result<Client> {
+    let mut config = match &access.kubeconfig {
+        Some(path) => {
+            let kubeconfig = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kubeconfig, &Default::default())
+                .await
+                .with_context(|| format!("kubeconfig {}", path.display()))?
+        }
+        None if access.api_server.is_some() => {
+            // Service account credentials still apply when present.
+            match kube::Config::incluster() {
+                Ok(c) => c,
+                Err(_) => kube::Config::new("http://127.0.0.1".parse()?),
+            }
+        }
+        None => kube::Config::infer()
+            .await
+            .context("no --kubeconfig or --k8s-api-server, and no in-cluster config")?,
+    };
+    if let Some(url) = &access.api_server {
+        config.cluster_url = url
+            .parse()
+            .with_context(|| format!("--k8s-api-server {url:?} is not a URL"))?;
+    }
+    Client::try_from(config).context("building the Kubernetes client")
+}
+
+/// The store as the watchers keep it, and whether each kind has been listed.
+#[derive(Debug, Default)]
+pub struct ClusterState {
+    pub store: Store,
+    /// This node, keyed like the other kinds; copied into `store.nodes`.
+    node_objects: BTreeMap<ObjectKey, Node>,
+    pub services_listed: bool,
+    pub slices_listed: bool,
+    pub node_listed: bool,
+}
+
+impl ClusterState {
+    pub fn all_listed(&self) -> bool {
+        self.services_listed && self.slices_listed && self.node_listed
+    }
+}
+
+pub type SharedState = Arc<Mutex<ClusterState>>;
+
+fn object_key(meta: &ObjectMeta) -> ObjectKey {
+    ObjectKey::new(
+        meta.namespace.clone().unwrap_or_else(|| "default".into()),
+        meta.name.clone().unwrap_or_default(),
+    )
+}
+
+/// Where each kind lives in the store, so one event loop serves all three.
+trait Stored: Resource<DynamicType = ()> + Clone + Send + Sync + 'static {
+    const KIND: &'static str;
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self>;
+    fn listed(state: &mut ClusterState) -> &mut bool;
+}
+
+impl Stored for Service {
+    const KIND: &'static str = "Service";
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
+        &mut state.store.services
+    }
+    fn listed(state: &mut ClusterState) -> &mut bool {
+        &mut state.services_listed
+    }
+}
+
+impl Stored for EndpointSlice {
+    const KIND: &'static str = "EndpointSlice";
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
+        &mut state.store.slices
+    }
+    fn listed(state: &mut ClusterState) -> &mut bool {
+        &mut state.slices_listed
+    }
+}
+
+/// Nodes are keyed by name alone in the store; this wrapper map keeps the
+/// loop generic and `Store::nodes` is refreshed from it.
+impl Stored for Node {
+    const KIND: &'static str = "Node";
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
+        &mut state.node_objects
+    }
+    fn listed(state: &mut ClusterState) -> &mut bool {
+        &mut state.node_listed
+    }
+}
+
+fn after_change<K: Stored>(state: &mut ClusterState) {
+    if K::KIND == "Node" {
+        state.store.nodes = state
+            .node_objects
+            .iter()
+            .map(|(k, n)| (k.name.clone(), n.clone()))
+            .collect();
+    }
+}
+
+/// Applies one watcher event; `buffer` holds a relist in progress.
+fn apply_event<K: Stored>(
+    state: &SharedState,
+    buffer: &mut Option<BTreeMap<ObjectKey, K>>,
+    event: watcher::Event<K>,
+    metrics: &Metrics,
+) {
+    let mut state = state.lock().expect("cluster state lock");
+    match event {
+        watcher::Event::Init => {
+            if *K::listed(&mut state) {
+                metrics.watch_restarts.get_or_create(&kind_label(K::KIND)).inc();
+            }
+            *buffer = Some(BTreeMap::new());
+        }
+        watcher::Event::InitApply(obj) => {
+            if let Some(b) = buffer.as_mut() {
+                b.insert(object_key(obj.meta()), obj);
+            }
+        }
+        watcher::Event::InitDone => {
+            if let Some(b) = buffer.take() {
+                *K::objects(&mut state) = b;
+            }
+            *K::listed(&mut state) = true;
+        }
+        watcher::Event::Apply(obj) => {
+            K::objects(&mut state).insert(object_key(obj.meta()), obj);
+        }
+        watcher::Event::Delete(obj) => {
+            K::objects(&mut state).remove(&object_key(obj.meta()));
+        }
+    }
+    after_change::<K>(&mut state);
+}
+
+fn kind_label(kind: &'static str) -> crate::metrics::KindLabel {
+    crate::metrics::KindLabel {
+        kind: kind.to_owned(),
+    }
+}
+
+async fn follow<K, S>(stream: S, state: SharedState, wake: mpsc::Sender<()>, metrics: Metrics)
+where
+    K: Stored + std::fmt::Debug + serde::de::DeserializeOwned,
+    S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
+{
+    let mut buffer = None;
+    let mut stream = std::pin::pin!(stream);
+    while let Some(item) = stream.next().await {
+        match item {
+            Ok(event) => {
+                let batch_done = !matches!(
+                    event,
+                    watcher::Event::Init | watcher::Event::InitApply(_)
+                );
+                apply_event(&state, &mut buffer, event, &metrics);
+                // A relist wakes the syncer once, when it is complete.
+                if batch_done {
+                    let _ = wake.try_send(());
+                }
+            }
+            Err(e) => {
+                metrics.watch_errors.get_or_create(&kind_label(K::KIND)).inc();
+                tracing::warn!(kind = K::KIND, error = %e, "watch failed; retrying with backoff, keeping the last good state");
+            }
+        }
+    }
+}
+
+/// Starts the three watchers. Changes wake `wake`.
+pub fn start(
+    client: Client,
+    node_name: &str,
+    state: SharedState,
+    wake: mpsc::Sender<()>,
+    metrics: Metrics,
+) {
+    let services: Api<Service> = Api::all(client.clone());
+    let slices: Api<EndpointSlice> = Api::all(client.clone());
+    let nodes: Api<Node> = Api::all(client);
+    let cfg = watcher::Config::default().any_semantic();
+    tokio::spawn(follow(
+        watcher(services, cfg.clone()).default_backoff(),
+        state.clone(),
+        wake.clone(),
+        metrics.clone(),
+    ));
+    tokio::spawn(follow(
+        watcher(slices, cfg.clone()).default_backoff(),
+        state.clone(),
+        wake.clone(),
+        metrics.clone(),
+    ));
+    tokio::spawn(follow(
+        watcher(nodes, cfg.fields(&format!("metadata.name={node_name}"))).default_backoff(),
+        state,
+        wake,
+        metrics,
+    ));
+}

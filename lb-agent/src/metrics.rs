@@ -1,0 +1,192 @@
+//! Prometheus metrics, served on `/metrics` of the health address.
+use std::sync::{atomic::AtomicU64, Arc};
+
+use prometheus_client::{
+    encoding::{text::encode, EncodeLabelSet},
+    metrics::{
+        counter::Counter,
+        family::Family,
+        gauge::Gauge,
+        histogram::{exponential_buckets, Histogram},
+    },
+    registry::Registry,
+};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MapLabel {
+    pub map: String,
+}
+
+/// The field a rejected object was rejected for, indices removed
+/// (`spec.ports[1].port` → `spec.ports.port`) to keep cardinality bounded.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RejectLabel {
+    pub field: String,
+}
+
+impl RejectLabel {
+    pub fn of(field: &str) -> Self {
+        let mut out = String::with_capacity(field.len());
+        let mut depth = 0;
+        for c in field.chars() {
+            match c {
+                '[' => depth += 1,
+                ']' => depth -= 1,
+                _ if depth == 0 => out.push(c),
+                _ => {}
+            }
+        }
+        Self {
+            field: if out.is_empty() { "object".into() } else { out },
+        }
+    }
+}
+
+type GaugeF64 = Gauge<f64, AtomicU64>;
+
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    pub sync_duration: Histogram,
+    pub last_sync: GaugeF64,
+    pub sync_errors: Counter,
+    pub frontends: Gauge,
+    pub backends: Gauge,
+    pub map_fill: Family<MapLabel, GaugeF64>,
+    pub watch_restarts: Family<KindLabel, Counter>,
+    pub watch_errors: Family<KindLabel, Counter>,
+    pub rejected: Family<RejectLabel, Gauge>,
+    pub affinity_entries: Gauge,
+    pub affinity_expired: Counter,
+    pub affinity_swept: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("lb");
+        let sync_duration = Histogram::new(exponential_buckets(0.0001, 2.0, 18));
+        let m = Self {
+            registry: Arc::new(Registry::default()),
+            sync_duration,
+            last_sync: GaugeF64::default(),
+            sync_errors: Counter::default(),
+            frontends: Gauge::default(),
+            backends: Gauge::default(),
+            map_fill: Family::default(),
+            watch_restarts: Family::default(),
+            watch_errors: Family::default(),
+            rejected: Family::default(),
+            affinity_entries: Gauge::default(),
+            affinity_expired: Counter::default(),
+            affinity_swept: Counter::default(),
+        };
+        registry.register(
+            "sync_duration_seconds",
+            "Time to translate and program one sync",
+            m.sync_duration.clone(),
+        );
+        registry.register(
+            "last_successful_sync_timestamp_seconds",
+            "Unix time of the last sync that programmed without map errors",
+            m.last_sync.clone(),
+        );
+        registry.register(
+            "sync_map_errors",
+            "Map writes that failed (retried on the next sync)",
+            m.sync_errors.clone(),
+        );
+        registry.register(
+            "frontends_programmed",
+            "Service frontends in LB_SERVICES",
+            m.frontends.clone(),
+        );
+        registry.register(
+            "backends_programmed",
+            "Backends in LB_BACKENDS",
+            m.backends.clone(),
+        );
+        registry.register(
+            "map_fill_ratio",
+            "Entries over capacity, per map",
+            m.map_fill.clone(),
+        );
+        registry.register(
+            "watch_restarts",
+            "Relists of a watched kind after the first list",
+            m.watch_restarts.clone(),
+        );
+        registry.register(
+            "watch_errors",
+            "Errors of a watch (retried with backoff)",
+            m.watch_errors.clone(),
+        );
+        registry.register(
+            "objects_rejected",
+            "Objects (or parts) skipped in the last sync, by the field at fault",
+            m.rejected.clone(),
+        );
+        registry.register(
+            "affinity_entries",
+            "sessionAffinity entries after the last sweep",
+            m.affinity_entries.clone(),
+        );
+        registry.register(
+            "affinity_expired",
+            "sessionAffinity entries deleted because their timeout passed",
+            m.affinity_expired.clone(),
+        );
+        registry.register(
+            "affinity_swept",
+            "sessionAffinity entries deleted because their Service or backend left",
+            m.affinity_swept.clone(),
+        );
+        Self {
+            registry: Arc::new(registry),
+            ..m
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reject_label_drops_indices() {
+        assert_eq!(RejectLabel::of("spec.ports[1].port").field, "spec.ports.port");
+        assert_eq!(RejectLabel::of("").field, "object");
+    }
+
+    #[test]
+    fn encodes_registered_metrics() {
+        let m = Metrics::new();
+        m.frontends.set(3);
+        m.watch_restarts
+            .get_or_create(&KindLabel {
+                kind: "Service".into(),
+            })
+            .inc();
+        let text = m.encode();
+        assert!(text.contains("lb_frontends_programmed 3"), "{text}");
+        assert!(text.contains("lb_watch_restarts_total{kind=\"Service\"} 1"), "{text}");
+        assert!(text.contains("lb_sync_duration_seconds_bucket"), "{text}");
+    }
+}
