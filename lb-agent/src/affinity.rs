@@ -92,10 +92,30 @@ mod tests {
         let now = 100 * 1_000_000_000;
         let cases = [
             ("fresh entry stays", key(1, 1), entry(7, 95), None),
-            ("exactly at the timeout stays", key(2, 1), entry(8, 90), None),
-            ("past the timeout goes", key(3, 1), entry(7, 89), Some(Stale::Expired)),
-            ("backend left the Service", key(4, 1), entry(9, 99), Some(Stale::BackendLeft)),
-            ("Service without affinity", key(5, 2), entry(7, 99), Some(Stale::NoPolicy)),
+            (
+                "exactly at the timeout stays",
+                key(2, 1),
+                entry(8, 90),
+                None,
+            ),
+            (
+                "past the timeout goes",
+                key(3, 1),
+                entry(7, 89),
+                Some(Stale::Expired),
+            ),
+            (
+                "backend left the Service",
+                key(4, 1),
+                entry(9, 99),
+                Some(Stale::BackendLeft),
+            ),
+            (
+                "Service without affinity",
+                key(5, 2),
+                entry(7, 99),
+                Some(Stale::NoPolicy),
+            ),
         ];
         for (name, k, e, want) in cases {
             let got = stale_entries([(&k, &e)], &policies, now);

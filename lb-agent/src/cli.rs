@@ -6,7 +6,11 @@ use clap::{Args, Parser, Subcommand};
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 
 #[derive(Debug, Parser)]
-#[command(name = "lb-agent", version, about = "eBPF service load balancer for Kubernetes")]
+#[command(
+    name = "lb-agent",
+    version,
+    about = "eBPF service load balancer for Kubernetes"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -21,7 +25,7 @@ pub enum Command {
         #[command(subcommand)]
         what: InspectWhat,
     },
-    /// Detach the programs and remove every pin.
+    /// Detach the programs and remove every pin (maps and links).
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
@@ -31,9 +35,23 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// Standalone mode: read Services, EndpointSlices and Endpoints from this
-    /// directory (*.yaml, *.yml, *.json) and follow its changes.
-    #[arg(long)]
+    /// directory (*.yaml, *.yml, *.json) and follow its changes. Without it,
+    /// the agent watches the Kubernetes API.
+    #[arg(long, conflicts_with_all = ["kubeconfig", "k8s_api_server"])]
     pub manifests: Option<PathBuf>,
+    /// Cluster mode: kubeconfig to use (default: in-cluster config, then
+    /// $KUBECONFIG / ~/.kube/config).
+    #[arg(long, env = "KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Cluster mode: the API server URL, for kube-proxy-free clusters where
+    /// the `kubernetes` Service cannot be reached before this agent runs.
+    #[arg(long, env = "K8S_API_SERVER")]
+    pub k8s_api_server: Option<String>,
+    /// On exit, detach the programs and remove the pins. By default the
+    /// datapath stays pinned and keeps serving until the agent restarts
+    /// (and adopts it) or `lb-agent cleanup` removes it.
+    #[arg(long)]
+    pub cleanup_on_exit: bool,
     /// The cgroup v2 directory the socket programs attach to (default: the
     /// cgroup v2 root, found in /proc/mounts).
     #[arg(long)]

@@ -153,7 +153,10 @@ fn apply_event<K: Stored>(
     match event {
         watcher::Event::Init => {
             if *K::listed(&mut state) {
-                metrics.watch_restarts.get_or_create(&kind_label(K::KIND)).inc();
+                metrics
+                    .watch_restarts
+                    .get_or_create(&kind_label(K::KIND))
+                    .inc();
             }
             *buffer = Some(BTreeMap::new());
         }
@@ -194,10 +197,8 @@ where
     while let Some(item) = stream.next().await {
         match item {
             Ok(event) => {
-                let batch_done = !matches!(
-                    event,
-                    watcher::Event::Init | watcher::Event::InitApply(_)
-                );
+                let batch_done =
+                    !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_));
                 apply_event(&state, &mut buffer, event, &metrics);
                 // A relist wakes the syncer once, when it is complete.
                 if batch_done {
@@ -205,7 +206,10 @@ where
                 }
             }
             Err(e) => {
-                metrics.watch_errors.get_or_create(&kind_label(K::KIND)).inc();
+                metrics
+                    .watch_errors
+                    .get_or_create(&kind_label(K::KIND))
+                    .inc();
                 tracing::warn!(kind = K::KIND, error = %e, "watch failed; retrying with backoff, keeping the last good state");
             }
         }

@@ -8,8 +8,11 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use aya::{
-    maps::{HashMap, Map, MapData, MapError},
-    programs::{CgroupAttachMode, CgroupSockAddr},
+    maps::{HashMap, Map, MapData, MapError, MapInfo},
+    programs::{
+        links::{FdLink, PinnedLink},
+        CgroupAttachMode, CgroupSockAddr,
+    },
     Ebpf, EbpfLoader,
 };
 use lb_common::{
@@ -138,7 +141,9 @@ impl PinnedMaps {
             entries: entries.len(),
             ..Default::default()
         };
-        for (key, why) in affinity::stale_entries(entries.iter().map(|(k, e)| (k, e)), policies, now) {
+        for (key, why) in
+            affinity::stale_entries(entries.iter().map(|(k, e)| (k, e)), policies, now)
+        {
             if self.affinity.remove(&key).is_ok() {
                 report.entries -= 1;
                 match why {
@@ -152,25 +157,131 @@ impl PinnedMaps {
     }
 }
 
-impl Datapath {
-    /// Loads the programs with maps pinned in `pin_dir` and attaches the
-    /// socket programs to `cgroup`. Pins left by an earlier run are removed
-    /// first: this agent programs its maps from scratch.
-    pub fn load(pin_dir: &Path, cgroup: &Path, capacity: &Capacity) -> anyhow::Result<Self> {
-        ensure_bpffs(pin_dir)?;
-        if pin_dir.exists() {
-            let stale = fs::read_dir(pin_dir)?.count();
-            if stale > 0 {
-                tracing::warn!(
-                    dir = %pin_dir.display(),
-                    pins = stale,
-                    "removing pins left by an earlier run"
-                );
-            }
-            remove_pins(pin_dir)?;
+/// What a map must look like to be adopted: (type, key size, value size,
+/// max entries). `bpf_map_type` numbers: hash 1, per-CPU array 6, LRU hash 9.
+fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u32); 6] {
+    use std::mem::size_of;
+    [
+        (
+            map_names::SERVICES,
+            1,
+            size_of::<ServiceKey>(),
+            size_of::<ServiceValue>(),
+            capacity.max_services,
+        ),
+        (
+            map_names::SLOTS,
+            1,
+            size_of::<BackendSlotKey>(),
+            size_of::<BackendSlot>(),
+            capacity.max_slots,
+        ),
+        (
+            map_names::BACKENDS,
+            1,
+            size_of::<BackendId>(),
+            size_of::<Backend>(),
+            capacity.max_backends,
+        ),
+        (
+            map_names::REV_SOCK,
+            9,
+            size_of::<lb_common::ReverseSockKey>(),
+            size_of::<lb_common::ReverseSockValue>(),
+            capacity.max_reverse_sockets,
+        ),
+        (
+            map_names::AFFINITY,
+            9,
+            size_of::<AffinityKey>(),
+            size_of::<AffinityEntry>(),
+            capacity.max_affinity,
+        ),
+        (
+            map_names::STATS,
+            6,
+            size_of::<u32>(),
+            size_of::<u64>(),
+            lb_common::stat::COUNT,
+        ),
+    ]
+}
+
+/// Removes pinned maps whose layout or size differs from this version's, so
+/// the loader recreates them. The three service maps refer to each other by
+/// id and go together. Returns what was recreated, for the log.
+fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
+    let mut recreated = Vec::new();
+    let mut core_changed = false;
+    for (name, map_type, key, value, max) in expected_layouts(capacity) {
+        let path = pin_dir.join(name);
+        if !path.exists() {
+            continue;
         }
-        fs::create_dir_all(pin_dir)
-            .with_context(|| format!("creating pin directory {}", pin_dir.display()))?;
+        let why = match MapInfo::from_pin(&path) {
+            Err(e) => Some(format!("unreadable ({e})")),
+            Ok(info) => {
+                let got = (
+                    info.map_type().map(|t| t as u32).unwrap_or(u32::MAX),
+                    info.key_size() as usize,
+                    info.value_size() as usize,
+                    info.max_entries(),
+                );
+                let want = (map_type, key, value, max);
+                (got != want)
+                    .then(|| format!("type/key/value/entries {got:?}, this version needs {want:?}"))
+            }
+        };
+        if let Some(why) = why {
+            fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+            recreated.push(format!("{name}: {why}"));
+            core_changed |=
+                [map_names::SERVICES, map_names::SLOTS, map_names::BACKENDS].contains(&name);
+        }
+    }
+    if core_changed {
+        for name in [map_names::SERVICES, map_names::SLOTS, map_names::BACKENDS] {
+            let path = pin_dir.join(name);
+            if path.exists() {
+                fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
+                recreated.push(format!("{name}: recreated with the other service maps"));
+            }
+        }
+    }
+    Ok(recreated)
+}
+
+/// What was found pinned by an earlier run.
+#[derive(Debug, Default)]
+pub struct Adopted {
+    pub services: Vec<(ServiceKey, ServiceValue)>,
+    pub slots: Vec<(BackendSlotKey, BackendSlot)>,
+    pub backends: Vec<(BackendId, Backend)>,
+    /// Maps recreated because their layout changed.
+    pub recreated: Vec<String>,
+    /// Program links of the earlier run that were replaced.
+    pub replaced_links: usize,
+}
+
+impl Datapath {
+    /// Loads the programs with maps pinned in `pin_dir` (adopting maps an
+    /// earlier run pinned, when their layout matches) and attaches the socket
+    /// programs to `cgroup` through links pinned in `pin_dir/links`, so that
+    /// the datapath outlives the agent. A restart attaches the new programs
+    /// before it unpins the old links: connects are served throughout.
+    pub fn load(
+        pin_dir: &Path,
+        cgroup: &Path,
+        capacity: &Capacity,
+    ) -> anyhow::Result<(Self, Adopted)> {
+        ensure_bpffs(pin_dir)?;
+        let links_dir = pin_dir.join("links");
+        fs::create_dir_all(&links_dir)
+            .with_context(|| format!("creating pin directory {}", links_dir.display()))?;
+        let mut adopted = Adopted {
+            recreated: drop_incompatible_pins(pin_dir, capacity)?,
+            ..Default::default()
+        };
 
         let paths: Vec<(&str, PathBuf)> = map_names::ALL
             .iter()
@@ -204,9 +315,23 @@ impl Datapath {
             // bpf_link attachments coexist with other programs of the cgroup
             // whatever the mode; `Single` is the one that passes no flags,
             // which is all BPF_LINK_CREATE accepts.
-            program
+            let link_id = program
                 .attach(&cgroup_dir, CgroupAttachMode::Single)
                 .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+            let link = FdLink::try_from(program.take_link(link_id)?)
+                .with_context(|| format!("link of {name}"))?;
+            let pin = links_dir.join(name);
+            // bpffs refuses names with a dot.
+            let fresh = links_dir.join(format!("{name}_new"));
+            let _ = fs::remove_file(&fresh);
+            link.pin(&fresh)
+                .with_context(|| format!("pinning the link of {name}"))?;
+            // Only now, with the new program attached, let the old one go.
+            if pin.exists() {
+                fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
+                adopted.replaced_links += 1;
+            }
+            fs::rename(&fresh, &pin).with_context(|| format!("renaming {}", fresh.display()))?;
         }
 
         let take = |ebpf: &mut Ebpf, name: &str| {
@@ -219,11 +344,17 @@ impl Datapath {
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
         };
-        Ok(Self {
-            _ebpf: ebpf,
-            pin_dir: pin_dir.to_owned(),
-            maps,
-        })
+        adopted.services = maps.services.iter().filter_map(Result::ok).collect();
+        adopted.slots = maps.slots.iter().filter_map(Result::ok).collect();
+        adopted.backends = maps.backends.iter().filter_map(Result::ok).collect();
+        Ok((
+            Self {
+                _ebpf: ebpf,
+                pin_dir: pin_dir.to_owned(),
+                maps,
+            },
+            adopted,
+        ))
     }
 
     pub fn maps(&mut self) -> &mut PinnedMaps {
@@ -232,11 +363,36 @@ impl Datapath {
 
     /// Detaches the programs and removes the pins.
     pub fn unload(self) -> anyhow::Result<()> {
-        let Self { _ebpf, pin_dir, maps } = self;
+        let Self {
+            _ebpf,
+            pin_dir,
+            maps,
+        } = self;
         drop(maps);
         drop(_ebpf);
         remove_pins(&pin_dir)
     }
+}
+
+/// Detaches pinned program links in `dir/links`, as `lb-agent cleanup` does.
+pub fn detach_pinned_links(dir: &Path) -> anyhow::Result<usize> {
+    let links = dir.join("links");
+    let Ok(entries) = fs::read_dir(&links) else {
+        return Ok(0);
+    };
+    let mut n = 0;
+    for entry in entries {
+        let path = entry?.path();
+        let link = PinnedLink::from_pin(&path)
+            .with_context(|| format!("opening pinned link {}", path.display()))?;
+        // Unpinning drops the last reference once `FdLink` goes: detached.
+        drop(
+            link.unpin()
+                .with_context(|| format!("unpinning {}", path.display()))?,
+        );
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// Removes every pin in `dir` and the directory itself.
@@ -321,7 +477,8 @@ mod tests {
             max_reverse_sockets: 64,
             max_affinity: 64,
         };
-        let mut dp = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        assert!(adopted.services.is_empty() && adopted.recreated.is_empty());
         for name in map_names::ALL {
             assert!(scratch.pins.join(name).exists(), "{name} not pinned");
         }
@@ -341,9 +498,26 @@ mod tests {
         assert_eq!(reader.services.get(&key, 0).unwrap(), value);
         drop(reader);
         assert_eq!(
-            dp.maps().del_backend(BackendId { id: 7 }).unwrap_err().kind(),
+            dp.maps()
+                .del_backend(BackendId { id: 7 })
+                .unwrap_err()
+                .kind(),
             std::io::ErrorKind::NotFound
         );
+        drop(dp);
+        // A second load adopts the pinned maps and replaces the links.
+        let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        assert_eq!(adopted.services, vec![(key, value)]);
+        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len());
+        drop(dp);
+        // Other capacities: the service maps are recreated, and reported.
+        let bigger = Capacity {
+            max_services: 128,
+            ..small
+        };
+        let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+        assert!(adopted.services.is_empty());
+        assert_eq!(adopted.recreated.len(), 3, "{:?}", adopted.recreated);
         dp.unload().unwrap();
         assert!(!scratch.pins.exists());
     }

@@ -8,7 +8,14 @@ use std::{
 };
 
 use anyhow::Context as _;
-use axum::{extract::State, http::StatusCode, routing::get, Router};
+use axum::{
+    extract::State,
+    http::{header, StatusCode},
+    routing::get,
+    Router,
+};
+
+use crate::metrics::Metrics;
 
 /// Set once the first full sync has been programmed.
 #[derive(Clone, Default)]
@@ -28,16 +35,33 @@ async fn readyz(State(ready): State<Readiness>) -> (StatusCode, &'static str) {
     if ready.is_ready() {
         (StatusCode::OK, "ready\n")
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not ready: first sync not done\n")
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not ready: first sync not done\n",
+        )
     }
 }
 
-/// Binds `addr` now (so a taken port fails the start) and serves in the background.
-pub async fn serve(addr: SocketAddr, ready: Readiness) -> anyhow::Result<()> {
+async fn metrics(
+    State(metrics): State<Metrics>,
+) -> ([(header::HeaderName, &'static str); 1], String) {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        metrics.encode(),
+    )
+}
+
+/// Binds `addr` now (so a taken port fails the start) and serves
+/// `/healthz`, `/readyz` and `/metrics` in the background.
+pub async fn serve(addr: SocketAddr, ready: Readiness, m: Metrics) -> anyhow::Result<()> {
     let app = Router::new()
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
-        .with_state(ready);
+        .with_state(ready)
+        .merge(Router::new().route("/metrics", get(metrics)).with_state(m));
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the health address {addr}"))?;

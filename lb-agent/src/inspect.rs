@@ -115,7 +115,11 @@ pub fn read_services(dir: &Path) -> anyhow::Result<Vec<FrontendView>> {
 /// A table in the spirit of `ipvsadm -Ln`.
 pub fn render_services(views: &[FrontendView]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "{:<8} {:<40} {:<6} {:<8} BACKENDS", "SCOPE", "FRONTEND", "ID", "FLAGS");
+    let _ = writeln!(
+        s,
+        "{:<8} {:<40} {:<6} {:<8} BACKENDS",
+        "SCOPE", "FRONTEND", "ID", "FLAGS"
+    );
     for v in views {
         let frontend = match (v.addr, v.protocol) {
             (IpAddr::V4(a), Some(p)) => format!("{a}:{}/{p}", v.port),
@@ -132,7 +136,11 @@ pub fn render_services(views: &[FrontendView]) -> String {
         } else {
             v.flags.join(",")
         };
-        let _ = writeln!(s, "{scope:<8} {frontend:<40} {:<6} {flags:<8}", v.service_id);
+        let _ = writeln!(
+            s,
+            "{scope:<8} {frontend:<40} {:<6} {flags:<8}",
+            v.service_id
+        );
         if v.backends.is_empty() && !v.flags.contains(&"vip") {
             let _ = writeln!(s, "{:>66}", "(no backends: connects are refused)");
         }
@@ -177,7 +185,12 @@ pub fn read_affinity(dir: &Path) -> anyhow::Result<Vec<AffinityView>> {
         };
         let backend = maps
             .backends
-            .get(&BackendId { id: value.backend_id }, 0)
+            .get(
+                &BackendId {
+                    id: value.backend_id,
+                },
+                0,
+            )
             .ok()
             .map(|b| match ip_from_bytes(&b.addr) {
                 IpAddr::V4(a) => format!("{a}:{}", b.port),
@@ -197,11 +210,22 @@ pub fn read_affinity(dir: &Path) -> anyhow::Result<Vec<AffinityView>> {
 
 pub fn render_affinity(views: &[AffinityView]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "{:<28} {:<8} {:<28} {:>10}", "CLIENT", "SERVICE", "BACKEND", "AGE");
+    let _ = writeln!(
+        s,
+        "{:<28} {:<8} {:<28} {:>10}",
+        "CLIENT", "SERVICE", "BACKEND", "AGE"
+    );
     for v in views {
-        let backend = v.backend.clone().unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
+        let backend = v
+            .backend
+            .clone()
+            .unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
         let age = format!("{:.1}s", v.age_ms as f64 / 1000.0);
-        let _ = writeln!(s, "{:<28} {:<8} {:<28} {:>10}", v.client, v.service_id, backend, age);
+        let _ = writeln!(
+            s,
+            "{:<28} {:<8} {:<28} {:>10}",
+            v.client, v.service_id, backend, age
+        );
     }
     let _ = writeln!(s, "{} entries", views.len());
     s

@@ -66,7 +66,9 @@ mod tests {
     use super::*;
 
     fn names(n: usize) -> Vec<String> {
-        (0..n).map(|i| format!("10.244.{}.{}:8080", i / 200, i % 200 + 1)).collect()
+        (0..n)
+            .map(|i| format!("10.244.{}.{}:8080", i / 200, i % 200 + 1))
+            .collect()
     }
 
     fn shares(table: &[u32], n: usize) -> Vec<f64> {
@@ -84,7 +86,9 @@ mod tests {
     fn every_position_is_owned_and_sizes_are_prime() {
         for size in TABLE_SIZES {
             let size = size as u32;
-            assert!((2..size).take_while(|d| d * d <= size).all(|d| size % d != 0));
+            assert!((2..size)
+                .take_while(|d| d * d <= size)
+                .all(|d| size % d != 0));
         }
         let t = build(&names(5), 251);
         assert_eq!(t.len(), 251);

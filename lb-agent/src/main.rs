@@ -42,8 +42,12 @@ fn main() -> anyhow::Result<()> {
             }
         },
         Command::Cleanup { bpffs } => {
+            let links = datapath::detach_pinned_links(&bpffs)?;
             datapath::remove_pins(&bpffs)?;
-            eprintln!("removed {}", bpffs.display());
+            eprintln!(
+                "detached {links} program links and removed {}",
+                bpffs.display()
+            );
             Ok(())
         }
     }

@@ -171,7 +171,10 @@ mod tests {
 
     #[test]
     fn reject_label_drops_indices() {
-        assert_eq!(RejectLabel::of("spec.ports[1].port").field, "spec.ports.port");
+        assert_eq!(
+            RejectLabel::of("spec.ports[1].port").field,
+            "spec.ports.port"
+        );
         assert_eq!(RejectLabel::of("").field, "object");
     }
 
@@ -186,7 +189,10 @@ mod tests {
             .inc();
         let text = m.encode();
         assert!(text.contains("lb_frontends_programmed 3"), "{text}");
-        assert!(text.contains("lb_watch_restarts_total{kind=\"Service\"} 1"), "{text}");
+        assert!(
+            text.contains("lb_watch_restarts_total{kind=\"Service\"} 1"),
+            "{text}"
+        );
         assert!(text.contains("lb_sync_duration_seconds_bucket"), "{text}");
     }
 }

@@ -118,7 +118,12 @@ fn lowest_free(used: &BTreeSet<u32>) -> u32 {
     candidate
 }
 
-fn service_value(id: u32, backend_set: u32, state: &FrontendState, maglev_size: u16) -> ServiceValue {
+fn service_value(
+    id: u32,
+    backend_set: u32,
+    state: &FrontendState,
+    maglev_size: u16,
+) -> ServiceValue {
     let mut flags = 0;
     if state.affinity_timeout.is_some() {
         flags |= service_flags::AFFINITY;
@@ -175,7 +180,8 @@ impl Reconciler {
                 protocol,
             };
             r.used_backend_ids.insert(id.id);
-            r.backends.insert(addr, ProgrammedBackend { id: id.id, value });
+            r.backends
+                .insert(addr, ProgrammedBackend { id: id.id, value });
         }
         let backend_ids: BTreeSet<u32> = r.used_backend_ids.clone();
         for (key, value) in services {
@@ -231,8 +237,24 @@ impl Reconciler {
             }
         }
         r.retiring.extend(orphans);
-        r.next_set = r.used_sets.iter().next_back().map_or(1, |s| s.wrapping_add(1).max(1));
+        r.next_set = r
+            .used_sets
+            .iter()
+            .next_back()
+            .map_or(1, |s| s.wrapping_add(1).max(1));
         r
+    }
+
+    /// Entries in use: (frontends, VIP markers, backends, slots).
+    pub fn usage(&self) -> (usize, usize, usize, usize) {
+        let live: usize = self.frontends.values().map(|p| p.slots.len()).sum();
+        let retiring: usize = self.retiring.iter().map(|(_, n)| *n as usize).sum();
+        (
+            self.frontends.len(),
+            self.vips.len(),
+            self.backends.len(),
+            live + retiring,
+        )
     }
 
     pub fn frontend_count(&self) -> usize {
@@ -259,7 +281,10 @@ impl Reconciler {
     fn desired_backends(desired: &DesiredState) -> BTreeMap<BackendAddr, Backend> {
         let mut out: BTreeMap<BackendAddr, Backend> = BTreeMap::new();
         for state in desired.frontends.values() {
-            let lists = [(&state.active, 0), (&state.terminating, backend_flags::TERMINATING)];
+            let lists = [
+                (&state.active, 0),
+                (&state.terminating, backend_flags::TERMINATING),
+            ];
             for (list, extra) in lists {
                 for r in list {
                     let entry = out.entry(r.backend).or_insert(Backend {
@@ -628,7 +653,7 @@ mod tests {
                         backend_set: v.backend_set,
                         slot,
                     }]
-                    .backend_id;
+                        .backend_id;
                     let b = self.backends[&BackendId { id }];
                     let addr = if lb_common::is_ipv4_mapped(&b.addr) {
                         IpAddr::from([b.addr[12], b.addr[13], b.addr[14], b.addr[15]])
@@ -753,11 +778,17 @@ mod tests {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
-        let d = desired(&[(web, state("web", &[be("10.244.1.1", 8080), be("10.244.1.2", 8080)]))]);
+        let d = desired(&[(
+            web,
+            state("web", &[be("10.244.1.1", 8080), be("10.244.1.2", 8080)]),
+        )]);
         let report = sync(&mut r, &d, &mut m);
         assert_eq!(report.frontends_written, 1);
         assert_eq!(report.backends_written, 2);
-        assert_eq!(m.backends_of(&web), vec![be("10.244.1.1", 8080), be("10.244.1.2", 8080)]);
+        assert_eq!(
+            m.backends_of(&web),
+            vec![be("10.244.1.1", 8080), be("10.244.1.2", 8080)]
+        );
         let vip = ServiceKey::wildcard(addr_bytes("10.96.0.10".parse().unwrap()), 0);
         assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
         assert_eq!(m.services.len(), 2);
@@ -767,7 +798,10 @@ mod tests {
     fn unchanged_state_writes_nothing() {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
-        let d = desired(&[(fe("10.96.0.10", 80), state("web", &[be("10.244.1.1", 8080)]))]);
+        let d = desired(&[(
+            fe("10.96.0.10", 80),
+            state("web", &[be("10.244.1.1", 8080)]),
+        )]);
         sync(&mut r, &d, &mut m);
         let writes = m.writes;
         let report = sync(&mut r, &d, &mut m);
@@ -801,9 +835,16 @@ mod tests {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
-        sync(&mut r, &desired(&[(web, state("web", &[be("10.244.1.1", 80)]))]), &mut m);
+        sync(
+            &mut r,
+            &desired(&[(web, state("web", &[be("10.244.1.1", 80)]))]),
+            &mut m,
+        );
         let old = m.services[&service_key(&web)];
-        r.apply(&desired(&[(web, state("web", &[be("10.244.1.2", 80)]))]), &mut m);
+        r.apply(
+            &desired(&[(web, state("web", &[be("10.244.1.2", 80)]))]),
+            &mut m,
+        );
         // A connect that read the old value still resolves its slot.
         assert!(m.slots.contains_key(&BackendSlotKey {
             backend_set: old.backend_set,
@@ -839,7 +880,11 @@ mod tests {
         let mut m = FakeMaps::default();
         let shared = be("10.244.1.1", 80);
         let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
-        sync(&mut r, &desired(&[(a, state("a", &[shared])), (b, state("b", &[shared]))]), &mut m);
+        sync(
+            &mut r,
+            &desired(&[(a, state("a", &[shared])), (b, state("b", &[shared]))]),
+            &mut m,
+        );
         assert_eq!(m.backends.len(), 1);
         sync(&mut r, &desired(&[(b, state("b", &[shared]))]), &mut m);
         assert_eq!(m.backends_of(&b), vec![shared]);
@@ -867,7 +912,8 @@ mod tests {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
-        let backends: Vec<BackendAddr> = (1..=5).map(|i| be(&format!("10.244.1.{i}"), 80)).collect();
+        let backends: Vec<BackendAddr> =
+            (1..=5).map(|i| be(&format!("10.244.1.{i}"), 80)).collect();
         let mut s = state("web", &backends);
         s.algorithm = Algorithm::Maglev;
         sync(&mut r, &desired(&[(web, s.clone())]), &mut m);
@@ -878,7 +924,11 @@ mod tests {
             (0..v.maglev_size as u32)
                 .map(|i| {
                     let slot = lb_common::select::maglev_slot(&v, i);
-                    let id = m.slots[&BackendSlotKey { backend_set: v.backend_set, slot }].backend_id;
+                    let id = m.slots[&BackendSlotKey {
+                        backend_set: v.backend_set,
+                        slot,
+                    }]
+                        .backend_id;
                     m.backends[&BackendId { id }]
                 })
                 .collect()
@@ -983,7 +1033,11 @@ mod tests {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
-        sync(&mut r, &desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]), &mut m);
+        sync(
+            &mut r,
+            &desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]),
+            &mut m,
+        );
         m.slot_capacity = Some(2);
         let many: Vec<BackendAddr> = (1..=3).map(|i| be(&format!("10.244.2.{i}"), 80)).collect();
         let report = r.apply(
@@ -994,7 +1048,11 @@ mod tests {
             &mut m,
         );
         assert_eq!(report.errors.len(), 1, "{:?}", report.errors);
-        assert!(report.errors[0].contains("10.96.0.11:80/TCP"), "{}", report.errors[0]);
+        assert!(
+            report.errors[0].contains("10.96.0.11:80/TCP"),
+            "{}",
+            report.errors[0]
+        );
         assert_eq!(m.backends_of(&a), vec![be("10.244.1.1", 80)]);
         assert!(!m.services.contains_key(&service_key(&b)));
         r.retire(&mut m);

@@ -1,17 +1,26 @@
-//! `lb-agent run`: load, attach, then keep the maps in sync until a signal.
-use std::{collections::BTreeSet, path::Path, time::Duration};
+//! `lb-agent run`: load (or adopt) the datapath, then keep the maps in sync
+//! with the manifests directory or the Kubernetes API until a signal.
+use std::{
+    collections::BTreeSet,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use anyhow::{bail, Context as _};
-use notify::{RecursiveMode, Watcher as _};
+use notify::{RecommendedWatcher, RecursiveMode, Watcher as _};
 use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 
 use crate::{
-    cli::RunArgs,
+    cli::{Capacity, RunArgs},
+    cluster::{self, ApiAccess, SharedState},
     datapath::{self, Datapath},
     health::{self, Readiness},
     manifest,
+    metrics::{MapLabel, Metrics, RejectLabel},
     model::Algorithm,
     reconcile::Reconciler,
+    store::{Rejection, Store},
     translate::{self, TranslateOptions},
 };
 
@@ -19,7 +28,7 @@ use crate::{
 /// program holds a `ServiceValue` for well under a microsecond; this is
 /// margin, not a guess at that time.
 const RETIRE_DELAY: Duration = Duration::from_millis(50);
-/// A full reload even without file events, in case one was missed.
+/// A full re-translation even without events, in case one was missed.
 const RESYNC_PERIOD: Duration = Duration::from_secs(30);
 /// How often expired affinity entries are swept; the kernel honours the
 /// timeout on its own, so this only bounds the map.
@@ -49,28 +58,67 @@ impl ProblemLog {
     }
 }
 
-struct Syncer<'a> {
-    dir: &'a Path,
+/// Where the objects come from. Both feed the same translation.
+enum Source {
+    Manifests {
+        dir: PathBuf,
+        /// Kept alive for its events.
+        _watcher: RecommendedWatcher,
+    },
+    Cluster(SharedState),
+}
+
+impl Source {
+    /// Runs `f` on the current objects and the problems found reading them.
+    fn with_store<R>(&self, f: impl FnOnce(&Store, Vec<Rejection>) -> R) -> R {
+        match self {
+            Source::Manifests { dir, .. } => {
+                let (store, rejections) = manifest::load_dir(dir);
+                f(&store, rejections)
+            }
+            Source::Cluster(state) => {
+                let state = state.lock().expect("cluster state lock");
+                f(&state.store, Vec::new())
+            }
+        }
+    }
+
+    /// Whether a sync now would program a complete picture.
+    fn complete(&self) -> bool {
+        match self {
+            Source::Manifests { .. } => true,
+            Source::Cluster(state) => state.lock().expect("cluster state lock").all_listed(),
+        }
+    }
+}
+
+struct Syncer {
+    source: Source,
     node_name: String,
     algorithm: Algorithm,
+    capacity: Capacity,
     datapath: Datapath,
     reconciler: Reconciler,
     problems: ProblemLog,
+    metrics: Metrics,
 }
 
-impl Syncer<'_> {
-    /// Reads the directory and programs what it says. Bad objects are
-    /// reported and skipped; the rest is programmed.
+impl Syncer {
+    /// Translates the current objects and programs the difference. Bad
+    /// objects are reported and skipped; the rest is programmed.
     fn sync(&mut self) {
         let started = Instant::now();
-        let (store, mut rejections) = manifest::load_dir(self.dir);
-        let node = store.node_info(&self.node_name);
         let opts = TranslateOptions {
             default_algorithm: self.algorithm,
             node_addresses: Vec::new(),
         };
-        let (desired, translate_rejections) = translate::translate(&store, &node, &opts);
-        rejections.extend(translate_rejections);
+        let node_name = self.node_name.clone();
+        let (desired, rejections) = self.source.with_store(|store, mut rejections| {
+            let node = store.node_info(&node_name);
+            let (desired, more) = translate::translate(store, &node, &opts);
+            rejections.extend(more);
+            (desired, rejections)
+        });
         let report = self.reconciler.apply(&desired, self.datapath.maps());
         for e in &report.errors {
             tracing::error!("map write failed, will retry on the next sync: {e}");
@@ -82,9 +130,11 @@ impl Syncer<'_> {
         if report.frontends_written + report.frontends_removed > 0 {
             self.sweep_affinity();
         }
+        self.record(&report, &rejections, started.elapsed());
         tracing::info!(
             frontends = desired.frontends.len(),
             written = report.frontends_written,
+            adopted = report.frontends_adopted,
             removed = report.frontends_removed,
             backends_written = report.backends_written,
             rejected = rejections.len(),
@@ -93,9 +143,57 @@ impl Syncer<'_> {
         );
     }
 
+    fn record(
+        &self,
+        report: &crate::reconcile::SyncReport,
+        rejections: &[Rejection],
+        took: Duration,
+    ) {
+        let m = &self.metrics;
+        m.sync_duration.observe(took.as_secs_f64());
+        m.sync_errors.inc_by(report.errors.len() as u64);
+        if report.errors.is_empty() {
+            let now = SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default();
+            m.last_sync.set(now.as_secs_f64());
+        }
+        let (frontends, vips, backends, slots) = self.reconciler.usage();
+        m.frontends.set(frontends as i64);
+        m.backends.set(backends as i64);
+        for (map, used, cap) in [
+            (
+                lb_common::map_names::SERVICES,
+                frontends + vips,
+                self.capacity.max_services,
+            ),
+            (
+                lb_common::map_names::BACKENDS,
+                backends,
+                self.capacity.max_backends,
+            ),
+            (lb_common::map_names::SLOTS, slots, self.capacity.max_slots),
+        ] {
+            m.map_fill
+                .get_or_create(&MapLabel {
+                    map: map.to_owned(),
+                })
+                .set(used as f64 / cap.max(1) as f64);
+        }
+        m.rejected.clear();
+        for r in rejections {
+            m.rejected.get_or_create(&RejectLabel::of(&r.field)).inc();
+        }
+    }
+
     fn sweep_affinity(&mut self) {
         let policies = self.reconciler.affinity_policies();
         let r = self.datapath.maps().sweep_affinity(&policies);
+        self.metrics.affinity_entries.set(r.entries as i64);
+        self.metrics.affinity_expired.inc_by(r.expired as u64);
+        self.metrics
+            .affinity_swept
+            .inc_by((r.no_policy + r.backend_left) as u64);
         if r.expired + r.no_policy + r.backend_left > 0 {
             tracing::debug!(
                 entries = r.entries,
@@ -114,35 +212,8 @@ impl Syncer<'_> {
     }
 }
 
-pub async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let Some(dir) = args.manifests.as_deref() else {
-        bail!("cluster mode is not available yet: pass --manifests DIR");
-    };
-    if !dir.is_dir() {
-        bail!("--manifests {}: not a directory", dir.display());
-    }
-    let node_name = match args.node_name {
-        Some(n) => n,
-        None => hostname()?,
-    };
-    let cgroup = match args.cgroup {
-        Some(c) => c,
-        None => datapath::cgroup2_root()?,
-    };
-
-    let ready = Readiness::default();
-    health::serve(args.health_addr, ready.clone()).await?;
-
-    let datapath = Datapath::load(&args.bpffs, &cgroup, &args.capacity)?;
-    tracing::info!(
-        cgroup = %cgroup.display(),
-        bpffs = %args.bpffs.display(),
-        node = %node_name,
-        "programs attached"
-    );
-
-    // Watch before the first read, so no change between the two is lost.
-    let (tx, mut events) = mpsc::channel::<()>(1);
+/// Wakes `tx` on changes in `dir`.
+fn watch_dir(dir: &std::path::Path, tx: mpsc::Sender<()>) -> anyhow::Result<RecommendedWatcher> {
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         match res {
             Ok(e) if e.kind.is_access() => {}
@@ -157,53 +228,138 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     watcher
         .watch(dir, RecursiveMode::NonRecursive)
         .with_context(|| format!("watching {}", dir.display()))?;
+    Ok(watcher)
+}
 
+pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let node_name = match args.node_name.clone() {
+        Some(n) => n,
+        None => hostname()?,
+    };
+    let cgroup = match args.cgroup.clone() {
+        Some(c) => c,
+        None => datapath::cgroup2_root()?,
+    };
+    let metrics = Metrics::new();
+    let ready = Readiness::default();
+    health::serve(args.health_addr, ready.clone(), metrics.clone()).await?;
+
+    // Changes wake the loop; one pending wake-up is enough.
+    let (wake, mut events) = mpsc::channel::<()>(1);
+    let source = match &args.manifests {
+        Some(dir) => {
+            if !dir.is_dir() {
+                bail!("--manifests {}: not a directory", dir.display());
+            }
+            // Watch before the first read, so no change between the two is lost.
+            Source::Manifests {
+                dir: dir.clone(),
+                _watcher: watch_dir(dir, wake.clone())?,
+            }
+        }
+        None => {
+            let access = ApiAccess {
+                kubeconfig: args.kubeconfig.clone(),
+                api_server: args.k8s_api_server.clone(),
+            };
+            let client = cluster::client(&access).await?;
+            let state: SharedState = Arc::new(Mutex::new(Default::default()));
+            cluster::start(
+                client,
+                &node_name,
+                state.clone(),
+                wake.clone(),
+                metrics.clone(),
+            );
+            Source::Cluster(state)
+        }
+    };
+
+    let (datapath, adopted) = Datapath::load(&args.bpffs, &cgroup, &args.capacity)?;
+    for r in &adopted.recreated {
+        tracing::warn!("map layout changed since the last run, recreated: {r}");
+    }
+    tracing::info!(
+        cgroup = %cgroup.display(),
+        bpffs = %args.bpffs.display(),
+        node = %node_name,
+        adopted_frontends = adopted.services.len(),
+        replaced_links = adopted.replaced_links,
+        "programs attached"
+    );
+    let reconciler = Reconciler::adopt(
+        args.maglev_table_size,
+        adopted.services,
+        adopted.slots,
+        adopted.backends,
+    );
     let mut syncer = Syncer {
-        dir,
+        source,
         node_name,
         algorithm: args.algorithm.into(),
+        capacity: args.capacity.clone(),
         datapath,
-        reconciler: Reconciler::new(args.maglev_table_size),
+        reconciler,
         problems: ProblemLog::default(),
+        metrics,
     };
-    syncer.sync();
-    ready.set_ready();
+    // Until the API has been listed completely, the adopted maps stay as
+    // they are: an early sync would delete what is not listed yet.
+    if syncer.source.complete() {
+        syncer.sync();
+        ready.set_ready();
+    }
 
     let mut sigterm = tokio::signal::unix::signal(SignalKind::terminate())?;
     let mut sigint = tokio::signal::unix::signal(SignalKind::interrupt())?;
-    let mut retire_at: Option<Instant> = syncer.reconciler.has_retiring().then(|| Instant::now() + RETIRE_DELAY);
+    let mut retire_at: Option<Instant> = None;
     let mut resync = tokio::time::interval(RESYNC_PERIOD);
     resync.tick().await;
     let mut sweep = tokio::time::interval(AFFINITY_SWEEP_PERIOD);
     sweep.tick().await;
     loop {
+        if retire_at.is_none() && syncer.reconciler.has_retiring() {
+            retire_at = Some(Instant::now() + RETIRE_DELAY);
+        }
         let retire_sleep = async {
             match retire_at {
                 Some(t) => tokio::time::sleep_until(t).await,
                 None => std::future::pending().await,
             }
         };
-        tokio::select! {
+        let sync_now = tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
             Some(()) = events.recv() => {
-                // Coalesce a burst of writes into one sync.
+                // Coalesce a burst of changes into one sync.
                 tokio::time::sleep(args.sync_debounce).await;
                 while events.try_recv().is_ok() {}
-                syncer.sync();
+                true
             }
-            _ = resync.tick() => syncer.sync(),
-            _ = sweep.tick() => syncer.sweep_affinity(),
+            _ = resync.tick() => true,
+            _ = sweep.tick() => {
+                syncer.sweep_affinity();
+                false
+            }
             _ = retire_sleep => {
                 syncer.retire();
                 retire_at = None;
+                false
             }
-        }
-        if retire_at.is_none() && syncer.reconciler.has_retiring() {
-            retire_at = Some(Instant::now() + RETIRE_DELAY);
+        };
+        if sync_now && syncer.source.complete() {
+            syncer.sync();
+            ready.set_ready();
         }
     }
-    tracing::info!("signal received: detaching and removing pins");
-    drop(watcher);
-    syncer.datapath.unload()
+    if args.cleanup_on_exit {
+        tracing::info!("signal received: detaching and removing pins");
+        syncer.datapath.unload()
+    } else {
+        tracing::info!(
+            bpffs = %args.bpffs.display(),
+            "signal received: the datapath stays pinned and keeps serving; `lb-agent cleanup` removes it"
+        );
+        Ok(())
+    }
 }
