@@ -252,7 +252,7 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
 }
 
 /// What was found pinned by an earlier run.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Adopted {
     pub services: Vec<(ServiceKey, ServiceValue)>,
     pub slots: Vec<(BackendSlotKey, BackendSlot)>,
@@ -261,6 +261,31 @@ pub struct Adopted {
     pub recreated: Vec<String>,
     /// Program links of the earlier run that were replaced.
     pub replaced_links: usize,
+    /// Kernel-side log records (aya-log), for `forward_kernel_logs`.
+    pub logger: Option<KernelLogger>,
+}
+
+pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
+
+/// Forwards the programs' aya-log records to the agent's log (they arrive
+/// at debug level and rarely: only on paths that indicate a problem).
+pub fn forward_kernel_logs(logger: KernelLogger) -> anyhow::Result<()> {
+    // SAFETY: the logger owns its ring buffer fd and keeps it open, unchanged,
+    // for as long as the AsyncFd (and so the registration) lives.
+    let mut fd = unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(logger, tokio::io::Interest::READABLE)
+    }
+    .context("watching the kernel log ring buffer")?;
+    tokio::spawn(async move {
+        loop {
+            let Ok(mut guard) = fd.readable_mut().await else {
+                return;
+            };
+            guard.get_inner_mut().flush();
+            guard.clear_ready();
+        }
+    });
+    Ok(())
 }
 
 impl Datapath {
@@ -300,6 +325,10 @@ impl Datapath {
         let mut ebpf = loader
             .load(EBPF_OBJECT)
             .context("loading the kernel programs")?;
+        match aya_log::EbpfLogger::init(&mut ebpf) {
+            Ok(logger) => adopted.logger = Some(logger),
+            Err(e) => tracing::warn!(error = %e, "kernel-side logs unavailable"),
+        }
 
         let cgroup_dir = fs::File::open(cgroup)
             .with_context(|| format!("opening cgroup {}", cgroup.display()))?;

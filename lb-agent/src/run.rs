@@ -275,7 +275,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
 
-    let (datapath, adopted) = Datapath::load(&args.bpffs, &cgroup, &args.capacity)?;
+    let (datapath, mut adopted) = Datapath::load(&args.bpffs, &cgroup, &args.capacity)?;
+    if let Some(logger) = adopted.logger.take() {
+        datapath::forward_kernel_logs(logger)?;
+    }
     for r in &adopted.recreated {
         tracing::warn!("map layout changed since the last run, recreated: {r}");
     }

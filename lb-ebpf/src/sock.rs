@@ -226,6 +226,16 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
         choose(ctx, &svc)
     };
     let Some((_id, backend)) = chosen else {
+        if svc.active > 0 || svc.terminating > 0 {
+            // The agent publishes whole sets, so this means the maps were
+            // edited by hand or are full; say so instead of refusing quietly.
+            aya_log_ebpf::debug!(
+                ctx,
+                "service {} (set {}) has backends but none resolved",
+                svc.id,
+                svc.backend_set
+            );
+        }
         return refuse(ctx);
     };
     if !write_addr(ctx, family, &backend.addr, backend.port) {
