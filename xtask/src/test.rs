@@ -1,0 +1,66 @@
+//! `cargo xtask test`: setup, build, unit tests, then the integration tests.
+use std::{
+    path::Path,
+    process::{Command, ExitCode},
+};
+
+use anyhow::Result;
+
+use crate::{build, is_root, run_status, setup, step, target_dir};
+
+pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
+    setup::setup()?;
+    let object = build::build(root)?;
+    let release = target_dir(root).join("release");
+
+    let unit = run_status(
+        "unit tests",
+        Command::new("cargo")
+            .current_dir(root)
+            .args([
+                "test",
+                "--release",
+                "--package",
+                "lb-common",
+                "--package",
+                "lb-agent",
+            ])
+            .env("LB_EBPF_OBJECT", &object),
+        "fix the errors above",
+    )?
+    .success();
+
+    let integration = if is_root() {
+        let status = run_status(
+            "integration tests",
+            Command::new("cargo")
+                .current_dir(root)
+                .args(["test", "--release", "--package", "integration-tests", "--"])
+                .arg("--test-threads=2")
+                .args(args)
+                .env("LB_AGENT_BIN", release.join("lb-agent"))
+                .env("LB_BIN_DIR", &release)
+                .env("LB_EBPF_OBJECT", &object),
+            "fix the errors above",
+        )?;
+        Some(status.success())
+    } else {
+        eprintln!(
+            "xtask: error: the integration tests load eBPF programs and need root; \
+             rerun as root, e.g. `sudo -E cargo xtask test`"
+        );
+        None
+    };
+
+    let word = |ok: bool| if ok { "passed" } else { "FAILED" };
+    step!(
+        "summary: unit tests {}, integration tests {}",
+        word(unit),
+        integration.map_or("not run (need root)", word)
+    );
+    Ok(if unit && integration == Some(true) {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
