@@ -109,6 +109,7 @@ pub struct PinnedMaps {
     pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     pub backends: HashMap<MapData, BackendId, Backend>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
+    pub rev_sock: HashMap<MapData, lb_common::ReverseSockKey, lb_common::ReverseSockValue>,
 }
 
 impl PinnedMaps {
@@ -125,7 +126,19 @@ impl PinnedMaps {
             slots: HashMap::try_from(open(map_names::SLOTS)?)?,
             backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
             affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
+            rev_sock: HashMap::try_from(open(map_names::REV_SOCK)?)?,
         })
+    }
+
+    /// The service id a socket addressed when it was sent to `dst`.
+    pub fn service_of_socket(&self, cookie: u64, dst: std::net::SocketAddr) -> Option<u32> {
+        let key = lb_common::ReverseSockKey {
+            cookie,
+            addr: crate::reconcile::addr_bytes(dst.ip()),
+            port: dst.port(),
+            _pad: [0; 6],
+        };
+        self.rev_sock.get(&key, 0).ok().map(|v| v.service_id)
     }
 
     /// Deletes affinity entries that can no longer bind (see `affinity`).
@@ -372,6 +385,7 @@ impl Datapath {
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
+            rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
         };
         adopted.services = maps.services.iter().filter_map(Result::ok).collect();
         adopted.slots = maps.slots.iter().filter_map(Result::ok).collect();

@@ -11,5 +11,6 @@ pub mod metrics;
 pub mod model;
 pub mod reconcile;
 pub mod run;
+pub mod sockets;
 pub mod store;
 pub mod translate;

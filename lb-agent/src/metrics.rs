@@ -64,6 +64,7 @@ pub struct Metrics {
     pub affinity_entries: Gauge,
     pub affinity_expired: Counter,
     pub affinity_swept: Counter,
+    pub udp_sockets_destroyed: Counter,
 }
 
 impl Default for Metrics {
@@ -90,6 +91,7 @@ impl Metrics {
             affinity_entries: Gauge::default(),
             affinity_expired: Counter::default(),
             affinity_swept: Counter::default(),
+            udp_sockets_destroyed: Counter::default(),
         };
         registry.register(
             "sync_duration_seconds",
@@ -150,6 +152,11 @@ impl Metrics {
             "affinity_swept",
             "sessionAffinity entries deleted because their Service or backend left",
             m.affinity_swept.clone(),
+        );
+        registry.register(
+            "udp_sockets_destroyed",
+            "Connected UDP sockets destroyed because their backend left the Service",
+            m.udp_sockets_destroyed.clone(),
         );
         Self {
             registry: Arc::new(registry),

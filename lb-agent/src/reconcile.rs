@@ -43,6 +43,7 @@ pub trait MapOps {
 pub fn addr_bytes(addr: IpAddr) -> [u8; 16] {
     match addr {
         IpAddr::V4(a) => lb_common::ipv4_mapped(a.octets()),
+        // Already mapped (as a dual-stack socket reports it) or native v6.
         IpAddr::V6(a) => a.octets(),
     }
 }
@@ -87,6 +88,9 @@ pub struct SyncReport {
     pub frontends_adopted: usize,
     pub frontends_removed: usize,
     pub backends_written: usize,
+    /// UDP backends that left a frontend (by its service id): connected
+    /// sockets still talking to them are to be destroyed.
+    pub udp_departed: BTreeSet<(u32, BackendAddr)>,
     pub errors: Vec<String>,
 }
 
@@ -342,8 +346,15 @@ impl Reconciler {
                     continue;
                 }
             }
+            let previous = self.frontends.get(frontend).cloned();
             match self.write_frontend(frontend, state, ops) {
-                Ok(true) => report.frontends_written += 1,
+                Ok(true) => {
+                    report.frontends_written += 1;
+                    if let (Some(old), Some(new)) = (previous, self.frontends.get(frontend)) {
+                        let keep = new.slots.clone();
+                        self.note_departed(frontend, &old, &keep, &mut report);
+                    }
+                }
                 Ok(false) => report.frontends_adopted += 1,
                 Err(e) => report.errors.push(e.to_string()),
             }
@@ -395,6 +406,7 @@ impl Reconciler {
                 }
                 _ => {
                     let p = self.frontends.remove(&frontend).expect("listed above");
+                    self.note_departed(&frontend, &p, &[], &mut report);
                     self.used_service_ids.remove(&p.id);
                     self.retiring.push((p.backend_set, p.slots.len() as u32));
                     report.frontends_removed += 1;
@@ -413,6 +425,28 @@ impl Reconciler {
 
     /// Programs one frontend; `Ok(false)` when the maps already held exactly
     /// this (an adopted entry), so nothing was written.
+    /// Records the UDP backends of `p` that `keep` no longer holds.
+    fn note_departed(
+        &self,
+        frontend: &Frontend,
+        p: &Programmed,
+        keep: &[u32],
+        report: &mut SyncReport,
+    ) {
+        if frontend.protocol != crate::model::Protocol::Udp {
+            return;
+        }
+        let serving = (p.value.active as usize + p.value.terminating as usize).min(p.slots.len());
+        for id in &p.slots[..serving] {
+            if keep.contains(id) {
+                continue;
+            }
+            if let Some((addr, _)) = self.backends.iter().find(|(_, b)| b.id == *id) {
+                report.udp_departed.insert((p.id, *addr));
+            }
+        }
+    }
+
     fn write_frontend(
         &mut self,
         frontend: &Frontend,
@@ -1008,6 +1042,48 @@ mod tests {
         r.retire(&mut m);
         assert_eq!(m.slots.len(), 1);
         assert_eq!(m.backends_of(&a), vec![be("10.244.1.1", 80)]);
+    }
+
+    #[test]
+    fn udp_backends_that_leave_are_reported_with_their_service() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let dns = Frontend {
+            protocol: Protocol::Udp,
+            ..fe("10.96.0.10", 53)
+        };
+        let udp = |ip: &str| BackendAddr {
+            protocol: Protocol::Udp,
+            ..be(ip, 53)
+        };
+        let web = fe("10.96.0.10", 80);
+        sync(
+            &mut r,
+            &desired(&[
+                (dns, state("dns", &[udp("10.244.1.1"), udp("10.244.1.2")])),
+                (web, state("web", &[be("10.244.1.1", 80)])),
+            ]),
+            &mut m,
+        );
+        let id = m.services[&service_key(&dns)].id;
+        let report = sync(
+            &mut r,
+            &desired(&[
+                (dns, state("dns", &[udp("10.244.1.2")])),
+                (web, state("web", &[])),
+            ]),
+            &mut m,
+        );
+        // TCP departures are not reported: TCP connections end on their own.
+        assert_eq!(
+            report.udp_departed,
+            BTreeSet::from([(id, udp("10.244.1.1"))])
+        );
+        let report = sync(&mut r, &DesiredState::default(), &mut m);
+        assert_eq!(
+            report.udp_departed,
+            BTreeSet::from([(id, udp("10.244.1.2"))])
+        );
     }
 
     #[test]

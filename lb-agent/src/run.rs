@@ -94,6 +94,8 @@ impl Source {
 
 struct Syncer {
     source: Source,
+    /// Where the programs are attached: the pods whose sockets we serve.
+    cgroup: PathBuf,
     node_name: String,
     algorithm: Algorithm,
     capacity: Capacity,
@@ -129,6 +131,9 @@ impl Syncer {
         // that just left its Service.
         if report.frontends_written + report.frontends_removed > 0 {
             self.sweep_affinity();
+        }
+        if !report.udp_departed.is_empty() {
+            self.destroy_departed_udp(&report.udp_departed);
         }
         self.record(&report, &rejections, started.elapsed());
         tracing::info!(
@@ -184,6 +189,53 @@ impl Syncer {
         for r in rejections {
             m.rejected.get_or_create(&RejectLabel::of(&r.field)).inc();
         }
+    }
+
+    /// Connected UDP sockets keep talking to the backend they were sent to;
+    /// when it left their Service, destroy them so the application sees an
+    /// error and reconnects through the hook to a live backend.
+    fn destroy_departed_udp(&mut self, departed: &BTreeSet<(u32, crate::model::BackendAddr)>) {
+        let targets: BTreeSet<std::net::SocketAddr> = departed
+            .iter()
+            .map(|(_, b)| std::net::SocketAddr::new(b.addr, b.port))
+            .collect();
+        let maps = self.datapath.maps();
+        let cgroup = self.cgroup.clone();
+        let report = tokio::task::block_in_place(|| {
+            crate::sockets::destroy_udp_sockets(&cgroup, &targets, |sock| {
+                let Some(service_id) = maps.service_of_socket(sock.cookie, sock.dst) else {
+                    // Not sent through us (a direct pod-to-pod socket).
+                    return false;
+                };
+                let ip = match sock.dst.ip() {
+                    std::net::IpAddr::V6(v6) => v6
+                        .to_ipv4_mapped()
+                        .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
+                    v4 => v4,
+                };
+                departed.contains(&(
+                    service_id,
+                    crate::model::BackendAddr {
+                        addr: ip,
+                        port: sock.dst.port(),
+                        protocol: crate::model::Protocol::Udp,
+                    },
+                ))
+            })
+        });
+        self.metrics
+            .udp_sockets_destroyed
+            .inc_by(report.destroyed as u64);
+        for e in &report.errors {
+            tracing::warn!("destroying stale UDP sockets: {e}");
+        }
+        tracing::info!(
+            backends = targets.len(),
+            namespaces = report.namespaces,
+            examined = report.examined,
+            destroyed = report.destroyed,
+            "connected UDP sockets to departed backends destroyed"
+        );
     }
 
     fn sweep_affinity(&mut self) {
@@ -298,6 +350,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let mut syncer = Syncer {
         source,
+        cgroup: cgroup.clone(),
         node_name,
         algorithm: args.algorithm.into(),
         capacity: args.capacity.clone(),
