@@ -35,7 +35,14 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
             "integration tests",
             Command::new("cargo")
                 .current_dir(root)
-                .args(["test", "--release", "--package", "integration-tests", "--"])
+                .args([
+                    "test",
+                    "--release",
+                    "--no-fail-fast",
+                    "--package",
+                    "integration-tests",
+                    "--",
+                ])
                 .arg("--test-threads=2")
                 .args(args)
                 .env("LB_AGENT_BIN", release.join("lb-agent"))

@@ -1,0 +1,295 @@
+//! Running `lb-agent run` for a test: unique pin directory, free health
+//! port, logs in a file, readiness through `GET /readyz`, SIGTERM on drop.
+use std::{
+    io::{Read as _, Write as _},
+    net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitStatus, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+
+use crate::{
+    cleanup::{self, CleanupHandle},
+    cmd,
+};
+
+/// Where bpffs is mounted; pin directories go below it.
+pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
+
+/// Mounts bpffs at [`BPFFS_ROOT`] unless it is mounted already (the agent
+/// pins there). The mount is left in place: it is the standard one.
+pub fn ensure_bpffs() -> Result<()> {
+    let mounts = std::fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
+    let mounted = mounts.lines().any(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        f.len() >= 3 && f[1] == BPFFS_ROOT && f[2] == "bpf"
+    });
+    if !mounted {
+        eprintln!("note: mounting bpffs at {BPFFS_ROOT}");
+        cmd::run(Command::new("mount").args(["-t", "bpf", "bpf", BPFFS_ROOT]))?;
+    }
+    Ok(())
+}
+
+/// A free TCP port on 127.0.0.1 (free when asked; good enough for tests).
+pub fn free_port() -> Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// A plain HTTP/1.0 GET; the status code and the body.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(500))?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.set_write_timeout(Some(Duration::from_secs(2)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.0\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp)?;
+    let resp = String::from_utf8_lossy(&resp);
+    let status_line = resp.lines().next().unwrap_or("");
+    let code = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow!("bad HTTP response {status_line:?}"))?;
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b).unwrap_or("");
+    Ok((code, body.to_string()))
+}
+
+/// Options of [`Agent::start`].
+#[derive(Debug, Clone)]
+pub struct AgentOpts {
+    pub node_name: String,
+    /// Default: a unique `/sys/fs/bpf/lbt{pid}x{n}-pins`.
+    pub pin_dir: Option<PathBuf>,
+    /// Default: `agent-{n}.log` beside the manifests directory.
+    pub log_file: Option<PathBuf>,
+    pub ready_timeout: Duration,
+    /// More arguments for `lb-agent run`.
+    pub extra_args: Vec<String>,
+}
+
+impl Default for AgentOpts {
+    fn default() -> Self {
+        Self {
+            node_name: "node-1".into(),
+            pin_dir: None,
+            log_file: None,
+            ready_timeout: Duration::from_secs(20),
+            extra_args: Vec::new(),
+        }
+    }
+}
+
+/// Sends SIGTERM, waits up to `grace`, then SIGKILL. `None` if the child
+/// had to be killed.
+fn terminate(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
+    if let Ok(Some(st)) = child.try_wait() {
+        return Some(st);
+    }
+    cmd::signal(child.id(), libc::SIGTERM);
+    let deadline = Instant::now() + grace;
+    while Instant::now() < deadline {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    None
+}
+
+/// A running `lb-agent run`; SIGTERM (then SIGKILL) and pin removal on drop.
+pub struct Agent {
+    bin: PathBuf,
+    pin_dir: PathBuf,
+    health: SocketAddr,
+    log_path: PathBuf,
+    pid: u32,
+    child: Arc<Mutex<Option<Child>>>,
+    _cleanup: CleanupHandle,
+}
+
+impl Agent {
+    /// Starts the agent on `manifests`, attached to the cgroup `cgroup`, and
+    /// waits for `/readyz` to answer 200.
+    pub fn start(manifests: &Path, cgroup: &Path, opts: AgentOpts) -> Result<Agent> {
+        cleanup::sweep_stale();
+        ensure_bpffs()?;
+        let bin = crate::agent_bin()?;
+        let pin_dir = opts
+            .pin_dir
+            .clone()
+            .unwrap_or_else(|| Path::new(BPFFS_ROOT).join(crate::unique_name("pins")));
+        let log_path = opts.log_file.clone().unwrap_or_else(|| {
+            manifests
+                .parent()
+                .unwrap_or(Path::new("/tmp"))
+                .join(format!("{}.log", crate::unique_name("agent")))
+        });
+        let health = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+        let log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        let mut c = Command::new(&bin);
+        c.arg("run")
+            .arg("--manifests")
+            .arg(manifests)
+            .arg("--cgroup")
+            .arg(cgroup)
+            .arg("--bpffs")
+            .arg(&pin_dir)
+            .args(["--node-name", &opts.node_name])
+            .args(["--health-addr", &health.to_string()])
+            .args(&opts.extra_args)
+            // Plain log lines in the log file.
+            .env("NO_COLOR", "1");
+        let line = cmd::display(&c);
+        let child = cmd::die_with_parent(&mut c, libc::SIGTERM)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("cannot run `{line}`"))?;
+        let pid = child.id();
+        let child = Arc::new(Mutex::new(Some(child)));
+        let (c2, p2) = (child.clone(), pin_dir.clone());
+        let handle = cleanup::register(format!("stop lb-agent {pid}"), move || {
+            if let Some(mut ch) = c2.lock().unwrap_or_else(|e| e.into_inner()).take() {
+                if terminate(&mut ch, Duration::from_secs(10)).is_none() {
+                    eprintln!("warning: lb-agent {pid} ignored SIGTERM for 10 s; killed");
+                }
+            }
+            if p2.exists() {
+                let _ = std::fs::remove_dir_all(&p2);
+            }
+        });
+        let agent = Agent {
+            bin,
+            pin_dir,
+            health,
+            log_path,
+            pid,
+            child,
+            _cleanup: handle,
+        };
+        agent
+            .wait_ready(opts.ready_timeout)
+            .with_context(|| format!("`{line}`"))?;
+        Ok(agent)
+    }
+
+    /// Polls `/readyz` until 200.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut last;
+        loop {
+            if let Some(st) = self.exit_status() {
+                bail!(
+                    "the agent exited ({st}) before it was ready; its log:\n{}",
+                    self.log()
+                );
+            }
+            match http_get(self.health, "/readyz") {
+                Ok((200, _)) => return Ok(()),
+                Ok((code, body)) => last = format!("{code} {}", body.trim()),
+                Err(e) => last = e.to_string(),
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "/readyz not 200 after {timeout:?} (last: {last}); the agent's log:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `Some(status)` once the process has exited.
+    pub fn exit_status(&self) -> Option<ExitStatus> {
+        let mut g = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        g.as_mut().and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    pub fn is_running(&self) -> bool {
+        let mut g = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        match g.as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// GET `path` on the health address.
+    pub fn get(&self, path: &str) -> Result<(u16, String)> {
+        http_get(self.health, path)
+    }
+
+    /// SIGTERM and wait (up to 10 s): the agent's exit status. Its pin
+    /// directory is left as the agent left it (removed on drop).
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        let mut ch = self
+            .child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| anyhow!("the agent was stopped already"))?;
+        terminate(&mut ch, Duration::from_secs(10))
+            .ok_or_else(|| anyhow!("the agent ignored SIGTERM for 10 s; killed it"))
+    }
+
+    /// `lb-agent inspect services --bpffs PIN --json`, parsed.
+    pub fn inspect_services(&self) -> Result<serde_json::Value> {
+        let out = self.inspect_services_raw(true)?;
+        serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))
+    }
+
+    /// `lb-agent inspect services --bpffs PIN [--json]`, as printed.
+    pub fn inspect_services_raw(&self, json: bool) -> Result<String> {
+        let mut c = Command::new(&self.bin);
+        c.args(["inspect", "services", "--bpffs"])
+            .arg(&self.pin_dir);
+        if json {
+            c.arg("--json");
+        }
+        cmd::run(&mut c)
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
+    }
+
+    pub fn health_addr(&self) -> SocketAddr {
+        self.health
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
+    /// Everything the agent logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_else(|e| format!("(no log: {e})"))
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "==== lb-agent log ({}) ====\n{}\n==== end of lb-agent log ====",
+                self.log_path.display(),
+                self.log()
+            );
+        }
+    }
+}

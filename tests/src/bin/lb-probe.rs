@@ -1,0 +1,385 @@
+//! `lb-probe`: the traffic ends of the integration tests.
+//!
+//! - `serve --name NAME --port P [--port Q ...] [--with-port]`: on each port,
+//!   TCP and UDP on `[::]` (dual-stack). TCP: on accept, write `NAME\n` and
+//!   close. UDP: answer each datagram with `NAME`. With `--with-port` the
+//!   answer is `NAME:PORT`, PORT being the local port that was hit. Prints one
+//!   line `{"listening":true,...}` once every socket is bound.
+//! - `client --cgroup DIR --netns NS --target IP:PORT --proto tcp|udp|udp-connected
+//!   --count N [--family v4|v6|v4mapped] [--timeout-ms 2000]`: first joins the
+//!   cgroup (writes its pid to `DIR/cgroup.procs`), then enters the network
+//!   namespace `/run/netns/NS`, then makes N independent attempts, printing
+//!   one JSON line for each:
+//!   `{"ok":true,"backend":"b1","reply":"b1","peer":"10.96.0.10:80","elapsed_ms":0.2}` or
+//!   `{"ok":false,"error":"ECONNREFUSED","stage":"connect","elapsed_ms":0.1}`.
+use std::{
+    fs::File,
+    io::{self, BufWriter, Read as _, Write as _},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use integration_tests::probe::Attempt;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "lb-probe",
+    about = "Test server and client for the load balancer's integration tests"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Answer TCP connections and UDP datagrams with a name.
+    Serve(ServeArgs),
+    /// Connect or send N times and report, one JSON line per attempt.
+    Client(ClientArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// What to answer.
+    #[arg(long)]
+    name: String,
+    /// Port to serve TCP and UDP on (repeatable).
+    #[arg(long = "port", required = true)]
+    ports: Vec<u16>,
+    /// Answer `NAME:PORT` (the local port that was hit) instead of `NAME`.
+    #[arg(long)]
+    with_port: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Proto {
+    Tcp,
+    Udp,
+    UdpConnected,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Family {
+    V4,
+    V6,
+    /// An AF_INET6 socket addressing the IPv4 target as `::ffff:a.b.c.d`.
+    V4mapped,
+}
+
+#[derive(Debug, Args)]
+struct ClientArgs {
+    /// cgroup v2 directory to join first.
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    /// Network namespace (`ip netns` name) to enter after joining the cgroup.
+    #[arg(long)]
+    netns: Option<String>,
+    /// `IP:PORT` or `[IPv6]:PORT`.
+    #[arg(long)]
+    target: String,
+    #[arg(long, value_enum, default_value = "tcp")]
+    proto: Proto,
+    #[arg(long, default_value_t = 1)]
+    count: usize,
+    /// Socket family; default: the target's.
+    #[arg(long, value_enum)]
+    family: Option<Family>,
+    /// Per attempt: connect, read and receive timeout.
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Cmd::Serve(a) => serve(a),
+        Cmd::Client(a) => client(a),
+    }
+}
+
+// ---------------------------------------------------------------- serve
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+/// An AF_INET6 socket on `[::]:port` that also accepts IPv4 (V6ONLY off).
+fn dual_stack_socket(ty: libc::c_int, port: u16) -> io::Result<OwnedFd> {
+    // SAFETY: plain socket calls on a descriptor we own; the sockaddr is a
+    // zeroed, fully initialised sockaddr_in6 of the size passed.
+    unsafe {
+        let fd = cvt(libc::socket(libc::AF_INET6, ty | libc::SOCK_CLOEXEC, 0))?;
+        let fd = OwnedFd::from_raw_fd(fd);
+        let zero: libc::c_int = 0;
+        let one: libc::c_int = 1;
+        let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        cvt(libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::IPPROTO_IPV6,
+            libc::IPV6_V6ONLY,
+            &zero as *const _ as *const libc::c_void,
+            len,
+        ))?;
+        cvt(libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_REUSEADDR,
+            &one as *const _ as *const libc::c_void,
+            len,
+        ))?;
+        let mut sa: libc::sockaddr_in6 = std::mem::zeroed();
+        sa.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+        sa.sin6_port = port.to_be();
+        cvt(libc::bind(
+            fd.as_raw_fd(),
+            &sa as *const _ as *const libc::sockaddr,
+            std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+        ))?;
+        if ty == libc::SOCK_STREAM {
+            cvt(libc::listen(fd.as_raw_fd(), 1024))?;
+        }
+        Ok(fd)
+    }
+}
+
+fn serve(a: ServeArgs) -> Result<()> {
+    let mut threads = Vec::new();
+    for &port in &a.ports {
+        let reply = if a.with_port {
+            format!("{}:{port}", a.name)
+        } else {
+            a.name.clone()
+        };
+        let tcp = TcpListener::from(
+            dual_stack_socket(libc::SOCK_STREAM, port)
+                .with_context(|| format!("TCP [::]:{port}"))?,
+        );
+        let udp = UdpSocket::from(
+            dual_stack_socket(libc::SOCK_DGRAM, port)
+                .with_context(|| format!("UDP [::]:{port}"))?,
+        );
+        let line = format!("{reply}\n");
+        threads.push(std::thread::spawn(move || loop {
+            match tcp.accept() {
+                Ok((mut s, _)) => {
+                    let _ = s.write_all(line.as_bytes());
+                }
+                Err(e) => {
+                    eprintln!("lb-probe serve: accept on {port}: {e}");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }));
+        threads.push(std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            loop {
+                match udp.recv_from(&mut buf) {
+                    Ok((_, src)) => {
+                        let _ = udp.send_to(reply.as_bytes(), src);
+                    }
+                    Err(e) => {
+                        eprintln!("lb-probe serve: recvfrom on {port}: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+        }));
+    }
+    let ready = serde_json::json!({"listening": true, "name": a.name, "ports": a.ports});
+    let mut out = io::stdout().lock();
+    writeln!(out, "{ready}")?;
+    out.flush()?;
+    drop(out);
+    for t in threads {
+        let _ = t.join();
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- client
+
+/// Joins the cgroup, then the network namespace (in that order: the cgroup
+/// file is reachable from any namespace, and every socket made afterwards
+/// belongs to both).
+fn enter(cgroup: Option<&Path>, netns: Option<&str>) -> Result<()> {
+    if let Some(cg) = cgroup {
+        let procs = cg.join("cgroup.procs");
+        std::fs::write(&procs, format!("{}\n", std::process::id()))
+            .with_context(|| format!("joining the cgroup: writing {}", procs.display()))?;
+    }
+    if let Some(ns) = netns {
+        let path = Path::new("/run/netns").join(ns);
+        let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: setns on a descriptor we hold open; affects this (only) thread.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            bail!("setns({}): {}", path.display(), io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn errno_name(e: &io::Error, stage: &str) -> String {
+    let Some(code) = e.raw_os_error() else {
+        return match e.kind() {
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => "ETIMEDOUT".into(),
+            k => format!("{k:?}"),
+        };
+    };
+    let name = match code {
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::ENETUNREACH => "ENETUNREACH",
+        libc::EHOSTUNREACH => "EHOSTUNREACH",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        // A receive timeout (SO_RCVTIMEO) is EAGAIN: report it as a timeout.
+        libc::EAGAIN if stage == "recv" || stage == "read" => "ETIMEDOUT",
+        libc::EAGAIN => "EAGAIN",
+        libc::EPERM => "EPERM",
+        libc::EACCES => "EACCES",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::ECONNABORTED => "ECONNABORTED",
+        libc::EADDRNOTAVAIL => "EADDRNOTAVAIL",
+        libc::EADDRINUSE => "EADDRINUSE",
+        libc::EAFNOSUPPORT => "EAFNOSUPPORT",
+        libc::EINVAL => "EINVAL",
+        libc::ENOTCONN => "ENOTCONN",
+        libc::EPIPE => "EPIPE",
+        libc::EMFILE => "EMFILE",
+        libc::ENOBUFS => "ENOBUFS",
+        libc::EINPROGRESS => "EINPROGRESS",
+        libc::ENXIO => "ENXIO",
+        other => return format!("E{other}"),
+    };
+    name.to_string()
+}
+
+type Step<T> = std::result::Result<T, (&'static str, io::Error)>;
+
+fn at<T>(stage: &'static str, r: io::Result<T>) -> Step<T> {
+    r.map_err(|e| (stage, e))
+}
+
+struct Answer {
+    reply: String,
+    peer: SocketAddr,
+    source: Option<SocketAddr>,
+}
+
+fn tcp_once(target: SocketAddr, timeout: Duration) -> Step<Answer> {
+    let s = at("connect", TcpStream::connect_timeout(&target, timeout))?;
+    let peer = at("getpeername", s.peer_addr())?;
+    at("read", s.set_read_timeout(Some(timeout)))?;
+    let mut reply = String::new();
+    at("read", (&s).read_to_string(&mut reply))?;
+    if reply.is_empty() {
+        return Err(("read", io::Error::new(io::ErrorKind::UnexpectedEof, "EOF")));
+    }
+    Ok(Answer {
+        reply,
+        peer,
+        source: None,
+    })
+}
+
+fn unspecified(target: SocketAddr) -> SocketAddr {
+    match target {
+        SocketAddr::V4(_) => "0.0.0.0:0".parse().expect("literal"),
+        SocketAddr::V6(_) => "[::]:0".parse().expect("literal"),
+    }
+}
+
+fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answer> {
+    let s = at("socket", UdpSocket::bind(unspecified(target)))?;
+    at("socket", s.set_read_timeout(Some(timeout)))?;
+    let mut peer = None;
+    if connected {
+        at("connect", s.connect(target))?;
+        peer = Some(at("getpeername", s.peer_addr())?);
+        at("send", s.send(b"ping"))?;
+    } else {
+        at("send", s.send_to(b"ping", target))?;
+    }
+    let mut buf = [0u8; 2048];
+    let (n, src) = at("recv", s.recv_from(&mut buf))?;
+    let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
+    Ok(match peer {
+        Some(peer) => Answer {
+            reply,
+            peer,
+            source: Some(src),
+        },
+        None => Answer {
+            reply,
+            peer: src,
+            source: None,
+        },
+    })
+}
+
+fn resolve_target(target: &str, family: Option<Family>) -> Result<SocketAddr> {
+    let sa: SocketAddr = target
+        .parse()
+        .with_context(|| format!("--target {target:?} is not IP:PORT or [IPv6]:PORT"))?;
+    Ok(match (family, sa.ip()) {
+        (None, _) | (Some(Family::V4), IpAddr::V4(_)) | (Some(Family::V6), IpAddr::V6(_)) => sa,
+        (Some(Family::V4mapped), IpAddr::V4(v4)) => {
+            SocketAddr::new(IpAddr::V6(v4.to_ipv6_mapped()), sa.port())
+        }
+        (Some(f), _) => bail!("--family {f:?} does not fit the target {target}"),
+    })
+}
+
+fn client(a: ClientArgs) -> Result<()> {
+    let target = resolve_target(&a.target, a.family)?;
+    enter(a.cgroup.as_deref(), a.netns.as_deref())?;
+    let timeout = Duration::from_millis(a.timeout_ms.max(1));
+    let mut out = BufWriter::new(io::stdout().lock());
+    for _ in 0..a.count {
+        let start = Instant::now();
+        let r = match a.proto {
+            Proto::Tcp => tcp_once(target, timeout),
+            Proto::Udp => udp_once(target, timeout, false),
+            Proto::UdpConnected => udp_once(target, timeout, true),
+        };
+        let elapsed_ms = (start.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0;
+        let attempt = match r {
+            Ok(ans) => {
+                let reply = ans.reply.trim().to_string();
+                let (backend, port) = match reply.rsplit_once(':') {
+                    Some((name, port)) if port.parse::<u16>().is_ok() => {
+                        (name.to_string(), port.parse().ok())
+                    }
+                    _ => (reply.clone(), None),
+                };
+                Attempt {
+                    ok: true,
+                    backend: Some(backend),
+                    backend_port: port,
+                    reply: Some(reply),
+                    peer: Some(ans.peer.to_string()),
+                    source: ans.source.map(|s| s.to_string()),
+                    elapsed_ms,
+                    ..Default::default()
+                }
+            }
+            Err((stage, e)) => Attempt {
+                ok: false,
+                error: Some(errno_name(&e, stage)),
+                stage: Some(stage.to_string()),
+                elapsed_ms,
+                ..Default::default()
+            },
+        };
+        serde_json::to_writer(&mut out, &attempt)?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
+    Ok(())
+}

@@ -1,0 +1,263 @@
+//! ClusterIP load balancing through the agent, IPv4.
+mod common;
+
+use common::*;
+use integration_tests::{
+    manifests::{Endpoint, EndpointSlice, Service},
+    netns::pod_v4,
+    require_root, Env, Proto, Spread,
+};
+use serde_json::json;
+
+#[test]
+fn tcp_reaches_every_backend_evenly_and_shows_the_vip() {
+    require_root!();
+    let mut env = Env::new("tcp", 3).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    env.start_agent().unwrap();
+
+    let a = env.tcp("10.96.0.10:80", 300);
+    assert_all_ok("TCP 10.96.0.10:80", &a);
+    // Fair share 33%; 20% is ~5 standard deviations below it for 300 draws.
+    assert_spread("TCP 10.96.0.10:80", &a, &["b1", "b2", "b3"], 0.20);
+    assert_peer("TCP getpeername", &a, "10.96.0.10:80");
+}
+
+#[test]
+fn udp_reaches_every_backend_evenly_and_answers_from_the_vip() {
+    require_root!();
+    let mut env = Env::new("udp", 3).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    env.start_agent().unwrap();
+
+    let a = env.attempts(Proto::Udp, "10.96.0.10:53", 300);
+    assert_all_ok("UDP sendto/recvfrom", &a);
+    assert_spread("UDP unconnected", &a, &["b1", "b2", "b3"], 0.20);
+    assert_peer("UDP recvfrom source", &a, "10.96.0.10:53");
+
+    let a = env.attempts(Proto::UdpConnected, "10.96.0.10:53", 300);
+    assert_all_ok("UDP connected", &a);
+    assert_spread("UDP connected", &a, &["b1", "b2", "b3"], 0.20);
+    assert_peer("UDP connected getpeername", &a, "10.96.0.10:53");
+    for x in &a {
+        assert_eq!(
+            x.source_addr(),
+            Some(sa("10.96.0.10:53")),
+            "recvfrom source: {x:?}"
+        );
+    }
+}
+
+#[test]
+fn service_without_endpoints_is_refused_at_once() {
+    require_root!();
+    let mut env = Env::new("noep", 1).unwrap();
+    env.manifests
+        .write(
+            "empty.yaml",
+            &[Service::new("demo", "empty")
+                .cluster_ip("10.96.0.20")
+                .port("http", 80, "TCP", json!(8080))
+                .port("dns", 53, "UDP", json!(8080))
+                .to_value()],
+        )
+        .unwrap();
+    // A slice that exists but has no endpoints at all.
+    env.manifests
+        .write(
+            "hollow.yaml",
+            &[
+                Service::new("demo", "hollow")
+                    .cluster_ip("10.96.0.21")
+                    .port("http", 80, "TCP", json!(8080))
+                    .to_value(),
+                EndpointSlice::new("demo", "hollow-1", "hollow")
+                    .address_type("IPv4")
+                    .port("http", 8080, "TCP")
+                    .to_value(),
+            ],
+        )
+        .unwrap();
+    env.start_agent().unwrap();
+
+    for (proto, target) in [
+        (Proto::Tcp, "10.96.0.20:80"),
+        (Proto::UdpConnected, "10.96.0.20:53"),
+        (Proto::Udp, "10.96.0.20:53"),
+        (Proto::Tcp, "10.96.0.21:80"),
+    ] {
+        let a = env
+            .client()
+            .proto(proto)
+            .timeout_ms(2000)
+            .run(target, 5)
+            .unwrap();
+        assert_all_fail(&format!("{proto:?} {target}"), &a, "ECONNREFUSED");
+        let worst = a.iter().map(|x| x.elapsed_ms).fold(0.0, f64::max);
+        eprintln!("{proto:?} {target}: ECONNREFUSED, slowest attempt {worst:.3} ms");
+        assert!(
+            worst < 1000.0,
+            "{proto:?} {target}: refusal took {worst} ms"
+        );
+    }
+}
+
+#[test]
+fn port_the_service_does_not_have_is_refused() {
+    require_root!();
+    let mut env = Env::new("noport", 2).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    env.start_agent().unwrap();
+
+    // The Service works ...
+    assert_all_ok("TCP 10.96.0.10:80", &env.tcp("10.96.0.10:80", 10));
+    // ... other ports of its ClusterIP are refused, not routed.
+    for target in ["10.96.0.10:8080", "10.96.0.10:443", "10.96.0.10:53"] {
+        let a = env.tcp(target, 3);
+        assert_all_fail(&format!("TCP {target}"), &a, "ECONNREFUSED");
+    }
+    let a = env.attempts(Proto::UdpConnected, "10.96.0.10:80", 3);
+    assert_all_fail(
+        "UDP 10.96.0.10:80 (the Service has 80/TCP only)",
+        &a,
+        "ECONNREFUSED",
+    );
+}
+
+#[test]
+fn named_target_ports_of_a_multi_port_service() {
+    require_root!();
+    // Every backend serves 8080 and 9090 and says which one was hit.
+    let mut env = Env::with_serve("named", 3, &[8080, 9090], true).unwrap();
+    let svc = Service::new("demo", "multi")
+        .cluster_ip("10.96.0.12")
+        .port("http", 80, "TCP", json!("web"))
+        .port("metrics", 9100, "TCP", json!("prom"))
+        .port("metrics-udp", 9100, "UDP", json!("prom"));
+    // Listed in another order than the Service's, to show matching by name.
+    let slice = env.slice(
+        "multi",
+        &[
+            ("metrics", 9090, "TCP"),
+            ("http", 8080, "TCP"),
+            ("metrics-udp", 9090, "UDP"),
+        ],
+    );
+    env.manifests
+        .write("multi.yaml", &[svc.to_value(), slice.to_value()])
+        .unwrap();
+    env.start_agent().unwrap();
+
+    for (proto, target, port) in [
+        (Proto::Tcp, "10.96.0.12:80", 8080),
+        (Proto::Tcp, "10.96.0.12:9100", 9090),
+        (Proto::Udp, "10.96.0.12:9100", 9090),
+    ] {
+        let a = env.attempts(proto, target, 90);
+        let what = format!("{proto:?} {target}");
+        assert_all_ok(&what, &a);
+        for x in &a {
+            assert_eq!(
+                x.backend_port,
+                Some(port),
+                "{what} must reach target port {port}: {x:?}"
+            );
+        }
+        assert_spread(&what, &a, &["b1", "b2", "b3"], 0.10);
+        assert_peer(&what, &a, target);
+    }
+}
+
+#[test]
+fn unready_endpoints_are_never_chosen() {
+    require_root!();
+    let mut env = Env::new("unready", 3).unwrap();
+    let slice = env.slice_of("web", &[("http", 8080, "TCP"), ("dns", 8080, "UDP")], |h| {
+        let ip = std::net::IpAddr::V4(h.ipv4);
+        match h.name.as_str() {
+            "b1" => Endpoint::ready(ip),
+            "b2" => Endpoint::unready(ip),
+            _ => Endpoint::unknown(ip), // no `ready` condition: counts as ready
+        }
+    });
+    let down =
+        Service::new("demo", "down")
+            .cluster_ip("10.96.0.11")
+            .port("http", 80, "TCP", json!(8080));
+    let down_slice = EndpointSlice::new("demo", "down-1", "down")
+        .port("http", 8080, "TCP")
+        .endpoint(Endpoint::unready(pod_v4(2).into()));
+    env.manifests
+        .write(
+            "web.yaml",
+            &[
+                web_service().to_value(),
+                slice.to_value(),
+                down.to_value(),
+                down_slice.to_value(),
+            ],
+        )
+        .unwrap();
+    env.start_agent().unwrap();
+
+    let a = env.tcp("10.96.0.10:80", 200);
+    assert_all_ok("TCP", &a);
+    assert_spread("TCP with b2 unready", &a, &["b1", "b3"], 0.25);
+    let a = env.attempts(Proto::Udp, "10.96.0.10:53", 100);
+    assert_all_ok("UDP", &a);
+    assert_spread("UDP with b2 unready", &a, &["b1", "b3"], 0.20);
+    // Only unready endpoints: as good as none.
+    let a = env.tcp("10.96.0.11:80", 5);
+    assert_all_fail(
+        "TCP to a Service whose only endpoint is unready",
+        &a,
+        "ECONNREFUSED",
+    );
+}
+
+#[test]
+fn pod_to_pod_traffic_is_untouched() {
+    require_root!();
+    let mut env = Env::new("direct", 3).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    env.start_agent().unwrap();
+
+    for (proto, target, backend) in [
+        (Proto::Tcp, "10.244.1.2:8080", "b2"),
+        (Proto::Udp, "10.244.1.3:8080", "b3"),
+        (Proto::UdpConnected, "10.244.1.1:8080", "b1"),
+        (Proto::Tcp, "[fd00:244:1::2]:8080", "b2"),
+    ] {
+        let what = format!("{proto:?} {target}");
+        let a = env.attempts(proto, target, 30);
+        assert_all_ok(&what, &a);
+        let s = Spread::of(&a);
+        assert_eq!(
+            s.count(backend),
+            30,
+            "{what} must reach exactly {backend}\n{s}"
+        );
+        assert_peer(&what, &a, target);
+    }
+}
+
+#[test]
+fn vip_without_service_is_unreachable_from_the_client() {
+    require_root!();
+    let mut env = Env::new("novip", 1).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    env.start_agent().unwrap();
+
+    // The agent is live (10.96.0.10 works), yet an address no Service has is
+    // not translated, and the client namespace has no route for it: the
+    // safety net that keeps test traffic on this machine.
+    assert_all_ok("TCP 10.96.0.10:80", &env.tcp("10.96.0.10:80", 5));
+    for (proto, target) in [
+        (Proto::Tcp, "10.96.0.99:80"),
+        (Proto::Udp, "10.96.0.99:53"),
+        (Proto::Tcp, "[fd00:96::99]:80"),
+    ] {
+        let a = env.attempts(proto, target, 3);
+        assert_all_fail(&format!("{proto:?} {target}"), &a, "ENETUNREACH");
+    }
+}
