@@ -122,7 +122,9 @@ fn refuse(_ctx: &SockAddrContext) -> i32 {
 fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
     // SAFETY: the value is copied out at once; the agent replaces values
     // whole, so a copy is either the old or the new one.
-    LB_SERVICES.get_ptr(key).map(|p| unsafe { core::ptr::read(p) })
+    LB_SERVICES
+        .get_ptr(key)
+        .map(|p| unsafe { core::ptr::read(p) })
 }
 
 #[inline(always)]
