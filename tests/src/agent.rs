@@ -1,6 +1,7 @@
 //! Running `lb-agent run` for a test: unique pin directory, free health
 //! port, logs in a file, readiness through `GET /readyz`, SIGTERM on drop.
 use std::{
+    ffi::OsString,
     io::{Read as _, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
@@ -106,9 +107,45 @@ fn terminate(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
     None
 }
 
+/// Where `lb-agent run` takes its objects from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    /// `--manifests DIR`
+    Manifests(&'a Path),
+    /// `--k8s-api-server URL`
+    ApiServer(&'a str),
+    /// `--kubeconfig PATH`
+    Kubeconfig(&'a Path),
+}
+
+/// Spawns `bin args...`, its output to `log_path` (appended to with
+/// `append`); the child and its command line.
+fn spawn(bin: &Path, args: &[OsString], log_path: &Path, append: bool) -> Result<(Child, String)> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(append)
+        .truncate(!append)
+        .open(log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut c = Command::new(bin);
+    // Plain log lines in the log file.
+    c.args(args).env("NO_COLOR", "1");
+    let line = cmd::display(&c);
+    let child = cmd::die_with_parent(&mut c, libc::SIGTERM)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("cannot run `{line}`"))?;
+    Ok((child, line))
+}
+
 /// A running `lb-agent run`; SIGTERM (then SIGKILL) and pin removal on drop.
 pub struct Agent {
     bin: PathBuf,
+    /// The arguments of `lb-agent`, for [`restart`](Self::restart).
+    args: Vec<OsString>,
     pin_dir: PathBuf,
     health: SocketAddr,
     log_path: PathBuf,
@@ -121,6 +158,16 @@ impl Agent {
     /// Starts the agent on `manifests`, attached to the cgroup `cgroup`, and
     /// waits for `/readyz` to answer 200.
     pub fn start(manifests: &Path, cgroup: &Path, opts: AgentOpts) -> Result<Agent> {
+        Self::start_from(Source::Manifests(manifests), cgroup, opts)
+    }
+
+    /// Starts the agent in cluster mode on `source` (an API server URL or a
+    /// kubeconfig), attached to `cgroup`, and waits for `/readyz`.
+    pub fn start_cluster(source: Source<'_>, cgroup: &Path, opts: AgentOpts) -> Result<Agent> {
+        Self::start_from(source, cgroup, opts)
+    }
+
+    fn start_from(source: Source<'_>, cgroup: &Path, opts: AgentOpts) -> Result<Agent> {
         cleanup::sweep_stale();
         ensure_bpffs()?;
         let bin = crate::agent_bin()?;
@@ -129,34 +176,25 @@ impl Agent {
             .clone()
             .unwrap_or_else(|| Path::new(BPFFS_ROOT).join(crate::unique_name("pins")));
         let log_path = opts.log_file.clone().unwrap_or_else(|| {
-            manifests
-                .parent()
-                .unwrap_or(Path::new("/tmp"))
-                .join(format!("{}.log", crate::unique_name("agent")))
+            let dir = match source {
+                Source::Manifests(m) => m.parent().unwrap_or(Path::new("/tmp")).to_path_buf(),
+                _ => std::env::temp_dir(),
+            };
+            dir.join(format!("{}.log", crate::unique_name("agent")))
         });
         let health = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
-        let log = std::fs::File::create(&log_path)
-            .with_context(|| format!("creating {}", log_path.display()))?;
-        let mut c = Command::new(&bin);
-        c.arg("run")
-            .arg("--manifests")
-            .arg(manifests)
-            .arg("--cgroup")
-            .arg(cgroup)
-            .arg("--bpffs")
-            .arg(&pin_dir)
-            .args(["--node-name", &opts.node_name])
-            .args(["--health-addr", &health.to_string()])
-            .args(&opts.extra_args)
-            // Plain log lines in the log file.
-            .env("NO_COLOR", "1");
-        let line = cmd::display(&c);
-        let child = cmd::die_with_parent(&mut c, libc::SIGTERM)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone()?)
-            .stderr(log)
-            .spawn()
-            .with_context(|| format!("cannot run `{line}`"))?;
+        let mut args: Vec<OsString> = vec!["run".into()];
+        match source {
+            Source::Manifests(m) => args.extend(["--manifests".into(), m.into()]),
+            Source::ApiServer(url) => args.extend(["--k8s-api-server".into(), url.into()]),
+            Source::Kubeconfig(k) => args.extend(["--kubeconfig".into(), k.into()]),
+        }
+        args.extend(["--cgroup".into(), cgroup.into()]);
+        args.extend(["--bpffs".into(), pin_dir.clone().into()]);
+        args.extend(["--node-name".into(), opts.node_name.clone().into()]);
+        args.extend(["--health-addr".into(), health.to_string().into()]);
+        args.extend(opts.extra_args.iter().map(OsString::from));
+        let (child, line) = spawn(&bin, &args, &log_path, false)?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
         let (c2, p2) = (child.clone(), pin_dir.clone());
@@ -172,6 +210,7 @@ impl Agent {
         });
         let agent = Agent {
             bin,
+            args,
             pin_dir,
             health,
             log_path,
@@ -241,6 +280,53 @@ impl Agent {
             .ok_or_else(|| anyhow!("the agent was stopped already"))?;
         terminate(&mut ch, Duration::from_secs(10))
             .ok_or_else(|| anyhow!("the agent ignored SIGTERM for 10 s; killed it"))
+    }
+
+    /// SIGKILL and wait: a crash. The pins stay as the agent left them.
+    pub fn kill(&mut self) -> Result<ExitStatus> {
+        let mut ch = self
+            .child
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| anyhow!("the agent was stopped already"))?;
+        ch.kill().context("SIGKILL")?;
+        Ok(ch.wait()?)
+    }
+
+    /// Starts the agent again, after [`stop`](Self::stop) or
+    /// [`kill`](Self::kill), with the same arguments: same pin directory,
+    /// health address and source; its log is appended to the same file.
+    /// Waits for `/readyz` up to `ready_timeout`.
+    pub fn restart(&mut self, ready_timeout: Duration) -> Result<()> {
+        let mut g = self.child.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = g.as_mut() {
+            if matches!(c.try_wait(), Ok(None)) {
+                bail!("the agent is still running");
+            }
+        }
+        let (child, line) = spawn(&self.bin, &self.args, &self.log_path, true)?;
+        self.pid = child.id();
+        *g = Some(child);
+        drop(g);
+        self.wait_ready(ready_timeout)
+            .with_context(|| format!("`{line}` (restarted)"))
+    }
+
+    /// What the agent logged after the first `offset` bytes (e.g. the
+    /// length of [`log`](Self::log) before a restart).
+    pub fn log_since(&self, offset: usize) -> String {
+        let log = self.log();
+        log.get(offset..).unwrap_or("").to_string()
+    }
+
+    /// `lb-agent inspect affinity --bpffs PIN --json`, parsed.
+    pub fn inspect_affinity(&self) -> Result<Vec<serde_json::Value>> {
+        let mut c = Command::new(&self.bin);
+        c.args(["inspect", "affinity", "--json", "--bpffs"])
+            .arg(&self.pin_dir);
+        let out = cmd::run(&mut c)?;
+        serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))
     }
 
     /// `lb-agent inspect services --bpffs PIN --json`, parsed.

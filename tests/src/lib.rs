@@ -27,6 +27,7 @@ pub mod agent;
 pub mod apiserver;
 pub mod cgroup;
 pub mod cleanup;
+pub mod cluster;
 pub mod cmd;
 pub mod manifests;
 pub mod netns;
@@ -206,6 +207,16 @@ impl Env {
             opts.log_file = Some(self.dir.path().join("agent.log"));
         }
         let agent = Agent::start(self.manifests.path(), self.cgroup.path(), opts)?;
+        Ok(self.agent.insert(agent))
+    }
+
+    /// Starts the agent in cluster mode against the API server at `url`
+    /// (`--k8s-api-server`), on this environment's cgroup.
+    pub fn start_cluster_agent(&mut self, url: &str, mut opts: AgentOpts) -> Result<&Agent> {
+        if opts.log_file.is_none() {
+            opts.log_file = Some(self.dir.path().join("agent.log"));
+        }
+        let agent = Agent::start_cluster(agent::Source::ApiServer(url), self.cgroup.path(), opts)?;
         Ok(self.agent.insert(agent))
     }
 

@@ -12,6 +12,17 @@
 //!   one JSON line for each:
 //!   `{"ok":true,"backend":"b1","reply":"b1","peer":"10.96.0.10:80","elapsed_ms":0.2}` or
 //!   `{"ok":false,"error":"ECONNREFUSED","stage":"connect","elapsed_ms":0.1}`.
+//!   `--interval-us N` paces the attempts (one every N µs).
+//! - `hold-udp --cgroup DIR --netns NS --target IP:PORT [--interval-ms 100]
+//!   [--duration-ms 10000]`: one connected UDP socket that sends every
+//!   interval and waits in recv() in between; one JSON line (flushed) per
+//!   reply or error, `elapsed_ms` counted from the start; after an error
+//!   (e.g. `ECONNABORTED` when the load balancer destroyed the socket) it
+//!   connects a new socket.
+//! - `flows --cgroup DIR --netns NS --target IP:PORT --sockets N`: N
+//!   unconnected UDP sockets; each line on stdin starts a round in which
+//!   every socket sends one datagram and waits for its answer; prints
+//!   `{"round":0,"backends":["b1",null,...]}` per round.
 use std::{
     fs::File,
     io::{self, BufWriter, Read as _, Write as _},
@@ -41,6 +52,48 @@ enum Cmd {
     Serve(ServeArgs),
     /// Connect or send N times and report, one JSON line per attempt.
     Client(ClientArgs),
+    /// Keep one connected UDP socket, send on it periodically and report
+    /// every reply and error; reconnect (a new socket) after an error.
+    HoldUdp(HoldUdpArgs),
+    /// Keep N unconnected UDP sockets; for each line read on stdin, send one
+    /// datagram from each and print which backend answered each.
+    Flows(FlowsArgs),
+}
+
+#[derive(Debug, Args)]
+struct HoldUdpArgs {
+    /// cgroup v2 directory to join first.
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    /// Network namespace (`ip netns` name) to enter after joining the cgroup.
+    #[arg(long)]
+    netns: Option<String>,
+    /// `IP:PORT` or `[IPv6]:PORT`.
+    #[arg(long)]
+    target: String,
+    /// Time between sends; the socket waits in recv() in between.
+    #[arg(long, default_value_t = 100)]
+    interval_ms: u64,
+    /// Stop after this long.
+    #[arg(long, default_value_t = 10_000)]
+    duration_ms: u64,
+}
+
+#[derive(Debug, Args)]
+struct FlowsArgs {
+    #[arg(long)]
+    cgroup: Option<PathBuf>,
+    #[arg(long)]
+    netns: Option<String>,
+    /// `IP:PORT` or `[IPv6]:PORT`.
+    #[arg(long)]
+    target: String,
+    /// How many sockets (flows).
+    #[arg(long, default_value_t = 100)]
+    sockets: usize,
+    /// Per datagram: receive timeout.
+    #[arg(long, default_value_t = 1000)]
+    timeout_ms: u64,
 }
 
 #[derive(Debug, Args)]
@@ -92,12 +145,17 @@ struct ClientArgs {
     /// Per attempt: connect, read and receive timeout.
     #[arg(long, default_value_t = 2000)]
     timeout_ms: u64,
+    /// Start an attempt every this many microseconds (0: back to back).
+    #[arg(long, default_value_t = 0)]
+    interval_us: u64,
 }
 
 fn main() -> Result<()> {
     match Cli::parse().command {
         Cmd::Serve(a) => serve(a),
         Cmd::Client(a) => client(a),
+        Cmd::HoldUdp(a) => hold_udp(a),
+        Cmd::Flows(a) => flows(a),
     }
 }
 
@@ -341,7 +399,12 @@ fn client(a: ClientArgs) -> Result<()> {
     enter(a.cgroup.as_deref(), a.netns.as_deref())?;
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
     let mut out = BufWriter::new(io::stdout().lock());
-    for _ in 0..a.count {
+    let began = Instant::now();
+    for i in 0..a.count {
+        if a.interval_us > 0 {
+            let due = began + Duration::from_micros(a.interval_us) * i as u32;
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
         let start = Instant::now();
         let r = match a.proto {
             Proto::Tcp => tcp_once(target, timeout),
@@ -381,5 +444,164 @@ fn client(a: ClientArgs) -> Result<()> {
         out.write_all(b"\n")?;
     }
     out.flush()?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------- hold-udp
+
+/// A reply as an [`Attempt`]: the backend (up to a `:PORT`) and the reply.
+fn answered(reply: &str, peer: SocketAddr, source: Option<SocketAddr>) -> Attempt {
+    let reply = reply.trim().to_string();
+    let (backend, port) = match reply.rsplit_once(':') {
+        Some((name, port)) if port.parse::<u16>().is_ok() => (name.to_string(), port.parse().ok()),
+        _ => (reply.clone(), None),
+    };
+    Attempt {
+        ok: true,
+        backend: Some(backend),
+        backend_port: port,
+        reply: Some(reply),
+        peer: Some(peer.to_string()),
+        source: source.map(|s| s.to_string()),
+        ..Default::default()
+    }
+}
+
+fn ms_since(t: Instant) -> f64 {
+    (t.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0
+}
+
+/// One JSON line per event, flushed at once: a reply (`ok`, `backend`,
+/// `peer` = getpeername, `source` = recvfrom source) or an error (`stage`
+/// `socket`, `connect`, `send` or `recv`; a missing reply is `ETIMEDOUT`).
+/// `elapsed_ms` is the time since the start. After an error the socket is
+/// replaced by a new one, connected again.
+fn hold_udp(a: HoldUdpArgs) -> Result<()> {
+    let target = resolve_target(&a.target, None)?;
+    enter(a.cgroup.as_deref(), a.netns.as_deref())?;
+    let began = Instant::now();
+    let end = began + Duration::from_millis(a.duration_ms);
+    let interval = Duration::from_millis(a.interval_ms.max(1));
+    let mut out = io::stdout().lock();
+    let mut report = |mut at: Attempt| -> Result<()> {
+        at.elapsed_ms = ms_since(began);
+        serde_json::to_writer(&mut out, &at)?;
+        out.write_all(b"\n")?;
+        out.flush()?;
+        Ok(())
+    };
+    let fail = |stage: &str, e: &io::Error| Attempt {
+        ok: false,
+        error: Some(errno_name(e, stage)),
+        stage: Some(stage.to_string()),
+        ..Default::default()
+    };
+    let connect = || -> Step<(UdpSocket, SocketAddr)> {
+        let s = at("socket", UdpSocket::bind(unspecified(target)))?;
+        at("connect", s.connect(target))?;
+        let peer = at("connect", s.peer_addr())?;
+        Ok((s, peer))
+    };
+    let mut sock: Option<(UdpSocket, SocketAddr)> = None;
+    let mut buf = [0u8; 2048];
+    while Instant::now() < end {
+        let (s, peer) = match sock.take() {
+            Some(x) => x,
+            None => match connect() {
+                Ok(x) => x,
+                Err((stage, e)) => {
+                    report(fail(stage, &e))?;
+                    std::thread::sleep(interval);
+                    continue;
+                }
+            },
+        };
+        let due = Instant::now() + interval;
+        if let Err(e) = s.send(b"ping") {
+            report(fail("send", &e))?;
+            continue;
+        }
+        // Wait in recv() until the next send is due, so that an error on
+        // the socket shows up there.
+        let mut got = false;
+        let mut broken = false;
+        loop {
+            let left = due.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            s.set_read_timeout(Some(left))?;
+            match s.recv_from(&mut buf) {
+                Ok((n, src)) => {
+                    got = true;
+                    report(answered(
+                        &String::from_utf8_lossy(&buf[..n]),
+                        peer,
+                        Some(src),
+                    ))?;
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    break
+                }
+                Err(e) => {
+                    report(fail("recv", &e))?;
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        if broken {
+            continue;
+        }
+        if !got {
+            report(fail("recv", &io::Error::from_raw_os_error(libc::ETIMEDOUT)))?;
+        }
+        sock = Some((s, peer));
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- flows
+
+/// For each line on stdin, one round: each socket in turn sends a datagram
+/// to the target and waits for the answer. Prints
+/// `{"round":N,"backends":["b1",null,...]}` (null: no answer).
+fn flows(a: FlowsArgs) -> Result<()> {
+    let target = resolve_target(&a.target, None)?;
+    enter(a.cgroup.as_deref(), a.netns.as_deref())?;
+    let timeout = Duration::from_millis(a.timeout_ms.max(1));
+    let socks: Vec<UdpSocket> = (0..a.sockets)
+        .map(|_| {
+            let s = UdpSocket::bind(unspecified(target))?;
+            s.set_read_timeout(Some(timeout))?;
+            Ok(s)
+        })
+        .collect::<io::Result<_>>()
+        .context("making the sockets")?;
+    let mut buf = [0u8; 2048];
+    let mut out = io::stdout().lock();
+    for (round, line) in io::stdin().lines().enumerate() {
+        line?;
+        let mut backends = Vec::with_capacity(socks.len());
+        for s in &socks {
+            let name = s
+                .send_to(b"ping", target)
+                .and_then(|_| s.recv_from(&mut buf))
+                .ok()
+                .map(|(n, _)| {
+                    let r = String::from_utf8_lossy(&buf[..n]).trim().to_string();
+                    r.split(':').next().unwrap_or("").to_string()
+                });
+            backends.push(name);
+        }
+        let line = serde_json::json!({"round": round, "backends": backends});
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
     Ok(())
 }

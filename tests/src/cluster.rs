@@ -1,0 +1,271 @@
+//! Helpers for the cluster-mode, restart, affinity and Maglev tests: JSON
+//! edits of the manifest builders' objects (labels, annotations,
+//! sessionAffinity, endpoint conditions), `/metrics` parsing, polling with
+//! real connections, and long-running `lb-probe` children.
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    process::{Child, ChildStdin, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::{cmd, probe::Attempt, Env, Spread};
+
+/// Adds `metadata.labels[key] = value` to an object.
+pub fn with_label(mut obj: Value, key: &str, value: &str) -> Value {
+    obj["metadata"]["labels"][key] = json!(value);
+    obj
+}
+
+/// Adds `metadata.annotations[key] = value` to an object.
+pub fn with_annotation(mut obj: Value, key: &str, value: &str) -> Value {
+    obj["metadata"]["annotations"][key] = json!(value);
+    obj
+}
+
+/// `sessionAffinity: ClientIP` with `timeoutSeconds` on a Service.
+pub fn with_client_ip_affinity(mut svc: Value, timeout_seconds: u32) -> Value {
+    svc["spec"]["sessionAffinity"] = json!("ClientIP");
+    svc["spec"]["sessionAffinityConfig"] = json!({"clientIP": {"timeoutSeconds": timeout_seconds}});
+    svc
+}
+
+/// The Maglev annotation `lb-agent.dev/lb-algorithm: maglev`.
+pub fn with_maglev(svc: Value) -> Value {
+    with_annotation(svc, "lb-agent.dev/lb-algorithm", "maglev")
+}
+
+/// Sets the conditions of every endpoint of a slice whose address is in
+/// `addrs`.
+pub fn with_conditions(
+    mut slice: Value,
+    addrs: &[std::net::IpAddr],
+    ready: bool,
+    serving: bool,
+    terminating: bool,
+) -> Value {
+    if let Some(eps) = slice["endpoints"].as_array_mut() {
+        for ep in eps {
+            let hit = ep["addresses"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .any(|a| addrs.iter().any(|x| x.to_string() == a));
+            if hit {
+                ep["conditions"] =
+                    json!({"ready": ready, "serving": serving, "terminating": terminating});
+            }
+        }
+    }
+    slice
+}
+
+/// The value of the Prometheus sample `name` (with its labels as written,
+/// e.g. `lb_watch_restarts_total{kind="Service"}`) in `text`.
+pub fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.rsplit_once(' ')?;
+        (n == name).then(|| v.parse().ok()).flatten()
+    })
+}
+
+/// The sum of every sample whose name (before any `{`) is `family`.
+pub fn metric_sum(text: &str, family: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (n, v) = l.rsplit_once(' ')?;
+            let base = n.split('{').next()?;
+            (base == family).then(|| v.parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+/// Polls with batches of `batch` TCP attempts at `target` until `done`
+/// holds for a batch; how long that took, or the last spread on timeout.
+pub fn poll_tcp(
+    env: &Env,
+    target: &str,
+    batch: usize,
+    timeout: Duration,
+    done: impl Fn(&Spread) -> bool,
+) -> std::result::Result<Duration, Spread> {
+    let t = Instant::now();
+    loop {
+        let s = Spread::of(&env.tcp(target, batch));
+        if done(&s) {
+            return Ok(t.elapsed());
+        }
+        if t.elapsed() > timeout {
+            return Err(s);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A child `lb-probe` whose JSON output lines arrive on a channel; killed
+/// on drop.
+pub struct ProbeChild {
+    child: Child,
+    stdin: Option<ChildStdin>,
+    lines: mpsc::Receiver<String>,
+    line: String,
+}
+
+impl ProbeChild {
+    /// Spawns `lb-probe ARGS...` with stdin and stdout piped.
+    pub fn spawn(args: &[String]) -> Result<Self> {
+        let mut c = std::process::Command::new(crate::probe_bin()?);
+        c.args(args);
+        let line = cmd::display(&c);
+        let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .with_context(|| format!("cannot run `{line}`"))?;
+        let stdout = child.stdout.take().expect("piped");
+        let stdin = child.stdin.take();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Self {
+            child,
+            stdin,
+            lines,
+            line,
+        })
+    }
+
+    /// The next output line, waiting up to `timeout`.
+    pub fn next_line(&self, timeout: Duration) -> Result<String> {
+        self.lines
+            .recv_timeout(timeout)
+            .map_err(|e| anyhow!("`{}`: no output line within {timeout:?} ({e})", self.line))
+    }
+
+    /// The next line parsed as an [`Attempt`].
+    pub fn next_attempt(&self, timeout: Duration) -> Result<Attempt> {
+        let l = self.next_line(timeout)?;
+        serde_json::from_str(&l).with_context(|| format!("bad line {l:?}"))
+    }
+
+    /// Writes one line to the child's stdin.
+    pub fn send_line(&mut self, text: &str) -> Result<()> {
+        let Some(stdin) = self.stdin.as_mut() else {
+            bail!("stdin closed");
+        };
+        writeln!(stdin, "{text}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+}
+
+impl Drop for ProbeChild {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `lb-probe hold-udp` from the environment's client host.
+pub fn hold_udp(env: &Env, target: &str, interval_ms: u64, duration_ms: u64) -> Result<ProbeChild> {
+    ProbeChild::spawn(&[
+        "hold-udp".into(),
+        "--cgroup".into(),
+        env.cgroup.path().display().to_string(),
+        "--netns".into(),
+        env.topo.client_netns().into(),
+        "--target".into(),
+        target.into(),
+        "--interval-ms".into(),
+        interval_ms.to_string(),
+        "--duration-ms".into(),
+        duration_ms.to_string(),
+    ])
+}
+
+/// `lb-probe flows` with `sockets` UDP sockets from the client host.
+pub fn flows(env: &Env, target: &str, sockets: usize) -> Result<Flows> {
+    let p = ProbeChild::spawn(&[
+        "flows".into(),
+        "--cgroup".into(),
+        env.cgroup.path().display().to_string(),
+        "--netns".into(),
+        env.topo.client_netns().into(),
+        "--target".into(),
+        target.into(),
+        "--sockets".into(),
+        sockets.to_string(),
+    ])?;
+    Ok(Flows(p))
+}
+
+/// A running `lb-probe flows`.
+pub struct Flows(pub ProbeChild);
+
+impl Flows {
+    /// One round: for each socket, the backend that answered (None: no answer).
+    pub fn round(&mut self) -> Result<Vec<Option<String>>> {
+        self.0.send_line("go")?;
+        let l = self.0.next_line(Duration::from_secs(30))?;
+        let v: Value = serde_json::from_str(&l).with_context(|| format!("bad line {l:?}"))?;
+        Ok(v["backends"]
+            .as_array()
+            .ok_or_else(|| anyhow!("no backends in {l}"))?
+            .iter()
+            .map(|b| b.as_str().map(str::to_string))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_metrics() {
+        let text = "# HELP x y\nlb_frontends_programmed 3\n\
+                    lb_watch_restarts_total{kind=\"Service\"} 2\n\
+                    lb_watch_restarts_total{kind=\"Node\"} 1\n";
+        assert_eq!(metric(text, "lb_frontends_programmed"), Some(3.0));
+        assert_eq!(
+            metric(text, "lb_watch_restarts_total{kind=\"Service\"}"),
+            Some(2.0)
+        );
+        assert_eq!(metric_sum(text, "lb_watch_restarts_total"), 3.0);
+        assert_eq!(metric(text, "nope"), None);
+    }
+
+    #[test]
+    fn conditions_and_labels() {
+        let s = crate::manifests::EndpointSlice::new("demo", "web-1", "web")
+            .port("http", 8080, "TCP")
+            .endpoint(crate::manifests::Endpoint::ready(
+                "10.244.1.1".parse().unwrap(),
+            ))
+            .endpoint(crate::manifests::Endpoint::ready(
+                "10.244.1.2".parse().unwrap(),
+            ))
+            .to_value();
+        let s = with_conditions(s, &["10.244.1.2".parse().unwrap()], false, true, true);
+        assert_eq!(s["endpoints"][0]["conditions"]["ready"], true);
+        assert_eq!(s["endpoints"][1]["conditions"]["terminating"], true);
+        let v = with_maglev(with_label(json!({"metadata": {}}), "a", "b"));
+        assert_eq!(v["metadata"]["labels"]["a"], "b");
+        assert_eq!(
+            v["metadata"]["annotations"]["lb-agent.dev/lb-algorithm"],
+            "maglev"
+        );
+    }
+}

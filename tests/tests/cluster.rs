@@ -1,0 +1,542 @@
+//! Cluster mode end to end: the agent's kube-rs watchers against the fake
+//! API server (`integration_tests::apiserver`), checked with real
+//! connections between network namespaces.
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use integration_tests::{
+    apiserver::{ApiServer, Kind},
+    cluster::{metric, metric_sum, poll_tcp, with_conditions, with_label},
+    manifests::{Endpoint, EndpointSlice, Service},
+    require_root, wait_until, AgentOpts, Env, Proto, Spread,
+};
+use serde_json::{json, Value};
+
+const POLL: Duration = Duration::from_secs(10);
+
+/// Slice `name` of Service `service` with the named backends ready.
+fn slice(
+    env: &Env,
+    service: &str,
+    name: &str,
+    ports: &[(&str, u16, &str)],
+    hosts: &[&str],
+) -> Value {
+    let mut s = EndpointSlice::new("demo", name, service);
+    for (n, p, proto) in ports {
+        s = s.port(n, *p, proto);
+    }
+    s.endpoints(
+        hosts
+            .iter()
+            .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
+    )
+    .to_value()
+}
+
+fn apply(api: &ApiServer, objs: &[Value]) {
+    for o in objs {
+        api.apply(o)
+            .unwrap_or_else(|e| panic!("apply: {e:#}\n{o:#}"));
+    }
+}
+
+/// Polls until a batch at `target` reaches exactly `backends` (all of them,
+/// nothing else, no failure).
+fn until_backends(env: &Env, what: &str, target: &str, backends: &[&str]) {
+    let took = poll_tcp(env, target, 40, POLL, |s| {
+        s.ok() == s.total
+            && s.backends.len() == backends.len()
+            && backends.iter().all(|b| s.count(b) > 0)
+    })
+    .unwrap_or_else(|s| panic!("{what}: {target} never reached exactly {backends:?}:\n{s}"));
+    eprintln!("{what}: {target} -> {backends:?} after {took:?}");
+}
+
+/// Polls until every attempt at `target` fails with `error`.
+fn until_error(env: &Env, what: &str, target: &str, error: &str) {
+    let took = poll_tcp(env, target, 3, POLL, |s| {
+        s.errors.get(error).copied() == Some(s.total)
+    })
+    .unwrap_or_else(|s| panic!("{what}: {target} does not fail with {error}:\n{s}"));
+    eprintln!("{what}: {target} fails with {error} after {took:?}");
+}
+
+fn metrics(env: &Env) -> String {
+    let (code, body) = env.agent().get("/metrics").unwrap();
+    assert_eq!(code, 200, "/metrics: {body}");
+    body
+}
+
+#[test]
+fn services_and_slices_follow_the_api() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::with_serve("clapi", 3, &[8080, 9090], true).unwrap();
+    let web = || {
+        Service::new("demo", "web")
+            .cluster_ip(VIP)
+            .port("http", 80, "TCP", json!("web"))
+            .port("dns", 53, "UDP", json!("web"))
+    };
+    let ports = [("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+    apply(
+        &api,
+        &[
+            web().to_value(),
+            slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
+            // Another proxy's Service: never ours.
+            with_label(
+                Service::new("demo", "theirs")
+                    .cluster_ip("10.96.0.12")
+                    .port("http", 80, "TCP", json!(8080))
+                    .to_value(),
+                "service.kubernetes.io/service-proxy-name",
+                "other-proxy",
+            ),
+            slice(
+                &env,
+                "theirs",
+                "theirs-1",
+                &[("http", 8080, "TCP")],
+                &["b1"],
+            ),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+
+    // Created: both ports, only the endpoints listed.
+    let a = env.tcp("10.96.0.10:80", 60);
+    assert_all_ok("TCP after the first list", &a);
+    assert_spread("TCP after the first list", &a, &["b1", "b2"], 0.2);
+    assert_peer("TCP after the first list", &a, "10.96.0.10:80");
+    let a = env.attempts(Proto::Udp, "10.96.0.10:53", 40);
+    assert_all_ok("UDP after the first list", &a);
+    assert_spread("UDP after the first list", &a, &["b1", "b2"], 0.2);
+    assert_all_fail(
+        "a Service labelled service-proxy-name",
+        &env.tcp("10.96.0.12:80", 3),
+        "ENETUNREACH",
+    );
+
+    // Scaled up, then down.
+    apply(
+        &api,
+        &[slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"])],
+    );
+    until_backends(&env, "scaled up", "10.96.0.10:80", &["b1", "b2", "b3"]);
+    apply(&api, &[slice(&env, "web", "web-1", &ports, &["b3"])]);
+    until_backends(&env, "scaled down", "10.96.0.10:80", &["b3"]);
+    // A second slice of the same Service is merged in.
+    apply(&api, &[slice(&env, "web", "web-2", &ports, &["b1"])]);
+    until_backends(&env, "second slice", "10.96.0.10:80", &["b1", "b3"]);
+
+    // The named target port moves to 9090 in the slices.
+    let ports9090 = [("http", 9090, "TCP"), ("dns", 9090, "UDP")];
+    apply(
+        &api,
+        &[
+            slice(&env, "web", "web-1", &ports9090, &["b3"]),
+            slice(&env, "web", "web-2", &ports9090, &["b1"]),
+        ],
+    );
+    assert!(
+        wait_until(POLL, Duration::from_millis(50), || {
+            env.tcp("10.96.0.10:80", 20)
+                .iter()
+                .all(|a| a.ok && a.backend_port == Some(9090))
+        }),
+        "the named port did not follow the slices to 9090"
+    );
+    let a = env.attempts(Proto::Udp, "10.96.0.10:53", 20);
+    assert_all_ok("UDP on the new target port", &a);
+    assert!(a.iter().all(|x| x.backend_port == Some(9090)), "{a:?}");
+
+    // The Service port changes 80 -> 81: the old port is refused (a live
+    // VIP on a port it does not serve), the new one served.
+    let web81 = Service::new("demo", "web")
+        .cluster_ip(VIP)
+        .port("http", 81, "TCP", json!("web"))
+        .port("dns", 53, "UDP", json!("web"));
+    apply(&api, &[web81.to_value()]);
+    until_backends(&env, "port 81", "10.96.0.10:81", &["b1", "b3"]);
+    until_error(&env, "old port 80", "10.96.0.10:80", "ECONNREFUSED");
+
+    // The other proxy lets go of its Service: now it is ours.
+    apply(
+        &api,
+        &[Service::new("demo", "theirs")
+            .cluster_ip("10.96.0.12")
+            .port("http", 80, "TCP", json!(8080))
+            .to_value()],
+    );
+    until_backends(&env, "label removed", "10.96.0.12:80", &["b1"]);
+
+    // Deleted: one slice, then all, then the Service.
+    api.delete(Kind::EndpointSlice, "demo", "web-2").unwrap();
+    until_backends(&env, "slice web-2 deleted", "10.96.0.10:81", &["b3"]);
+    api.delete(Kind::EndpointSlice, "demo", "web-1").unwrap();
+    until_error(&env, "no slices left", "10.96.0.10:81", "ECONNREFUSED");
+    api.delete(Kind::Service, "demo", "web").unwrap();
+    until_error(&env, "Service deleted", "10.96.0.10:81", "ENETUNREACH");
+    assert_all_ok("the other Service", &env.tcp("10.96.0.12:80", 10));
+}
+
+#[test]
+fn metrics_of_a_cluster_mode_agent() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("clmet", 2).unwrap();
+    apply(
+        &api,
+        &[
+            web_service().to_value(),
+            slice(
+                &env,
+                "web",
+                "web-1",
+                &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
+                &["b1", "b2"],
+            ),
+            // Rejected: not an IP.
+            Service::new("demo", "bad")
+                .cluster_ip("10.96.0.999")
+                .port("http", 80, "TCP", json!(8080))
+                .to_value(),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    assert_all_ok("TCP", &env.tcp("10.96.0.10:80", 10));
+    let m = metrics(&env);
+    eprintln!("/metrics:\n{m}");
+    for name in [
+        "lb_sync_duration_seconds_count",
+        "lb_last_successful_sync_timestamp_seconds",
+        "lb_frontends_programmed",
+        "lb_backends_programmed",
+        "lb_map_fill_ratio{map=\"LB_SERVICES\"}",
+        "lb_map_fill_ratio{map=\"LB_BACKENDS\"}",
+        "lb_map_fill_ratio{map=\"LB_SLOTS\"}",
+    ] {
+        assert!(metric(&m, name).is_some(), "{name} missing from /metrics");
+    }
+    assert!(metric(&m, "lb_sync_duration_seconds_count").unwrap() >= 1.0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let last = metric(&m, "lb_last_successful_sync_timestamp_seconds").unwrap();
+    assert!((now - last).abs() < 60.0, "last sync {last}, now {now}");
+    // 80/TCP and 53/UDP; two backend addresses, each TCP and UDP.
+    assert_eq!(metric(&m, "lb_frontends_programmed"), Some(2.0));
+    assert_eq!(metric(&m, "lb_backends_programmed"), Some(4.0));
+    assert!(metric(&m, "lb_map_fill_ratio{map=\"LB_SERVICES\"}").unwrap() > 0.0);
+    assert!(
+        metric_sum(&m, "lb_objects_rejected") >= 1.0,
+        "the bad Service is not counted in lb_objects_rejected"
+    );
+    assert_eq!(metric_sum(&m, "lb_watch_restarts_total"), 0.0);
+
+    // A watch expiry is a restart, counted per kind.
+    api.expire_watches();
+    assert!(
+        wait_until(POLL, Duration::from_millis(50), || {
+            metric_sum(&metrics(&env), "lb_watch_restarts_total") >= 3.0
+        }),
+        "lb_watch_restarts_total did not count the relists:\n{}",
+        metrics(&env)
+    );
+    let m = metrics(&env);
+    for kind in ["Service", "EndpointSlice", "Node"] {
+        let v = metric(&m, &format!("lb_watch_restarts_total{{kind=\"{kind}\"}}"));
+        assert!(v >= Some(1.0), "{kind}: {v:?}");
+    }
+}
+
+#[test]
+fn watch_expiry_compaction_dropped_connections_and_slowness() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("clwatch", 3).unwrap();
+    let ports = [("http", 8080, "TCP")];
+    let svc = |name: &str, ip: &str| {
+        Service::new("demo", name)
+            .cluster_ip(ip)
+            .port("http", 80, "TCP", json!(8080))
+            .to_value()
+    };
+    apply(
+        &api,
+        &[
+            svc("a", "10.96.0.10"),
+            slice(&env, "a", "a-1", &ports, &["b1", "b2"]),
+            svc("b", "10.96.0.11"),
+            slice(&env, "b", "b-1", &ports, &["b3"]),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    until_backends(&env, "start", "10.96.0.10:80", &["b1", "b2"]);
+    until_backends(&env, "start", "10.96.0.11:80", &["b3"]);
+    let restarts = || metric_sum(&metrics(&env), "lb_watch_restarts_total");
+    let lists = |k| api.list_count(k);
+
+    // 1. 410 inside the watch streams: relist, and a change made right
+    // after is still applied.
+    let before = lists(Kind::Service);
+    api.expire_watches();
+    apply(
+        &api,
+        &[slice(&env, "a", "a-1", &ports, &["b1", "b2", "b3"])],
+    );
+    until_backends(&env, "after 410", "10.96.0.10:80", &["b1", "b2", "b3"]);
+    assert!(
+        wait_until(POLL, Duration::from_millis(50), || lists(Kind::Service)
+            > before),
+        "no relist after expire_watches"
+    );
+    let r1 = restarts();
+    assert!(r1 >= 1.0, "lb_watch_restarts_total {r1}");
+
+    // 2. Connections dropped mid-stream: a re-watch from the last version
+    // replays what happened meanwhile.
+    api.drop_connections();
+    apply(&api, &[slice(&env, "a", "a-1", &ports, &["b1"])]);
+    until_backends(&env, "after dropped connections", "10.96.0.10:80", &["b1"]);
+
+    // 3. Broken watch, history compacted, objects deleted meanwhile, slow
+    // responses: the re-watch gets 410, the relist (slow) no longer has b,
+    // and the full reconcile removes it.
+    api.set_delay(Duration::from_millis(700));
+    api.drop_connections();
+    api.delete(Kind::Service, "demo", "b").unwrap();
+    api.delete(Kind::EndpointSlice, "demo", "b-1").unwrap();
+    apply(&api, &[slice(&env, "a", "a-1", &ports, &["b2"])]);
+    api.compact();
+    // Meanwhile, the last good state keeps serving.
+    assert_all_ok("a while the watch is broken", &env.tcp("10.96.0.10:80", 5));
+    until_error(
+        &env,
+        "b deleted while the watch was broken",
+        "10.96.0.11:80",
+        "ENETUNREACH",
+    );
+    until_backends(&env, "after the relist", "10.96.0.10:80", &["b2"]);
+    assert!(
+        wait_until(POLL, Duration::from_millis(50), || restarts() > r1),
+        "lb_watch_restarts_total did not go up after the compaction ({r1})"
+    );
+    api.set_delay(Duration::ZERO);
+    let expired: u64 = Kind::ALL.iter().map(|k| api.stats(*k).expired).sum();
+    eprintln!(
+        "410s sent: {expired}; lists: services {}, slices {}; watch restarts {}",
+        lists(Kind::Service),
+        lists(Kind::EndpointSlice),
+        restarts()
+    );
+    assert!(
+        expired >= 2,
+        "the compaction did not make a re-watch expire"
+    );
+    assert!(env.agent().is_running());
+}
+
+#[test]
+fn api_server_outage_loses_nothing() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("clgone", 3).unwrap();
+    let ports = [("http", 8080, "TCP")];
+    apply(
+        &api,
+        &[
+            web_service().to_value(),
+            slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
+            Service::new("demo", "old")
+                .cluster_ip("10.96.0.11")
+                .port("http", 80, "TCP", json!(8080))
+                .to_value(),
+            slice(&env, "old", "old-1", &ports, &["b1"]),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    until_backends(&env, "start", "10.96.0.10:80", &["b1", "b2"]);
+
+    api.go_away();
+    // Changes while the API server is away (the store behind it changes;
+    // nobody can watch it).
+    apply(
+        &api,
+        &[
+            slice(&env, "web", "web-1", &ports, &["b3"]),
+            Service::new("demo", "new")
+                .cluster_ip("10.96.0.12")
+                .port("http", 80, "TCP", json!(8080))
+                .to_value(),
+            slice(&env, "new", "new-1", &ports, &["b2"]),
+        ],
+    );
+    api.delete(Kind::Service, "demo", "old").unwrap();
+    // The last good state keeps serving throughout the outage.
+    let mut during = Vec::new();
+    let t = std::time::Instant::now();
+    while t.elapsed() < Duration::from_secs(3) {
+        during.extend(env.tcp("10.96.0.10:80", 10));
+        during.extend(env.tcp("10.96.0.11:80", 2));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_all_ok("during the outage", &during);
+    let s = Spread::of(&during);
+    eprintln!("during the outage:\n{s}");
+    assert_eq!(s.count("b3"), 0, "changed before the API came back?");
+    assert!(
+        env.agent().is_running(),
+        "the agent died with the API server"
+    );
+    assert_eq!(env.agent().get("/readyz").unwrap().0, 200);
+
+    api.come_back();
+    until_backends(&env, "after the outage", "10.96.0.10:80", &["b3"]);
+    until_backends(&env, "created during the outage", "10.96.0.12:80", &["b2"]);
+    until_error(
+        &env,
+        "deleted during the outage",
+        "10.96.0.11:80",
+        "ENETUNREACH",
+    );
+    let m = metrics(&env);
+    eprintln!(
+        "watch errors during the outage: {}",
+        metric_sum(&m, "lb_watch_errors_total")
+    );
+    assert!(metric_sum(&m, "lb_watch_errors_total") >= 1.0);
+}
+
+#[test]
+fn terminating_endpoints_serve_until_a_ready_one_appears() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("clkep", 3).unwrap();
+    let ports = [("http", 8080, "TCP")];
+    let b = |h: &str| -> std::net::IpAddr {
+        integration_tests::netns::pod_v4(h[1..].parse().unwrap()).into()
+    };
+    // b1 and b2 serving and terminating; b3 neither ready nor serving.
+    let s = slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
+    let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
+    let s = with_conditions(s, &[b("b3")], false, false, true);
+    apply(&api, &[web_service().to_value(), s]);
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    let a = env.tcp("10.96.0.10:80", 80);
+    assert_all_ok("only serving-terminating endpoints", &a);
+    assert_spread(
+        "only serving-terminating endpoints",
+        &a,
+        &["b1", "b2"],
+        0.25,
+    );
+
+    // A ready endpoint appears: only it gets new connections.
+    let s = slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
+    let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
+    apply(&api, &[web_service().to_value(), s]);
+    until_backends(&env, "a ready endpoint", "10.96.0.10:80", &["b3"]);
+    let a = env.tcp("10.96.0.10:80", 60);
+    assert_all_ok("with a ready endpoint", &a);
+    assert_eq!(Spread::of(&a).count("b3"), 60);
+
+    // It goes away: back to the terminating ones.
+    let s = slice(&env, "web", "web-1", &ports, &["b1", "b2"]);
+    let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
+    apply(&api, &[s]);
+    until_backends(&env, "ready one gone", "10.96.0.10:80", &["b1", "b2"]);
+}
+
+#[test]
+fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("cludp", 3).unwrap();
+    let ports = [("dns", 8080, "UDP")];
+    let dns =
+        Service::new("demo", "dns")
+            .cluster_ip("10.96.0.53")
+            .port("dns", 53, "UDP", json!(8080));
+    apply(
+        &api,
+        &[
+            dns.to_value(),
+            slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+
+    let probe = integration_tests::cluster::hold_udp(&env, "10.96.0.53:53", 100, 30_000).unwrap();
+    let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
+    // The socket's backend, from a few replies.
+    let mut first = None;
+    for _ in 0..3 {
+        let a = next();
+        assert!(a.ok, "before the change: {a:?}");
+        assert_eq!(a.source_addr(), Some(sa("10.96.0.53:53")), "{a:?}");
+        let b = a.backend.clone().unwrap();
+        assert!(
+            first.get_or_insert(b.clone()) == &b,
+            "a connected socket changed backend"
+        );
+    }
+    let gone = first.unwrap();
+    let rest: Vec<&str> = ["b1", "b2", "b3"]
+        .into_iter()
+        .filter(|b| *b != gone)
+        .collect();
+    eprintln!("the socket talks to {gone}; removing it from the Service");
+    // The backend leaves the Service (its pod still answers, as a
+    // terminating pod would: without the destroy the socket would keep
+    // talking to it).
+    apply(&api, &[slice(&env, "dns", "dns-1", &ports, &rest)]);
+    let mut events = Vec::new();
+    let aborted = loop {
+        let a = next();
+        events.push(a.clone());
+        if !a.ok {
+            break a;
+        }
+        assert!(
+            events.len() < 100,
+            "no error on the socket 10 s after its backend left: {events:?}"
+        );
+    };
+    eprintln!(
+        "after {} more replies from {gone}: {aborted:?}",
+        events.len() - 1
+    );
+    assert_eq!(
+        aborted.error.as_deref(),
+        Some("ECONNABORTED"),
+        "{aborted:?}"
+    );
+    assert_eq!(aborted.stage.as_deref(), Some("recv"), "{aborted:?}");
+    // The reconnected socket reaches a live backend, and stays there.
+    let mut after = None;
+    for _ in 0..5 {
+        let a = next();
+        assert!(a.ok, "after the reconnect: {a:?}");
+        let b = a.backend.clone().unwrap();
+        assert!(rest.contains(&b.as_str()), "reconnected to {b}, which left");
+        assert!(after.get_or_insert(b.clone()) == &b);
+    }
+    eprintln!("reconnected to {}", after.unwrap());
+    let m = metrics(&env);
+    assert!(
+        metric(&m, "lb_udp_sockets_destroyed_total") >= Some(1.0),
+        "{m}"
+    );
+}
