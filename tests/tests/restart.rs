@@ -1,0 +1,159 @@
+//! Restarts without disruption: the agent is SIGKILLed while a client
+//! connects in a loop, restarted on the same pins, and no connect fails; the
+//! restarted agent adopts what is programmed and rewrites only what changed
+//! while it was down.
+mod common;
+
+use std::{
+    process::Stdio,
+    time::{Duration, Instant},
+};
+
+use common::*;
+use integration_tests::{
+    apiserver::ApiServer,
+    cluster::poll_tcp,
+    cmd,
+    manifests::{Endpoint, EndpointSlice, Service},
+    probe::parse_attempts,
+    require_root, AgentOpts, Env, Spread,
+};
+use serde_json::{json, Value};
+
+fn slice(env: &Env, service: &str, ports: &[(&str, u16, &str)], hosts: &[&str]) -> Value {
+    let mut s = EndpointSlice::new("demo", &format!("{service}-1"), service);
+    for (n, p, proto) in ports {
+        s = s.port(n, *p, proto);
+    }
+    s.endpoints(
+        hosts
+            .iter()
+            .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
+    )
+    .to_value()
+}
+
+/// The `key=N` fields of the first "synced" line in `log`.
+fn synced_counts(log: &str) -> Option<(usize, usize, usize)> {
+    let line = log.lines().find(|l| l.contains(" synced"))?;
+    let field = |k: &str| -> Option<usize> {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))?
+            .parse()
+            .ok()
+    };
+    Some((field("written")?, field("adopted")?, field("removed")?))
+}
+
+/// Starts `lb-probe client` with `count` TCP connects paced `interval_us`
+/// apart; returns a thread that yields its attempts.
+fn background_client(
+    env: &Env,
+    target: &str,
+    count: usize,
+    interval_us: u64,
+) -> std::thread::JoinHandle<Vec<integration_tests::Attempt>> {
+    let mut c = env.client().command(target, count).unwrap();
+    c.args(["--interval-us", &interval_us.to_string()]);
+    let line = cmd::display(&c);
+    let child = cmd::die_with_parent(&mut c, libc::SIGKILL)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{line}: {e}"));
+    std::thread::spawn(move || {
+        let out = child.wait_with_output().expect("client output");
+        assert!(out.status.success(), "{line}: {}", out.status);
+        parse_attempts(&String::from_utf8_lossy(&out.stdout)).expect("client lines")
+    })
+}
+
+#[test]
+fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("restart", 3).unwrap();
+    let svc = |name: &str, ip: &str| {
+        Service::new("demo", name)
+            .cluster_ip(ip)
+            .port("http", 80, "TCP", json!(8080))
+            .to_value()
+    };
+    for o in [
+        web_service().to_value(),
+        slice(
+            &env,
+            "web",
+            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
+            &["b1", "b2", "b3"],
+        ),
+        svc("api", "10.96.0.11"),
+        slice(&env, "api", &[("http", 8080, "TCP")], &["b1"]),
+        svc("db", "10.96.0.13"),
+        slice(&env, "db", &[("http", 8080, "TCP")], &["b2"]),
+    ] {
+        api.apply(&o).unwrap();
+    }
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    assert_all_ok("before", &env.tcp("10.96.0.10:80", 20));
+    assert_all_ok("before", &env.tcp("10.96.0.11:80", 5));
+
+    // Twice: a crash with nothing changed meanwhile, then one with a change.
+    for round in 0..2 {
+        let count = 2000;
+        let client = background_client(&env, "10.96.0.10:80", count, 1500);
+        let t = Instant::now();
+        // Let the client get going, then crash the agent under it.
+        std::thread::sleep(Duration::from_millis(500));
+        let agent = env.agent.as_mut().unwrap();
+        let offset = agent.log().len();
+        let status = agent.kill().unwrap();
+        let killed_at = t.elapsed();
+        if round == 1 {
+            // While the agent is down: api moves from b1 to b3.
+            api.apply(&slice(&env, "api", &[("http", 8080, "TCP")], &["b3"]))
+                .unwrap();
+        }
+        let agent = env.agent.as_mut().unwrap();
+        agent.restart(Duration::from_secs(20)).unwrap();
+        let ready_at = t.elapsed();
+        let attempts = client.join().expect("client thread");
+        let took = t.elapsed();
+        eprintln!(
+            "round {round}: agent killed ({status}) at {killed_at:?}, ready again at {ready_at:?}; \
+             {count} connects over {took:?}:\n{}",
+            Spread::of(&attempts)
+        );
+        assert_eq!(attempts.len(), count);
+        assert_all_ok(
+            &format!("round {round}: connects across SIGKILL and restart"),
+            &attempts,
+        );
+        assert!(
+            killed_at < took && ready_at < took,
+            "the restart was not inside the client's run"
+        );
+
+        let log = env.agent().log_since(offset);
+        let (written, adopted, removed) = synced_counts(&log)
+            .unwrap_or_else(|| panic!("no synced line after the restart:\n{log}"));
+        eprintln!(
+            "round {round}: first sync after the restart: written={written} adopted={adopted} removed={removed}"
+        );
+        // Frontends: web 80/TCP and 53/UDP, api 80/TCP, db 80/TCP.
+        let want_written = if round == 1 { 1 } else { 0 };
+        assert_eq!(
+            (written, adopted, removed),
+            (want_written, 4 - want_written, 0),
+            "the restarted agent rewrote more than what changed:\n{log}"
+        );
+    }
+    // The change made while the agent was down is in force.
+    let took = poll_tcp(&env, "10.96.0.11:80", 10, Duration::from_secs(5), |s| {
+        s.count("b3") == s.total
+    })
+    .unwrap_or_else(|s| panic!("api is not on b3 after the restart:\n{s}"));
+    eprintln!("api on b3 after {took:?}");
+    assert_all_ok("db after the restarts", &env.tcp("10.96.0.13:80", 5));
+}
