@@ -121,6 +121,38 @@ mod tests {
         }
     }
 
+    /// The numbers quoted for issue 4: N=10 at the default table size,
+    /// printed (`cargo test -p lb-agent maglev -- --nocapture`).
+    #[test]
+    fn measurement_n10_default_size() {
+        let n = 10;
+        let all = names(n);
+        let before = build(&all, DEFAULT_TABLE_SIZE);
+        let rest: Vec<String> = all[1..].to_vec();
+        let after = build(&rest, DEFAULT_TABLE_SIZE);
+        let moved = before
+            .iter()
+            .zip(&after)
+            .filter(|(b, a)| all[**b as usize] != rest[**a as usize])
+            .count();
+        let owned = before.iter().filter(|&&b| b == 0).count();
+        let fraction = moved as f64 / DEFAULT_TABLE_SIZE as f64;
+        let s = shares(&before, n);
+        let (min, max) = s
+            .iter()
+            .fold((f64::MAX, 0f64), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        println!(
+            "maglev N={n} M={DEFAULT_TABLE_SIZE}: removing one backend remaps {moved} positions \
+             ({:.2}%; it owned {owned}, {:.2}%; ideal 10%); shares {:.2}%..{:.2}% (fair 10%)",
+            fraction * 100.0,
+            owned as f64 * 100.0 / DEFAULT_TABLE_SIZE as f64,
+            min * 100.0,
+            max * 100.0
+        );
+        assert!((0.09..=0.12).contains(&fraction), "{fraction}");
+        assert!(min > 0.09 && max < 0.11, "{min} {max}");
+    }
+
     /// Property: removing one of N backends remaps about 1/N of the positions
     /// (those it owned, plus a small amount of churn).
     #[test]
