@@ -171,8 +171,9 @@ impl PinnedMaps {
 }
 
 /// What a map must look like to be adopted: (type, key size, value size,
-/// max entries). `bpf_map_type` numbers: hash 1, per-CPU array 6, LRU hash 9.
-fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u32); 6] {
+/// max entries). `bpf_map_type` numbers: hash 1, array 2, per-CPU array 6,
+/// LRU hash 9, LPM trie 11.
+fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u32); 9] {
     use std::mem::size_of;
     [
         (
@@ -216,6 +217,27 @@ fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u
             size_of::<u32>(),
             size_of::<u64>(),
             lb_common::stat::COUNT,
+        ),
+        (
+            map_names::CONNTRACK,
+            9,
+            size_of::<lb_common::CtKey>(),
+            size_of::<lb_common::CtEntry>(),
+            lb_common::capacity::CONNTRACK,
+        ),
+        (
+            map_names::SOURCE_RANGES,
+            11,
+            4 + size_of::<lb_common::SourceRangeData>(),
+            size_of::<u32>(),
+            lb_common::capacity::SOURCE_RANGES,
+        ),
+        (
+            map_names::TC_CONFIG,
+            2,
+            size_of::<u32>(),
+            size_of::<lb_common::TcConfig>(),
+            1,
         ),
     ]
 }
@@ -402,6 +424,15 @@ impl Datapath {
 
     pub fn maps(&mut self) -> &mut PinnedMaps {
         &mut self.maps
+    }
+
+    /// The loaded object, for the tc programs (`crate::tc::attach`).
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self._ebpf
+    }
+
+    pub fn pin_dir(&self) -> &Path {
+        &self.pin_dir
     }
 
     /// Detaches the programs and removes the pins.

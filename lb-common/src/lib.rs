@@ -228,6 +228,133 @@ pub struct AffinityEntry {
     pub last_used_ns: u64,
 }
 
+/// `CtEntry::flags`.
+pub mod ct_flags {
+    /// The entry is the reply direction of a flow (backend to client).
+    pub const REPLY: u8 = 1 << 0;
+    /// The flow is masqueraded: the backend sees the node's address.
+    pub const SNAT: u8 = 1 << 1;
+    /// The backend runs on this node.
+    pub const LOCAL: u8 = 1 << 2;
+    /// A FIN or RST was seen: the entry lives only for the close timeout.
+    pub const CLOSING: u8 = 1 << 3;
+}
+
+/// A flow as one packet carries it: key of `LB_CONNTRACK`. Both directions
+/// of a translated flow have an entry: the forward one keyed by what the
+/// client sends (client -> frontend), the reply one keyed by what the
+/// backend sends (backend -> client, or backend -> node address and SNAT
+/// port when masqueraded).
+///
+/// | offset | field   | meaning                                  |
+/// |--------|---------|------------------------------------------|
+/// | 0      | `src`   | source address; IPv4 is mapped           |
+/// | 16     | `dst`   | destination address; IPv4 is mapped      |
+/// | 32     | `sport` | host order                               |
+/// | 34     | `dport` | host order                               |
+/// | 36     | `proto` | `proto::TCP` or `proto::UDP`             |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CtKey {
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// What to do with the packets of one direction of a flow: rewrite the
+/// source to `nat_src:nat_sport` and the destination to `nat_dst:nat_dport`.
+/// The key of the other direction is this tuple reversed. Value of
+/// `LB_CONNTRACK`.
+///
+/// | offset | field          | meaning                                     |
+/// |--------|----------------|---------------------------------------------|
+/// | 0      | `nat_src`      | new source address                          |
+/// | 16     | `nat_dst`      | new destination address                     |
+/// | 32     | `nat_sport`    | new source port, host order                 |
+/// | 34     | `nat_dport`    | new destination port, host order            |
+/// | 36     | `backend_id`   | the backend the flow was sent to            |
+/// | 40     | `service_id`   | the frontend it addressed                   |
+/// | 44     | `flags`        | `ct_flags::*`                               |
+/// | 48     | `last_seen_ns` | `bpf_ktime_get_ns` of the last packet       |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CtEntry {
+    pub nat_src: [u8; 16],
+    pub nat_dst: [u8; 16],
+    pub nat_sport: u16,
+    pub nat_dport: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub flags: u8,
+    pub _pad: [u8; 3],
+    pub last_seen_ns: u64,
+}
+
+impl CtKey {
+    /// The key of the other direction of the flow that `entry` (found
+    /// under some key) translates to.
+    pub fn partner(entry: &CtEntry, proto: u8) -> CtKey {
+        CtKey {
+            src: entry.nat_dst,
+            dst: entry.nat_src,
+            sport: entry.nat_dport,
+            dport: entry.nat_sport,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+}
+
+/// Settings of the tc path. The single element of `LB_TC_CONFIG`.
+///
+/// | offset | field               | meaning                                  |
+/// |--------|---------------------|------------------------------------------|
+/// | 0      | `snat_v4`           | masquerade address for IPv4 (mapped), or zero |
+/// | 16     | `snat_v6`           | masquerade address for IPv6, or zero     |
+/// | 32     | `tcp_timeout_s`     | idle lifetime of a TCP flow              |
+/// | 36     | `tcp_close_timeout_s` | lifetime after FIN or RST              |
+/// | 40     | `udp_timeout_s`     | idle lifetime of a UDP flow              |
+/// | 44     | `snat_port_min`     | SNAT source ports, inclusive range       |
+/// | 46     | `snat_port_max`     |                                          |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct TcConfig {
+    pub snat_v4: [u8; 16],
+    pub snat_v6: [u8; 16],
+    pub tcp_timeout_s: u32,
+    pub tcp_close_timeout_s: u32,
+    pub udp_timeout_s: u32,
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+}
+
+/// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
+/// bits precedes it). The frontend is matched exactly (its 160 bits), the
+/// client source by prefix: prefix length `160 + 128` for a full lookup.
+/// Per frontend with `loadBalancerSourceRanges`, the agent writes a marker
+/// with prefix length 160 and value `source_range::DENY`, and one entry per
+/// range with value `source_range::ALLOW`; the longest match decides.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRangeData {
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+    pub src: [u8; 16],
+}
+
+/// Values of `LB_SOURCE_RANGES`.
+pub mod source_range {
+    pub const DENY: u32 = 0;
+    pub const ALLOW: u32 = 1;
+    /// Bits of `SourceRangeData` before `src`.
+    pub const FRONTEND_BITS: u32 = 160;
+}
+
 /// Indexes into the per-CPU `LB_STATS` array.
 pub mod stat {
     /// connect/sendmsg rewritten to a backend.
@@ -238,7 +365,13 @@ pub mod stat {
     pub const REVERSED: u32 = 2;
     /// Affinity entry reused.
     pub const AFFINITY_HIT: u32 = 3;
-    pub const COUNT: u32 = 4;
+    /// tc path: packets translated (forward or reply).
+    pub const TC_TRANSLATED: u32 = 4;
+    /// tc path: new flows dropped (no backend, source range, loopback).
+    pub const TC_DROPPED: u32 = 5;
+    /// tc path: SNAT port allocation failed.
+    pub const TC_SNAT_FAILED: u32 = 6;
+    pub const COUNT: u32 = 7;
 }
 
 /// The names under which the maps are pinned and show in `bpftool map list`.
@@ -249,7 +382,20 @@ pub mod map_names {
     pub const REV_SOCK: &str = "LB_REV_SOCK";
     pub const AFFINITY: &str = "LB_AFFINITY";
     pub const STATS: &str = "LB_STATS";
-    pub const ALL: [&str; 6] = [SERVICES, SLOTS, BACKENDS, REV_SOCK, AFFINITY, STATS];
+    pub const CONNTRACK: &str = "LB_CONNTRACK";
+    pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
+    pub const TC_CONFIG: &str = "LB_TC_CONFIG";
+    pub const ALL: [&str; 9] = [
+        SERVICES,
+        SLOTS,
+        BACKENDS,
+        REV_SOCK,
+        AFFINITY,
+        STATS,
+        CONNTRACK,
+        SOURCE_RANGES,
+        TC_CONFIG,
+    ];
 }
 
 /// Default capacities; the agent can override each at load time.
@@ -260,6 +406,8 @@ pub mod capacity {
     pub const BACKENDS: u32 = 262_144;
     pub const REV_SOCK: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
+    pub const CONNTRACK: u32 = 262_144;
+    pub const SOURCE_RANGES: u32 = 16_384;
 }
 
 const _: () = {
@@ -273,6 +421,10 @@ const _: () = {
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
+    assert!(core::mem::size_of::<CtKey>() == 40);
+    assert!(core::mem::size_of::<CtEntry>() == 56);
+    assert!(core::mem::size_of::<TcConfig>() == 48);
+    assert!(core::mem::size_of::<SourceRangeData>() == 36);
 };
 
 #[cfg(feature = "user")]
@@ -290,6 +442,10 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtEntry {}
+    unsafe impl aya::Pod for TcConfig {}
+    unsafe impl aya::Pod for SourceRangeData {}
 }
 
 /// Backend selection shared by every hook, kept free of helpers so that host
@@ -322,6 +478,35 @@ pub mod select {
     #[inline(always)]
     pub fn flow_hash(socket_cookie: u64, netns_cookie: u64, service_id: u32) -> u32 {
         let mut h = socket_cookie ^ netns_cookie.rotate_left(32) ^ (service_id as u64) << 17;
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
+        h ^= h >> 33;
+        h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        h ^= h >> 33;
+        h as u32
+    }
+
+    /// A 32-bit hash of a packet's 5-tuple, for Maglev on the tc path: the
+    /// same flow always lands on the same table position.
+    #[inline(always)]
+    pub fn tuple_hash(src: &[u8; 16], dst: &[u8; 16], sport: u16, dport: u16, proto: u8) -> u32 {
+        let word = |a: &[u8; 16], i: usize| {
+            u64::from_le_bytes([
+                a[i],
+                a[i + 1],
+                a[i + 2],
+                a[i + 3],
+                a[i + 4],
+                a[i + 5],
+                a[i + 6],
+                a[i + 7],
+            ])
+        };
+        let mut h = word(src, 0)
+            ^ word(src, 8).rotate_left(13)
+            ^ word(dst, 0).rotate_left(29)
+            ^ word(dst, 8).rotate_left(41)
+            ^ ((sport as u64) << 32 | (dport as u64) << 8 | proto as u64);
         h ^= h >> 33;
         h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
         h ^= h >> 33;

@@ -4,13 +4,30 @@
 //! sendmsg to a Service frontend is rewritten to a backend before the kernel
 //! routes anything, so there is no per-packet NAT; recvmsg and getpeername
 //! translate back so that the application only ever sees the frontend.
+//!
+//! The tc programs (`tc_ingress`, `tc_egress`) serve north-south traffic on
+//! the node's external devices: NodePorts, LoadBalancer IPs, externalIPs.
 #![no_std]
 #![no_main]
 
 mod maps;
 mod sock;
+mod tc;
 
-use aya_ebpf::{macros::cgroup_sock_addr, programs::SockAddrContext};
+use aya_ebpf::{
+    macros::{cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, TcContext},
+};
+
+#[classifier]
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    tc::ingress(&ctx)
+}
+
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    tc::egress(&ctx)
+}
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {

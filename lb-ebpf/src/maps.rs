@@ -1,12 +1,13 @@
 //! The maps every hook shares. Layouts live in `lb-common`; the capacities
 //! here are defaults the agent overrides at load time.
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
     macros::btf_map,
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
+    CtEntry, CtKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SourceRangeData,
+    TcConfig,
 };
 
 #[btf_map]
@@ -31,6 +32,20 @@ pub static LB_REV_SOCK: LruHashMap<
 #[btf_map]
 pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityEntry, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
+
+/// tc path: both directions of every translated flow.
+#[btf_map]
+pub static LB_CONNTRACK: LruHashMap<CtKey, CtEntry, { capacity::CONNTRACK as usize }> =
+    LruHashMap::new();
+
+/// tc path: `loadBalancerSourceRanges` per frontend.
+#[btf_map]
+pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeData, u32, { capacity::SOURCE_RANGES as usize }> =
+    LpmTrie::new();
+
+/// tc path: masquerade addresses and timeouts, written by the agent.
+#[btf_map]
+pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
 
 #[btf_map]
 pub static LB_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();

@@ -128,7 +128,7 @@ fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
 }
 
 #[inline(always)]
-fn backend_by_id(id: u32) -> Option<Backend> {
+pub(crate) fn backend_by_id(id: u32) -> Option<Backend> {
     // SAFETY: copied out at once, as in `lookup_service`.
     LB_BACKENDS
         .get_ptr(&BackendId { id })
@@ -136,7 +136,7 @@ fn backend_by_id(id: u32) -> Option<Backend> {
 }
 
 #[inline(always)]
-fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
+pub(crate) fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
     let key = BackendSlotKey {
         backend_set: svc.backend_set,
         slot,

@@ -1,0 +1,538 @@
+//! Kubernetes semantics of north-south traffic that the tc path needs on
+//! top of `translate`: the node's addresses (`--nodeport-addresses`),
+//! `--allowed-external-ip-cidrs` (CVE-2020-8554), `loadBalancerSourceRanges`
+//! and the health-check node ports of `externalTrafficPolicy: Local`.
+//! Pure functions over the store and the desired state, with table tests.
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+    str::FromStr,
+};
+
+use k8s_openapi::api::core::v1::Node;
+
+use crate::{
+    model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
+    store::{ObjectKey, Rejection, Store},
+    translate::LABEL_SERVICE_NAME,
+};
+
+const SOURCE: &str = "translate";
+
+/// An address prefix, `10.0.0.0/8` or `fd00::/8`; a bare address is a /32
+/// or /128.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(a)) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                u32::from(net) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(a)) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                u128::from(net) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{s:?} is not an address prefix"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| format!("{s:?}: prefix length must be 0..={max}"))?,
+        };
+        Ok(Cidr { addr, prefix })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// `InternalIP` and `ExternalIP` addresses of a Node, in its order.
+pub fn node_object_addresses(node: &Node) -> Vec<IpAddr> {
+    node.status
+        .as_ref()
+        .and_then(|s| s.addresses.as_ref())
+        .into_iter()
+        .flatten()
+        .filter(|a| a.type_ == "InternalIP" || a.type_ == "ExternalIP")
+        .filter_map(|a| a.address.parse().ok())
+        .collect()
+}
+
+/// The addresses NodePorts are served on: the Node object's InternalIP and
+/// ExternalIP when the store has it, else the addresses of the devices;
+/// never loopback or link-local (CVE-2020-8558); limited to
+/// `--nodeport-addresses` when given. Deduplicated, in order.
+pub fn node_addresses(
+    store: &Store,
+    node_name: &str,
+    device_addresses: &[IpAddr],
+    nodeport_cidrs: &[Cidr],
+) -> Vec<IpAddr> {
+    let from_node = store
+        .nodes
+        .get(node_name)
+        .map(node_object_addresses)
+        .unwrap_or_default();
+    let source = if from_node.is_empty() {
+        device_addresses
+    } else {
+        &from_node[..]
+    };
+    let mut seen = BTreeSet::new();
+    source
+        .iter()
+        .copied()
+        .filter(|a| !a.is_loopback() && !a.is_unspecified() && !is_link_local(*a))
+        .filter(|a| nodeport_cidrs.is_empty() || nodeport_cidrs.iter().any(|c| c.contains(*a)))
+        .filter(|a| seen.insert(*a))
+        .collect()
+}
+
+fn is_link_local(a: IpAddr) -> bool {
+    match a {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
+    }
+}
+
+/// CVE-2020-8554: with `--allowed-external-ip-cidrs`, externalIPs outside
+/// them are removed (both scopes) and reported, naming the Service.
+pub fn restrict_external_ips(desired: &mut DesiredState, allowed: &[Cidr]) -> Vec<Rejection> {
+    if allowed.is_empty() {
+        return Vec::new();
+    }
+    let refused: Vec<Frontend> = desired
+        .frontends
+        .iter()
+        .filter(|(f, s)| {
+            s.kind == FrontendKind::ExternalIp && !allowed.iter().any(|c| c.contains(f.addr))
+        })
+        .map(|(f, _)| *f)
+        .collect();
+    let mut rejections = Vec::new();
+    for f in refused {
+        let state = desired.frontends.remove(&f).expect("listed above");
+        let r = Rejection::new(
+            SOURCE,
+            format!("Service {}", state.service),
+            "spec.externalIPs",
+            format!(
+                "externalIP {} refused: outside --allowed-external-ip-cidrs",
+                f.addr
+            ),
+        );
+        if !rejections.contains(&r) {
+            rejections.push(r);
+        }
+    }
+    rejections
+}
+
+/// `loadBalancerSourceRanges` of the External LoadBalancer frontends that
+/// have any (kube-proxy filters the load balancer IPs, not NodePorts).
+pub fn source_ranges(
+    store: &Store,
+    desired: &DesiredState,
+) -> (BTreeMap<Frontend, Vec<Cidr>>, Vec<Rejection>) {
+    let mut out = BTreeMap::new();
+    let mut rejections = Vec::new();
+    for (f, s) in &desired.frontends {
+        if f.scope != Scope::External || s.kind != FrontendKind::LoadBalancer {
+            continue;
+        }
+        let key = ObjectKey::new(s.service.namespace.clone(), s.service.name.clone());
+        let Some(spec) = store.services.get(&key).and_then(|svc| svc.spec.as_ref()) else {
+            continue;
+        };
+        let mut ranges = Vec::new();
+        for (i, raw) in spec
+            .load_balancer_source_ranges
+            .iter()
+            .flatten()
+            .enumerate()
+        {
+            match raw.parse::<Cidr>() {
+                Ok(c) => ranges.push(c),
+                Err(e) => {
+                    let r = Rejection::new(
+                        SOURCE,
+                        format!("Service {key}"),
+                        format!("spec.loadBalancerSourceRanges[{i}]"),
+                        format!("{e}; ignored"),
+                    );
+                    if !rejections.contains(&r) {
+                        rejections.push(r);
+                    }
+                }
+            }
+        }
+        // Only malformed entries: nothing is allowed rather than everything.
+        let listed = spec
+            .load_balancer_source_ranges
+            .as_ref()
+            .is_some_and(|r| !r.is_empty());
+        if listed {
+            ranges.sort();
+            ranges.dedup();
+            out.insert(*f, ranges);
+        }
+    }
+    (out, rejections)
+}
+
+/// A health-check node port as kube-proxy serves it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub port: u16,
+    pub service: ServiceName,
+    /// Ready endpoints of the Service on this node.
+    pub local_endpoints: usize,
+}
+
+/// `healthCheckNodePort` of every `externalTrafficPolicy: Local` Service,
+/// with its count of ready local endpoints.
+pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
+    let mut out = Vec::new();
+    for (key, svc) in &store.services {
+        let Some(spec) = &svc.spec else { continue };
+        if spec.external_traffic_policy.as_deref() != Some("Local") {
+            continue;
+        }
+        let Some(port) = spec
+            .health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0)
+        else {
+            continue;
+        };
+        let mut local = BTreeSet::new();
+        for slice in store.slices.values() {
+            let owner = slice
+                .metadata
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SERVICE_NAME));
+            if slice.metadata.namespace.as_deref() != Some(key.namespace.as_str())
+                || owner != Some(&key.name)
+            {
+                continue;
+            }
+            for ep in slice.endpoints.iter().flatten() {
+                let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+                if ready && ep.node_name.as_deref() == Some(node_name) {
+                    if let Some(a) = ep.addresses.first() {
+                        local.insert(a.clone());
+                    }
+                }
+            }
+        }
+        out.push(HealthCheck {
+            port,
+            service: ServiceName {
+                namespace: key.namespace.clone(),
+                name: key.name.clone(),
+            },
+            local_endpoints: local.len(),
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Algorithm, FrontendState, Protocol};
+    use k8s_openapi::api::{
+        core::v1::{NodeAddress, NodeStatus, Service, ServiceSpec},
+        discovery::v1::{Endpoint, EndpointConditions, EndpointSlice},
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn cidr_parse_and_contains() {
+        let cases = [
+            ("10.0.0.0/8", "10.1.2.3", true),
+            ("10.0.0.0/8", "11.0.0.1", false),
+            ("10.0.0.0/8", "::ffff:10.9.9.9", true),
+            ("0.0.0.0/0", "192.168.1.1", true),
+            ("0.0.0.0/0", "fd00::1", false),
+            ("fd00::/8", "fd00:77::1", true),
+            ("fd00::/8", "fe80::1", false),
+            ("192.168.77.100", "192.168.77.100", true),
+            ("192.168.77.100", "192.168.77.101", false),
+        ];
+        for (c, a, want) in cases {
+            let c: Cidr = c.parse().unwrap();
+            assert_eq!(c.contains(ip(a)), want, "{c} contains {a}");
+        }
+        for bad in ["10.0.0.0/33", "x/8", "fd00::/129", ""] {
+            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
+        }
+    }
+
+    fn node(name: &str, addrs: &[(&str, &str)]) -> Node {
+        Node {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            status: Some(NodeStatus {
+                addresses: Some(
+                    addrs
+                        .iter()
+                        .map(|(t, a)| NodeAddress {
+                            type_: t.to_string(),
+                            address: a.to_string(),
+                        })
+                        .collect(),
+                ),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn node_addresses_table() {
+        let mut store = Store::default();
+        store.nodes.insert(
+            "n1".into(),
+            node(
+                "n1",
+                &[
+                    ("Hostname", "n1"),
+                    ("InternalIP", "192.168.77.1"),
+                    ("ExternalIP", "203.0.113.1"),
+                    ("InternalIP", "fd00:77::1"),
+                ],
+            ),
+        );
+        let devices = [ip("127.0.0.1"), ip("10.0.0.5"), ip("fe80::1"), ip("::1")];
+        let np: Vec<Cidr> = vec!["192.168.0.0/16".parse().unwrap()];
+        let cases: [(&str, &[Cidr], &[&str]); 4] = [
+            ("n1", &[], &["192.168.77.1", "203.0.113.1", "fd00:77::1"]),
+            ("n1", &np, &["192.168.77.1"]),
+            // No Node object: the devices' addresses, never loopback or link-local.
+            ("other", &[], &["10.0.0.5"]),
+            ("other", &np, &[]),
+        ];
+        for (name, cidrs, want) in cases {
+            let got = node_addresses(&store, name, &devices, cidrs);
+            let want: Vec<IpAddr> = want.iter().map(|a| ip(a)).collect();
+            assert_eq!(got, want, "{name} {cidrs:?}");
+        }
+    }
+
+    fn fstate(ns: &str, name: &str, kind: FrontendKind) -> FrontendState {
+        FrontendState {
+            service: ServiceName {
+                namespace: ns.into(),
+                name: name.into(),
+            },
+            port_name: String::new(),
+            kind,
+            active: Vec::new(),
+            terminating: Vec::new(),
+            affinity_timeout: None,
+            algorithm: Algorithm::Random,
+        }
+    }
+
+    fn fe(addr: &str, scope: Scope) -> Frontend {
+        Frontend {
+            addr: ip(addr),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope,
+        }
+    }
+
+    #[test]
+    fn external_ips_outside_the_allowed_cidrs_are_refused() {
+        let mut d = DesiredState::default();
+        for scope in [Scope::External, Scope::Internal] {
+            d.frontends.insert(
+                fe("203.0.113.9", scope),
+                fstate("demo", "evil", FrontendKind::ExternalIp),
+            );
+            d.frontends.insert(
+                fe("198.51.100.7", scope),
+                fstate("demo", "ok", FrontendKind::ExternalIp),
+            );
+            d.frontends.insert(
+                fe("203.0.113.10", scope),
+                fstate("demo", "lb", FrontendKind::LoadBalancer),
+            );
+        }
+        // Without the option nothing changes.
+        let mut same = d.clone();
+        assert!(restrict_external_ips(&mut same, &[]).is_empty());
+        assert_eq!(same, d);
+        let allowed = vec!["198.51.100.0/24".parse().unwrap()];
+        let r = restrict_external_ips(&mut d, &allowed);
+        assert_eq!(r.len(), 1, "{r:?}");
+        assert_eq!(r[0].object, "Service demo/evil");
+        assert!(r[0].reason.contains("203.0.113.9"), "{}", r[0]);
+        assert_eq!(d.frontends.len(), 4);
+        assert!(!d
+            .frontends
+            .contains_key(&fe("203.0.113.9", Scope::Internal)));
+        assert!(d
+            .frontends
+            .contains_key(&fe("203.0.113.10", Scope::External)));
+    }
+
+    fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Service {
+        let mut spec = ServiceSpec::default();
+        f(&mut spec);
+        Service {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("demo".into()),
+                ..Default::default()
+            },
+            spec: Some(spec),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn source_ranges_apply_to_external_load_balancer_frontends() {
+        let mut store = Store::default();
+        store.services.insert(
+            ObjectKey::new("demo", "lb"),
+            service("lb", |s| {
+                s.load_balancer_source_ranges = Some(vec!["192.168.77.0/25".into(), "bogus".into()])
+            }),
+        );
+        store
+            .services
+            .insert(ObjectKey::new("demo", "open"), service("open", |_| {}));
+        let mut d = DesiredState::default();
+        d.frontends.insert(
+            fe("203.0.113.10", Scope::External),
+            fstate("demo", "lb", FrontendKind::LoadBalancer),
+        );
+        d.frontends.insert(
+            fe("203.0.113.10", Scope::Internal),
+            fstate("demo", "lb", FrontendKind::LoadBalancer),
+        );
+        d.frontends.insert(
+            fe("192.168.77.1", Scope::External),
+            fstate("demo", "lb", FrontendKind::NodePort),
+        );
+        d.frontends.insert(
+            fe("203.0.113.11", Scope::External),
+            fstate("demo", "open", FrontendKind::LoadBalancer),
+        );
+        let (ranges, rejections) = source_ranges(&store, &d);
+        assert_eq!(
+            ranges,
+            BTreeMap::from([(
+                fe("203.0.113.10", Scope::External),
+                vec!["192.168.77.0/25".parse().unwrap()]
+            )])
+        );
+        assert_eq!(rejections.len(), 1);
+        assert_eq!(rejections[0].field, "spec.loadBalancerSourceRanges[1]");
+    }
+
+    fn slice(service: &str, eps: &[(&str, &str, bool)]) -> EndpointSlice {
+        EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(format!("{service}-x")),
+                namespace: Some("demo".into()),
+                labels: Some([(LABEL_SERVICE_NAME.to_owned(), service.to_owned())].into()),
+                ..Default::default()
+            },
+            address_type: "IPv4".into(),
+            endpoints: Some(
+                eps.iter()
+                    .map(|(a, n, ready)| Endpoint {
+                        addresses: vec![a.to_string()],
+                        node_name: Some(n.to_string()),
+                        conditions: Some(EndpointConditions {
+                            ready: Some(*ready),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    })
+                    .collect(),
+            ),
+            ports: None,
+        }
+    }
+
+    #[test]
+    fn health_checks_count_ready_local_endpoints() {
+        let mut store = Store::default();
+        store.services.insert(
+            ObjectKey::new("demo", "local"),
+            service("local", |s| {
+                s.external_traffic_policy = Some("Local".into());
+                s.health_check_node_port = Some(32000);
+            }),
+        );
+        store.services.insert(
+            ObjectKey::new("demo", "cluster"),
+            service("cluster", |s| {
+                s.external_traffic_policy = Some("Cluster".into());
+                s.health_check_node_port = Some(32001);
+            }),
+        );
+        store.slices.insert(
+            ObjectKey::new("demo", "local-x"),
+            slice(
+                "local",
+                &[
+                    ("10.244.1.10", "n1", true),
+                    ("10.244.1.11", "n1", false),
+                    ("10.244.2.10", "n2", true),
+                ],
+            ),
+        );
+        let cases = [("n1", 1), ("n2", 1), ("n3", 0)];
+        for (node, want) in cases {
+            let hc = health_checks(&store, node);
+            assert_eq!(hc.len(), 1, "only Local Services: {hc:?}");
+            assert_eq!(hc[0].port, 32000);
+            assert_eq!(hc[0].local_endpoints, want, "{node}");
+        }
+    }
+}

@@ -1,0 +1,590 @@
+//! North-south translation at tc (clsact/TCX) on the node's external devices.
+//!
+//! `ingress`: packets arriving at the node. A packet of a known flow
+//! (`LB_CONNTRACK`) is rewritten as its entry says. Otherwise, a packet to an
+//! `EXTERNAL` frontend (NodePort on a node address, LoadBalancer ingress IP,
+//! externalIP) starts a flow: a backend is chosen as the socket path does
+//! (Maglev over the 5-tuple or random, affinity by source address), the
+//! destination is rewritten to it, and for a backend on another node the
+//! source is masqueraded to the node's address and a free port. Both
+//! directions are recorded, so the flow keeps its backend for its life.
+//! Local deliveries go up the stack; masqueraded packets and the replies of
+//! remote backends are sent with `bpf_redirect_neigh` after a FIB lookup
+//! (their source is a local address, which the stack would drop as martian).
+//!
+//! `egress`: replies of local backends leaving towards the client get their
+//! frontend back as source.
+//!
+//! Not translated, passed untouched: IPv4 fragments (no ports to go by),
+//! IPv6 with extension headers, ICMP (errors about a translated flow reach
+//! the node's own stack, which drops them: never mis-delivered).
+use aya_ebpf::{
+    bindings::{bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    btf_maps::PerCpuArray,
+    helpers::{
+        bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns,
+        bpf_redirect_neigh,
+    },
+    macros::btf_map,
+    programs::TcContext,
+    EbpfContext,
+};
+use lb_common::{
+    ct_flags, is_ipv4_mapped, proto, scope, select, service_flags, source_range, stat,
+    AffinityEntry, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue, SourceRangeData,
+    TcConfig,
+};
+
+use crate::{
+    maps::{count, LB_AFFINITY, LB_CONNTRACK, LB_SERVICES, LB_SOURCE_RANGES, LB_TC_CONFIG},
+    sock::{backend_by_id, backend_of},
+};
+
+/// Not ours: let the next program (or the stack) decide.
+pub const TC_ACT_UNSPEC: i32 = -1;
+pub const TC_ACT_OK: i32 = 0;
+pub const TC_ACT_SHOT: i32 = 2;
+
+const ETH_HLEN: usize = 14;
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const TCP_FIN: u8 = 0x01;
+const TCP_SYN: u8 = 0x02;
+const TCP_RST: u8 = 0x04;
+const TCP_ACK: u8 = 0x10;
+const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
+const FIB_SUCCESS: i64 = 0;
+const FIB_NO_NEIGH: i64 = 7;
+
+/// The parts of a packet the translation needs.
+struct Pkt {
+    v6: bool,
+    l4: usize,
+    proto: u8,
+    tcp_flags: u8,
+    sport: u16,
+    dport: u16,
+    src: [u8; 16],
+    dst: [u8; 16],
+}
+
+#[inline(always)]
+fn parse(ctx: &TcContext) -> Option<Pkt> {
+    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    let mut src = [0u8; 16];
+    let mut dst = [0u8; 16];
+    let (v6, l4, l4proto) = match ethertype {
+        ETH_P_IP => {
+            let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
+            let ihl = (vihl & 0x0f) as usize * 4;
+            if vihl >> 4 != 4 || ihl < 20 {
+                return None;
+            }
+            // Any fragment: only the first carries ports, and translating
+            // it alone would split the datagram. The stack reassembles.
+            let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+            if frag & 0x3fff != 0 {
+                return None;
+            }
+            let p: u8 = ctx.load(ETH_HLEN + 9).ok()?;
+            let s: [u8; 4] = ctx.load(ETH_HLEN + 12).ok()?;
+            let d: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
+            src[10] = 0xff;
+            src[11] = 0xff;
+            dst[10] = 0xff;
+            dst[11] = 0xff;
+            src[12..].copy_from_slice(&s);
+            dst[12..].copy_from_slice(&d);
+            (false, ETH_HLEN + ihl, p)
+        }
+        ETH_P_IPV6 => {
+            let p: u8 = ctx.load(ETH_HLEN + 6).ok()?;
+            src = ctx.load(ETH_HLEN + 8).ok()?;
+            dst = ctx.load(ETH_HLEN + 24).ok()?;
+            (true, ETH_HLEN + 40, p)
+        }
+        _ => return None,
+    };
+    if l4proto != proto::TCP && l4proto != proto::UDP {
+        return None;
+    }
+    let sport = u16::from_be(ctx.load::<u16>(l4).ok()?);
+    let dport = u16::from_be(ctx.load::<u16>(l4 + 2).ok()?);
+    let tcp_flags = if l4proto == proto::TCP {
+        ctx.load::<u8>(l4 + 13).ok()?
+    } else {
+        0
+    };
+    Some(Pkt {
+        v6,
+        l4,
+        proto: l4proto,
+        tcp_flags,
+        sport,
+        dport,
+        src,
+        dst,
+    })
+}
+
+#[inline(always)]
+fn is_loopback(p: &Pkt) -> bool {
+    if p.v6 {
+        p.dst[..15].iter().all(|b| *b == 0) && p.dst[15] == 1
+    } else {
+        p.dst[12] == 127
+    }
+}
+
+/// The agent's settings (an array element always exists; the agent writes
+/// it before it attaches the programs).
+#[inline(always)]
+fn config() -> Option<&'static TcConfig> {
+    LB_TC_CONFIG.get(0)
+}
+
+/// Room for the large values of a new flow: the BPF stack is 512 bytes.
+#[repr(C)]
+pub struct Scratch {
+    forward: CtEntry,
+    reply: CtEntry,
+    reply_key: CtKey,
+    fib: bpf_fib_lookup,
+}
+
+#[btf_map]
+static LB_TC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+#[inline(always)]
+fn live(e: &CtEntry, now: u64, cfg: &TcConfig, l4proto: u8) -> bool {
+    let timeout_s = if l4proto == proto::TCP {
+        if e.flags & ct_flags::CLOSING != 0 {
+            cfg.tcp_close_timeout_s
+        } else {
+            cfg.tcp_timeout_s
+        }
+    } else {
+        cfg.udp_timeout_s
+    };
+    now.wrapping_sub(e.last_seen_ns) <= timeout_s as u64 * 1_000_000_000
+}
+
+#[inline(always)]
+fn csum_off(p: &Pkt) -> usize {
+    if p.proto == proto::TCP {
+        p.l4 + 16
+    } else {
+        p.l4 + 6
+    }
+}
+
+#[inline(always)]
+fn l4_flags(p: &Pkt) -> u64 {
+    // An IPv4 UDP checksum of 0 means "none": leave it so.
+    if p.proto == proto::UDP && !p.v6 {
+        BPF_F_MARK_MANGLED_0 as u64
+    } else {
+        0
+    }
+}
+
+/// Rewrites the source (`is_src`) or destination address, checksums included.
+#[inline(always)]
+fn set_addr(ctx: &TcContext, p: &Pkt, is_src: bool, old: &[u8; 16], new: &[u8; 16]) -> bool {
+    if old == new {
+        return true;
+    }
+    let flags = l4_flags(p) | BPF_F_PSEUDO_HDR as u64;
+    if !p.v6 {
+        let o = u32::from_ne_bytes([old[12], old[13], old[14], old[15]]);
+        let n = u32::from_ne_bytes([new[12], new[13], new[14], new[15]]);
+        let off = ETH_HLEN + if is_src { 12 } else { 16 };
+        ctx.l4_csum_replace(csum_off(p), o as u64, n as u64, flags | 4)
+            .is_ok()
+            && ctx
+                .l3_csum_replace(ETH_HLEN + 10, o as u64, n as u64, 4)
+                .is_ok()
+            && ctx.store(off, &n, 0).is_ok()
+    } else {
+        let mut o = *old;
+        let mut n = *new;
+        // SAFETY: both buffers are 16 initialised bytes on this stack.
+        let diff = unsafe {
+            bpf_csum_diff(
+                o.as_mut_ptr() as *mut u32,
+                16,
+                n.as_mut_ptr() as *mut u32,
+                16,
+                0,
+            )
+        };
+        let off = ETH_HLEN + if is_src { 8 } else { 24 };
+        ctx.l4_csum_replace(csum_off(p), 0, diff as u32 as u64, flags)
+            .is_ok()
+            && ctx.store(off, new, 0).is_ok()
+    }
+}
+
+#[inline(always)]
+fn set_port(ctx: &TcContext, p: &Pkt, is_src: bool, old: u16, new: u16) -> bool {
+    if old == new {
+        return true;
+    }
+    let (o, n) = (old.to_be(), new.to_be());
+    let off = p.l4 + if is_src { 0 } else { 2 };
+    ctx.l4_csum_replace(csum_off(p), o as u64, n as u64, l4_flags(p) | 2)
+        .is_ok()
+        && ctx.store(off, &n, 0).is_ok()
+}
+
+/// Rewrites the packet to the entry's tuple.
+#[inline(always)]
+fn rewrite(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> bool {
+    set_addr(ctx, p, true, &p.src, &e.nat_src)
+        && set_addr(ctx, p, false, &p.dst, &e.nat_dst)
+        && set_port(ctx, p, true, p.sport, e.nat_sport)
+        && set_port(ctx, p, false, p.dport, e.nat_dport)
+}
+
+/// Sends a rewritten packet out of the device the FIB says, resolving the
+/// neighbour; the stack would drop it as martian (its source is local) or
+/// would not forward it back out of the device it came in.
+#[inline(always)]
+fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
+    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+        return TC_ACT_OK;
+    };
+    // SAFETY: this CPU's scratch element, used by this run only.
+    let fib = unsafe { &mut (*scratch).fib };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
+    *fib = unsafe { core::mem::zeroed() };
+    fib.family = if p.v6 { AF_INET6 } else { AF_INET };
+    fib.l4_protocol = p.proto;
+    fib.sport = e.nat_sport.to_be();
+    fib.dport = e.nat_dport.to_be();
+    // SAFETY: the context pointer is valid for the program's run.
+    fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    if p.v6 {
+        // SAFETY: [u8; 16] and [u32; 4] have the same size; network order kept.
+        unsafe {
+            fib.__bindgen_anon_3.ipv6_src = core::mem::transmute::<[u8; 16], [u32; 4]>(e.nat_src);
+            fib.__bindgen_anon_4.ipv6_dst = core::mem::transmute::<[u8; 16], [u32; 4]>(e.nat_dst);
+        }
+    } else {
+        let s = &e.nat_src;
+        let d = &e.nat_dst;
+        fib.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([s[12], s[13], s[14], s[15]]);
+        fib.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([d[12], d[13], d[14], d[15]]);
+    }
+    // SAFETY: helper call with a valid context and a buffer of the size passed.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            fib as *mut bpf_fib_lookup,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    if rc == FIB_SUCCESS || rc == FIB_NO_NEIGH {
+        // SAFETY: plain helper call; a NULL neighbour makes it look up the next hop.
+        return unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) } as i32;
+    }
+    TC_ACT_OK
+}
+
+/// Marks both directions closing on FIN or RST, and refreshes this one.
+#[inline(always)]
+fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) {
+    // SAFETY: the pointer is valid for this program run; concurrent updates
+    // of the timestamp or flags only lose a refresh.
+    unsafe { (*ptr).last_seen_ns = now };
+    if p.tcp_flags & (TCP_FIN | TCP_RST) != 0 && e.flags & ct_flags::CLOSING == 0 {
+        unsafe { (*ptr).flags = e.flags | ct_flags::CLOSING };
+        if let Some(other) = LB_CONNTRACK.get_ptr_mut(&CtKey::partner(e, p.proto)) {
+            unsafe { (*other).flags |= ct_flags::CLOSING };
+        }
+    }
+}
+
+#[inline(always)]
+fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
+    // SAFETY: copied out at once; the agent replaces values whole.
+    LB_SERVICES
+        .get_ptr(key)
+        .map(|p| unsafe { core::ptr::read(p) })
+}
+
+/// `loadBalancerSourceRanges`: the longest match of (frontend, source).
+#[inline(always)]
+fn source_allowed(p: &Pkt) -> bool {
+    let key = aya_ebpf::maps::lpm_trie::Key::new(
+        source_range::FRONTEND_BITS + 128,
+        SourceRangeData {
+            addr: p.dst,
+            port: p.dport,
+            proto: p.proto,
+            _pad: 0,
+            src: p.src,
+        },
+    );
+    match LB_SOURCE_RANGES.get(&key) {
+        None => true,
+        Some(v) => *v != source_range::DENY,
+    }
+}
+
+#[inline(always)]
+fn choose(p: &Pkt, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    let slot = if select::uses_maglev(svc) {
+        let h = select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto);
+        select::maglev_slot(svc, h)
+    } else {
+        // SAFETY: plain helper call.
+        select::slot(svc, unsafe { bpf_get_prandom_u32() })?
+    };
+    backend_of(svc, slot)
+}
+
+/// sessionAffinity ClientIP on the tc path: keyed by the source address.
+#[inline(always)]
+fn choose_with_affinity(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+    let key = AffinityKey {
+        client: p.src,
+        service_id: svc.id,
+        kind: lb_common::affinity_client::SOURCE_IP,
+        _pad: [0; 3],
+    };
+    if let Some(entry) = LB_AFFINITY.get_ptr_mut(&key) {
+        // SAFETY: valid for this run; see the socket path.
+        let e = unsafe { core::ptr::read(entry) };
+        if select::affinity_live(&e, now, svc.affinity_timeout) {
+            if let Some(b) = backend_by_id(e.backend_id) {
+                unsafe { (*entry).last_used_ns = now };
+                count(stat::AFFINITY_HIT);
+                return Some((e.backend_id, b));
+            }
+        }
+    }
+    let (id, backend) = choose(p, svc)?;
+    let entry = AffinityEntry {
+        backend_id: id,
+        _pad: 0,
+        last_used_ns: now,
+    };
+    let _ = LB_AFFINITY.insert(&key, &entry, BPF_ANY as u64);
+    Some((id, backend))
+}
+
+/// A source port on the masquerade address that no live flow to this
+/// backend uses; 0 when four random tries all collide.
+#[inline(always)]
+fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64) -> u16 {
+    let min = cfg.snat_port_min as u32;
+    let span = (cfg.snat_port_max as u32).saturating_sub(min) + 1;
+    let mut key = CtKey {
+        src: b.addr,
+        dst: *snat,
+        sport: b.port,
+        dport: 0,
+        proto: l4proto,
+        _pad: [0; 3],
+    };
+    for _ in 0..4 {
+        // SAFETY: plain helper call.
+        let port = (min + unsafe { bpf_get_prandom_u32() } % span) as u16;
+        if port == 0 {
+            continue;
+        }
+        key.dport = port;
+        let free = match LB_CONNTRACK.get_ptr(&key) {
+            None => true,
+            // SAFETY: copied out at once.
+            Some(e) => !live(unsafe { &*e }, now, cfg, l4proto),
+        };
+        if free {
+            return port;
+        }
+    }
+    0
+}
+
+/// A packet to an EXTERNAL frontend without a flow yet.
+#[inline(always)]
+fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> i32 {
+    let skey = ServiceKey {
+        addr: p.dst,
+        port: p.dport,
+        proto: p.proto,
+        scope: scope::EXTERNAL,
+    };
+    let Some(svc) = lookup_service(&skey) else {
+        return TC_ACT_UNSPEC;
+    };
+    if svc.flags & service_flags::WILDCARD != 0 {
+        return TC_ACT_UNSPEC;
+    }
+    if !source_allowed(p) {
+        count(stat::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    let chosen = if svc.flags & service_flags::AFFINITY != 0 {
+        choose_with_affinity(p, &svc, now)
+    } else {
+        choose(p, &svc)
+    };
+    // No backend (externalTrafficPolicy Local without local endpoints):
+    // dropped, as kube-proxy does.
+    let Some((backend_id, b)) = chosen else {
+        count(stat::TC_DROPPED);
+        return TC_ACT_SHOT;
+    };
+    if is_ipv4_mapped(&b.addr) == p.v6 {
+        count(stat::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+        return TC_ACT_SHOT;
+    };
+    // SAFETY: this CPU's scratch element, used by this run only.
+    let scratch = unsafe { &mut *scratch };
+    let local = b.flags & lb_common::backend_flags::LOCAL != 0;
+    let fwd = &mut scratch.forward;
+    fwd.nat_dst = b.addr;
+    fwd.nat_dport = b.port;
+    fwd.backend_id = backend_id;
+    fwd.service_id = svc.id;
+    fwd._pad = [0; 3];
+    fwd.last_seen_ns = now;
+    if local {
+        fwd.nat_src = p.src;
+        fwd.nat_sport = p.sport;
+        fwd.flags = ct_flags::LOCAL;
+    } else {
+        fwd.nat_src = if p.v6 { cfg.snat_v6 } else { cfg.snat_v4 };
+        if fwd.nat_src == [0u8; 16] {
+            count(stat::TC_SNAT_FAILED);
+            return TC_ACT_SHOT;
+        }
+        let port = snat_port(cfg, &fwd.nat_src, &b, p.proto, now);
+        if port == 0 {
+            count(stat::TC_SNAT_FAILED);
+            return TC_ACT_SHOT;
+        }
+        fwd.nat_sport = port;
+        fwd.flags = ct_flags::SNAT;
+    }
+    let rkey = &mut scratch.reply_key;
+    rkey.src = b.addr;
+    rkey.dst = fwd.nat_src;
+    rkey.sport = b.port;
+    rkey.dport = fwd.nat_sport;
+    rkey.proto = p.proto;
+    rkey._pad = [0; 3];
+    let reply = &mut scratch.reply;
+    reply.nat_src = p.dst;
+    reply.nat_dst = p.src;
+    reply.nat_sport = p.dport;
+    reply.nat_dport = p.sport;
+    reply.backend_id = backend_id;
+    reply.service_id = svc.id;
+    reply.flags = fwd.flags | ct_flags::REPLY;
+    reply._pad = [0; 3];
+    reply.last_seen_ns = now;
+    if LB_CONNTRACK
+        .insert(&scratch.reply_key, &scratch.reply, BPF_ANY as u64)
+        .is_err()
+        || LB_CONNTRACK
+            .insert(key, &scratch.forward, BPF_ANY as u64)
+            .is_err()
+    {
+        count(stat::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    finish(ctx, p, &scratch.forward, true)
+}
+
+#[inline(always)]
+fn finish(ctx: &TcContext, p: &Pkt, e: &CtEntry, at_ingress: bool) -> i32 {
+    if !rewrite(ctx, p, e) {
+        count(stat::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    count(stat::TC_TRANSLATED);
+    if at_ingress && e.flags & (ct_flags::SNAT | ct_flags::REPLY) != 0 {
+        redirect(ctx, p, e)
+    } else {
+        TC_ACT_OK
+    }
+}
+
+#[inline(always)]
+fn key_of(p: &Pkt) -> CtKey {
+    CtKey {
+        src: p.src,
+        dst: p.dst,
+        sport: p.sport,
+        dport: p.dport,
+        proto: p.proto,
+        _pad: [0; 3],
+    }
+}
+
+/// tc ingress of an external device.
+#[inline(always)]
+pub fn ingress(ctx: &TcContext) -> i32 {
+    let Some(p) = parse(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    // CVE-2020-8558: nothing from the wire is served on a loopback address.
+    if is_loopback(&p) {
+        count(stat::TC_DROPPED);
+        return TC_ACT_SHOT;
+    }
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(cfg) = config() else {
+        return TC_ACT_UNSPEC;
+    };
+    let key = key_of(&p);
+    if let Some(ptr) = LB_CONNTRACK.get_ptr_mut(&key) {
+        // SAFETY: the entry stays valid for this run; read in place.
+        let e = unsafe { &*ptr };
+        // A new SYN on a closing forward entry is a new connection that
+        // reuses the client port: it gets a fresh choice.
+        let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+            && e.flags & (ct_flags::CLOSING | ct_flags::REPLY) == ct_flags::CLOSING;
+        if live(e, now, cfg, p.proto) && !reopened {
+            touch(ptr, e, &p, now);
+            return finish(ctx, &p, e, true);
+        }
+    }
+    new_flow(ctx, &p, &key, now, cfg)
+}
+
+/// tc egress of an external device: replies of local backends.
+#[inline(always)]
+pub fn egress(ctx: &TcContext) -> i32 {
+    let Some(p) = parse(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    let key = key_of(&p);
+    let Some(ptr) = LB_CONNTRACK.get_ptr_mut(&key) else {
+        return TC_ACT_UNSPEC;
+    };
+    // SAFETY: the entry stays valid for this run; read in place.
+    let e = unsafe { &*ptr };
+    if e.flags & ct_flags::REPLY == 0 {
+        return TC_ACT_UNSPEC;
+    }
+    let Some(cfg) = config() else {
+        return TC_ACT_UNSPEC;
+    };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if !live(e, now, cfg, p.proto) {
+        return TC_ACT_UNSPEC;
+    }
+    touch(ptr, e, &p, now);
+    finish(ctx, &p, e, false)
+}
