@@ -216,6 +216,16 @@ where
     }
 }
 
+/// Creates the per-kind watch counters at zero: a family without samples
+/// is left out of `/metrics` altogether, so without this the restarts and
+/// errors of the watches would only appear after the first one.
+fn init_watch_metrics(metrics: &Metrics) {
+    for kind in [Service::KIND, EndpointSlice::KIND, Node::KIND] {
+        let _ = metrics.watch_restarts.get_or_create(&kind_label(kind));
+        let _ = metrics.watch_errors.get_or_create(&kind_label(kind));
+    }
+}
+
 /// Starts the three watchers. Changes wake `wake`.
 pub fn start(
     client: Client,
@@ -224,6 +234,7 @@ pub fn start(
     wake: mpsc::Sender<()>,
     metrics: Metrics,
 ) {
+    init_watch_metrics(&metrics);
     let services: Api<Service> = Api::all(client.clone());
     let slices: Api<EndpointSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
@@ -246,4 +257,22 @@ pub fn start(
         wake,
         metrics,
     ));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_metrics_are_exposed_before_the_first_restart() {
+        let metrics = Metrics::new();
+        init_watch_metrics(&metrics);
+        let text = metrics.encode();
+        for kind in ["Service", "EndpointSlice", "Node"] {
+            for family in ["lb_watch_restarts_total", "lb_watch_errors_total"] {
+                let sample = format!("{family}{{kind=\"{kind}\"}} 0");
+                assert!(text.contains(&sample), "no {sample} in\n{text}");
+            }
+        }
+    }
 }

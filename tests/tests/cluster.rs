@@ -239,7 +239,15 @@ fn metrics_of_a_cluster_mode_agent() {
         metric_sum(&m, "lb_objects_rejected") >= 1.0,
         "the bad Service is not counted in lb_objects_rejected"
     );
-    assert_eq!(metric_sum(&m, "lb_watch_restarts_total"), 0.0);
+    // Exposed from the start, at zero.
+    for kind in ["Service", "EndpointSlice", "Node"] {
+        let v = metric(&m, &format!("lb_watch_restarts_total{{kind=\"{kind}\"}}"));
+        assert_eq!(
+            v,
+            Some(0.0),
+            "lb_watch_restarts_total of {kind} before any restart"
+        );
+    }
 
     // A watch expiry is a restart, counted per kind.
     api.expire_watches();
