@@ -78,6 +78,45 @@ pub struct RunArgs {
     pub maglev_table_size: u16,
     #[command(flatten)]
     pub capacity: Capacity,
+    #[command(flatten)]
+    pub north_south: NorthSouthArgs,
+}
+
+/// The tc path: NodePorts, LoadBalancer IPs and externalIPs from outside.
+#[derive(Debug, Clone, Args)]
+pub struct NorthSouthArgs {
+    /// Network devices that get the tc programs (comma-separated). Default:
+    /// the devices carrying the Node's InternalIP and ExternalIP addresses;
+    /// without a Node object (standalone mode) none, unless listed here.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Vec<String>,
+    /// Serve NodePorts only on node addresses within these prefixes
+    /// (comma-separated), like kube-proxy's --nodeport-addresses.
+    #[arg(long, value_delimiter = ',')]
+    pub nodeport_addresses: Vec<crate::northsouth::Cidr>,
+    /// Opt-in CVE-2020-8554 mitigation: externalIPs outside these prefixes
+    /// are refused, with a warning naming the Service.
+    #[arg(long, value_delimiter = ',')]
+    pub allowed_external_ip_cidrs: Vec<crate::northsouth::Cidr>,
+    /// Idle lifetime of a TCP flow in the tc path's conntrack.
+    #[arg(long, default_value = "6h", value_parser = humantime::parse_duration)]
+    pub conntrack_tcp_timeout: Duration,
+    /// Lifetime of a TCP flow after FIN or RST.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub conntrack_tcp_close_timeout: Duration,
+    /// Idle lifetime of a UDP flow.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub conntrack_udp_timeout: Duration,
+}
+
+impl NorthSouthArgs {
+    pub fn timeouts(&self) -> crate::tc::Timeouts {
+        crate::tc::Timeouts {
+            tcp: self.conntrack_tcp_timeout,
+            tcp_close: self.conntrack_tcp_close_timeout,
+            udp: self.conntrack_udp_timeout,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -148,6 +187,14 @@ pub enum InspectWhat {
     },
     /// Live sessionAffinity entries: client, Service, backend and age.
     Affinity {
+        #[arg(long, default_value = DEFAULT_BPFFS)]
+        bpffs: PathBuf,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Flows of the tc path (NodePort, LoadBalancer, externalIP): both
+    /// directions, their translation and idle time.
+    Conntrack {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
         #[arg(long)]

@@ -4,6 +4,7 @@ pub mod cli;
 pub mod cluster;
 pub mod datapath;
 pub mod health;
+pub mod healthcheck;
 pub mod inspect;
 pub mod maglev;
 pub mod manifest;

@@ -31,6 +31,15 @@ fn main() -> anyhow::Result<()> {
                 }
                 Ok(())
             }
+            InspectWhat::Conntrack { bpffs, json } => {
+                let views = lb_agent::tc::read_conntrack(&bpffs)?;
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&views)?);
+                } else {
+                    print!("{}", lb_agent::tc::render_conntrack(&views));
+                }
+                Ok(())
+            }
             InspectWhat::Affinity { bpffs, json } => {
                 let views = inspect::read_affinity(&bpffs)?;
                 if json {

@@ -12,13 +12,15 @@ use notify::{RecommendedWatcher, RecursiveMode, Watcher as _};
 use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 
 use crate::{
-    cli::{Capacity, RunArgs},
+    cli::{Capacity, NorthSouthArgs, RunArgs},
     cluster::{self, ApiAccess, SharedState},
     datapath::{self, Datapath},
     health::{self, Readiness},
+    healthcheck::HealthCheckServers,
     manifest,
     metrics::{MapLabel, Metrics, RejectLabel},
-    model::Algorithm,
+    model::{Algorithm, Frontend},
+    northsouth::{self, Cidr},
     reconcile::Reconciler,
     store::{Rejection, Store},
     translate::{self, TranslateOptions},
@@ -103,6 +105,69 @@ struct Syncer {
     reconciler: Reconciler,
     problems: ProblemLog,
     metrics: Metrics,
+    north_south: NorthSouthArgs,
+    /// The tc maps; `None` when they could not be opened (logged).
+    tc: Option<crate::tc::TcMaps>,
+    /// Devices the tc programs are attached to; `None` before the first sync.
+    tc_devices: Option<Vec<String>>,
+    health_checks: HealthCheckServers,
+}
+
+/// What the tc path and NodePorts need to know about this node.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+struct NodeNet {
+    /// Devices that get the tc programs.
+    devices: Vec<String>,
+    /// Addresses NodePorts are served on (after `--nodeport-addresses`).
+    node_addresses: Vec<std::net::IpAddr>,
+    snat_v4: Option<std::net::Ipv4Addr>,
+    snat_v6: Option<std::net::Ipv6Addr>,
+}
+
+/// Devices: `--devices`, else those carrying the Node's InternalIP or
+/// ExternalIP. Node addresses: the Node's, else the devices'.
+fn node_net(
+    store: &Store,
+    node_name: &str,
+    interfaces: &std::collections::BTreeMap<String, Vec<std::net::IpAddr>>,
+    args: &NorthSouthArgs,
+) -> NodeNet {
+    let node_ips = store
+        .nodes
+        .get(node_name)
+        .map(northsouth::node_object_addresses)
+        .unwrap_or_default();
+    let devices: Vec<String> = if !args.devices.is_empty() {
+        args.devices.clone()
+    } else {
+        interfaces
+            .iter()
+            .filter(|(_, addrs)| addrs.iter().any(|a| node_ips.contains(a)))
+            .map(|(name, _)| name.clone())
+            .collect()
+    };
+    let device_addrs: Vec<std::net::IpAddr> = devices
+        .iter()
+        .flat_map(|d| interfaces.get(d).into_iter().flatten().copied())
+        .collect();
+    let all = northsouth::node_addresses(store, node_name, &device_addrs, &[]);
+    NodeNet {
+        node_addresses: northsouth::node_addresses(
+            store,
+            node_name,
+            &device_addrs,
+            &args.nodeport_addresses,
+        ),
+        snat_v4: all.iter().find_map(|a| match a {
+            std::net::IpAddr::V4(v4) => Some(*v4),
+            _ => None,
+        }),
+        snat_v6: all.iter().find_map(|a| match a {
+            std::net::IpAddr::V6(v6) => Some(*v6),
+            _ => None,
+        }),
+        devices,
+    }
 }
 
 impl Syncer {
@@ -110,17 +175,32 @@ impl Syncer {
     /// objects are reported and skipped; the rest is programmed.
     fn sync(&mut self) {
         let started = Instant::now();
-        let opts = TranslateOptions {
-            default_algorithm: self.algorithm,
-            node_addresses: Vec::new(),
-        };
         let node_name = self.node_name.clone();
-        let (desired, rejections) = self.source.with_store(|store, mut rejections| {
-            let node = store.node_info(&node_name);
-            let (desired, more) = translate::translate(store, &node, &opts);
-            rejections.extend(more);
-            (desired, rejections)
+        let interfaces = crate::tc::interface_addresses().unwrap_or_else(|e| {
+            tracing::warn!("listing the network devices: {e:#}");
+            Default::default()
         });
+        let ns = self.north_south.clone();
+        let algorithm = self.algorithm;
+        let (desired, rejections, net, ranges, checks) =
+            self.source.with_store(|store, mut rejections| {
+                let node = store.node_info(&node_name);
+                let net = node_net(store, &node_name, &interfaces, &ns);
+                let opts = TranslateOptions {
+                    default_algorithm: algorithm,
+                    node_addresses: net.node_addresses.clone(),
+                };
+                let (mut desired, more) = translate::translate(store, &node, &opts);
+                rejections.extend(more);
+                rejections.extend(northsouth::restrict_external_ips(
+                    &mut desired,
+                    &ns.allowed_external_ip_cidrs,
+                ));
+                let (ranges, more) = northsouth::source_ranges(store, &desired);
+                rejections.extend(more);
+                let checks = northsouth::health_checks(store, &node_name);
+                (desired, rejections, net, ranges, checks)
+            });
         let report = self.reconciler.apply(&desired, self.datapath.maps());
         for e in &report.errors {
             tracing::error!("map write failed, will retry on the next sync: {e}");
@@ -134,6 +214,10 @@ impl Syncer {
         }
         if !report.udp_departed.is_empty() {
             self.destroy_departed_udp(&report.udp_departed);
+        }
+        self.sync_tc(&net, &ranges, &report.udp_departed);
+        for p in self.health_checks.update(&checks) {
+            tracing::warn!("{p}");
         }
         self.record(&report, &rejections, started.elapsed());
         tracing::info!(
@@ -236,6 +320,59 @@ impl Syncer {
             destroyed = report.destroyed,
             "connected UDP sockets to departed backends destroyed"
         );
+    }
+
+    /// The tc path's settings, source ranges, departed UDP flows, and the
+    /// devices its programs are attached to.
+    fn sync_tc(
+        &mut self,
+        net: &NodeNet,
+        ranges: &std::collections::BTreeMap<Frontend, Vec<Cidr>>,
+        departed: &BTreeSet<(u32, crate::model::BackendAddr)>,
+    ) {
+        let timeouts = self.north_south.timeouts();
+        if let Some(tc) = &mut self.tc {
+            if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts) {
+                tracing::error!("{e:#}");
+            }
+            for e in tc.ranges.sync(ranges) {
+                tracing::error!("{e}");
+            }
+            if !departed.is_empty() {
+                let n = tc.purge_udp(departed);
+                if n > 0 {
+                    tracing::info!(
+                        entries = n,
+                        "UDP conntrack entries of departed backends removed"
+                    );
+                }
+            }
+        }
+        if self.tc_devices.as_ref() != Some(&net.devices) {
+            let links = self.datapath.pin_dir().join("links");
+            match crate::tc::attach(self.datapath.ebpf_mut(), &links, &net.devices) {
+                Ok(replaced) => {
+                    tracing::info!(
+                        devices = ?net.devices,
+                        node_addresses = ?net.node_addresses,
+                        replaced_links = replaced,
+                        "tc programs attached"
+                    );
+                    self.tc_devices = Some(net.devices.clone());
+                }
+                Err(e) => tracing::error!("attaching the tc programs: {e:#}"),
+            }
+        }
+    }
+
+    fn sweep_conntrack(&mut self) {
+        let timeouts = self.north_south.timeouts();
+        if let Some(tc) = &mut self.tc {
+            let n = tc.sweep(&timeouts);
+            if n > 0 {
+                tracing::debug!(entries = n, "expired conntrack entries removed");
+            }
+        }
     }
 
     fn sweep_affinity(&mut self) {
@@ -358,6 +495,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         reconciler,
         problems: ProblemLog::default(),
         metrics,
+        north_south: args.north_south.clone(),
+        tc: match crate::tc::TcMaps::open(&args.bpffs) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                tracing::error!("the tc path is disabled: {e:#}");
+                None
+            }
+        },
+        tc_devices: None,
+        health_checks: HealthCheckServers::default(),
     };
     // Until the API has been listed completely, the adopted maps stay as
     // they are: an early sync would delete what is not listed yet.
@@ -395,6 +542,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = resync.tick() => true,
             _ = sweep.tick() => {
                 syncer.sweep_affinity();
+                syncer.sweep_conntrack();
                 false
             }
             _ = retire_sleep => {

@@ -77,9 +77,11 @@ pub fn attach(ebpf: &mut Ebpf, links_dir: &Path, devices: &[String]) -> anyhow::
         if devices.is_empty() {
             continue;
         }
-        program
-            .load()
-            .with_context(|| format!("verifying program {name}"))?;
+        if program.fd().is_err() {
+            program
+                .load()
+                .with_context(|| format!("verifying program {name}"))?;
+        }
         for dev in devices {
             let id = program
                 .attach_with_options(
