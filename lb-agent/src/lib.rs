@@ -1,5 +1,6 @@
 //! The agent: keeps the kernel's load-balancing maps in sync with Services.
 pub mod affinity;
+pub mod batch;
 pub mod cli;
 pub mod cluster;
 pub mod datapath;
