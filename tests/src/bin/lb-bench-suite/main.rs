@@ -1,0 +1,1254 @@
+//! `lb-bench-suite`: the benchmark behind `cargo xtask bench` (issue 6).
+//!
+//! Every arm gets its own client namespace wired to one backend namespace
+//! (a bridge in a switch namespace, as the integration tests build it). The
+//! client has no default route, only a route for the Service CIDR onto that
+//! bridge. Arms: direct to the backend; ours (agent + socket programs, the
+//! client in the child cgroup they attach to); kube-proxy's iptables shape
+//! through `iptables-nft-restore` and `iptables-legacy-restore`; its
+//! nftables shape through `nft -f`; IPVS is skipped when the kernel lacks it.
+//! Rules are loaded only inside the client namespaces made here, and go with
+//! them. Runs are interleaved: each round runs every arm in a new shuffled
+//! order, so drift of the machine hits all arms alike.
+//!
+//! Writes `BENCHMARKS.md`, the chart and `target/bench/results.json`.
+mod report;
+mod rules;
+
+use std::{
+    fs,
+    io::{BufRead as _, BufReader},
+    net::{Ipv4Addr, Ipv6Addr, SocketAddrV4},
+    os::fd::{FromRawFd as _, OwnedFd},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::mpsc,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use clap::Parser;
+use integration_tests::{cgroup::CgroupGuard, cleanup, cmd, Agent, AgentOpts, Topology};
+use serde::{Deserialize, Serialize};
+
+use rules::{Scenario, BACKEND_PORT, SERVICE_CIDR, TARGET_PORT, TARGET_VIP};
+
+#[derive(Parser, Clone)]
+#[command(about = "Runs the load-balancer benchmark (root; namespaces only)")]
+pub struct Opts {
+    /// Small scale points, few rounds, short runs: a few minutes.
+    #[arg(long)]
+    pub quick: bool,
+    /// Workspace root (BENCHMARKS.md, docs/bench.png, target/).
+    #[arg(long, default_value = ".")]
+    pub root: PathBuf,
+    /// Override the scale points (Services).
+    #[arg(long, value_delimiter = ',')]
+    pub points: Option<Vec<usize>>,
+    #[arg(long)]
+    pub rounds: Option<usize>,
+    /// Skip the control-plane experiment.
+    #[arg(long)]
+    pub no_control_plane: bool,
+    /// Skip the datapath experiment.
+    #[arg(long)]
+    pub no_datapath: bool,
+    /// Give up loading one ruleset after this long (seconds).
+    #[arg(long, default_value_t = 240)]
+    pub load_timeout: u64,
+    /// Endpoints of the target Service (addresses 10.244.1.1..=N of the backend).
+    #[arg(long, default_value_t = 4)]
+    pub target_endpoints: u8,
+}
+
+/// Test durations (ms) for cc, crr, rr, udp.
+fn durations(quick: bool) -> [(Mode, u64); 4] {
+    if quick {
+        [
+            (Mode::Cc, 600),
+            (Mode::Crr, 500),
+            (Mode::Rr, 300),
+            (Mode::Udp, 300),
+        ]
+    } else {
+        [
+            (Mode::Cc, 2000),
+            (Mode::Crr, 1500),
+            (Mode::Rr, 1000),
+            (Mode::Udp, 1000),
+        ]
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Cc,
+    Crr,
+    Rr,
+    Udp,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Cc => "cc",
+            Mode::Crr => "crr",
+            Mode::Rr => "rr",
+            Mode::Udp => "udp",
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug, Serialize, Deserialize, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum ArmKind {
+    Direct,
+    Ours,
+    IptablesNft,
+    IptablesLegacy,
+    Nftables,
+}
+
+impl ArmKind {
+    pub const ALL: [ArmKind; 5] = [
+        ArmKind::Direct,
+        ArmKind::Ours,
+        ArmKind::IptablesNft,
+        ArmKind::IptablesLegacy,
+        ArmKind::Nftables,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ArmKind::Direct => "direct",
+            ArmKind::Ours => "lb (ours)",
+            ArmKind::IptablesNft => "iptables (nft)",
+            ArmKind::IptablesLegacy => "iptables (legacy)",
+            ArmKind::Nftables => "nftables",
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            ArmKind::Direct => "direct",
+            ArmKind::Ours => "ours",
+            ArmKind::IptablesNft => "iptnft",
+            ArmKind::IptablesLegacy => "iptleg",
+            ArmKind::Nftables => "nft",
+        }
+    }
+}
+
+/// One `lb-bench client` run.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Run {
+    pub mode: String,
+    pub ops: u64,
+    pub errors: u64,
+    pub elapsed_s: f64,
+    pub rate: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+    pub p999_us: f64,
+    #[serde(default)]
+    pub first_error: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Sample {
+    pub services: usize,
+    pub round: usize,
+    pub arm: ArmKind,
+    pub mode: Mode,
+    pub run: Run,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Cost {
+    pub services: usize,
+    pub round: usize,
+    pub run_cnt: u64,
+    pub run_time_ns: u64,
+}
+
+/// How an arm fared at one scale point before any traffic.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Setup {
+    pub services: usize,
+    pub arm: ArmKind,
+    /// Time to load the rules (or start the agent until /readyz).
+    pub load_s: Option<f64>,
+    /// Why the arm did not run at this point.
+    pub skipped: Option<String>,
+    /// Ours: the agent's peak RSS (VmHWM), MiB.
+    pub rss_mib: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ControlPlane {
+    pub services: usize,
+    pub endpoints: usize,
+    /// Agent started → /readyz 200 (load + verify + attach + parse + sync).
+    pub ours_ready_s: Option<f64>,
+    /// The first sync alone (translate + map writes), from the agent's log.
+    pub ours_sync_ms: Option<f64>,
+    /// `lb_frontends_programmed` once ready, and what it should be.
+    pub ours_frontends: Option<(u64, u64)>,
+    pub ours_rss_mib: Option<f64>,
+    /// Endpoint change: file renamed → first connection to the new backend.
+    pub change_ms: Vec<f64>,
+    /// The agent's sync for each change, from its log.
+    pub change_sync_ms: Vec<f64>,
+    pub iptables_nft_s: Result<f64, String>,
+    pub iptables_legacy_s: Result<f64, String>,
+    pub nft_s: Result<f64, String>,
+    pub notes: Vec<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Machine {
+    pub cpu: String,
+    pub cores: usize,
+    pub memory: String,
+    pub kernel: String,
+    pub date: String,
+    pub commit: String,
+    pub iptables: String,
+    pub nft: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Results {
+    pub machine: Machine,
+    pub quick: bool,
+    pub points: Vec<usize>,
+    pub rounds: usize,
+    pub durations_ms: Vec<(Mode, u64)>,
+    pub target_endpoints: usize,
+    pub filler_endpoints: usize,
+    pub ipvs: String,
+    pub setups: Vec<Setup>,
+    pub samples: Vec<Sample>,
+    pub costs: Vec<Cost>,
+    pub control: Option<ControlPlane>,
+    pub elapsed_s: f64,
+}
+
+/// Endpoints of every filler Service at the datapath scale points.
+const FILLER_ENDPOINTS: usize = 2;
+
+fn main() {
+    let opts = Opts::parse();
+    if let Err(e) = ctrlc::set_handler(|| {
+        eprintln!("\ninterrupted: tearing down");
+        cleanup::run_all();
+        std::process::exit(130);
+    }) {
+        eprintln!("warning: no Ctrl-C handler: {e}");
+    }
+    let r = run(&opts);
+    cleanup::run_all();
+    if let Err(e) = r {
+        eprintln!("lb-bench-suite: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn say(msg: impl AsRef<str>) {
+    println!("bench: {}", msg.as_ref());
+}
+
+fn run(opts: &Opts) -> Result<()> {
+    if !integration_tests::is_root() {
+        bail!("the benchmark needs root (network namespaces, cgroups, eBPF)");
+    }
+    let started = Instant::now();
+    let root = fs::canonicalize(&opts.root).context("--root")?;
+    let cache = root.join("target/bench-cache");
+    let out_dir = root.join("target/bench");
+    fs::create_dir_all(&out_dir)?;
+    for tool in [
+        "iptables-nft-restore",
+        "iptables-legacy-restore",
+        "nft",
+        "bpftool",
+    ] {
+        if which(tool).is_none() {
+            bail!(
+                "{tool} not found; run `cargo xtask setup` (installs iptables, nftables, bpftool)"
+            );
+        }
+    }
+    let bench_bin = sibling_bin("lb-bench")?;
+    let points = opts.points.clone().unwrap_or_else(|| {
+        if opts.quick {
+            vec![1, 1000]
+        } else {
+            vec![1, 1000, 10_000, 100_000]
+        }
+    });
+    let rounds = opts.rounds.unwrap_or(if opts.quick { 3 } else { 7 });
+    let ipvs = ipvs_status();
+    say(format!("IPVS arm: {ipvs}"));
+    let mut results = Results {
+        machine: machine(&root),
+        quick: opts.quick,
+        points: points.clone(),
+        rounds,
+        durations_ms: durations(opts.quick).to_vec(),
+        target_endpoints: opts.target_endpoints as usize,
+        filler_endpoints: FILLER_ENDPOINTS,
+        ipvs,
+        setups: Vec::new(),
+        samples: Vec::new(),
+        costs: Vec::new(),
+        control: None,
+        elapsed_s: 0.0,
+    };
+    let json_path = out_dir.join("results.json");
+    if !opts.no_datapath {
+        let mut seed = seed();
+        let mut skip_next: Vec<ArmKind> = Vec::new();
+        for &n in &points {
+            datapath_point(
+                opts,
+                &bench_bin,
+                &cache,
+                n,
+                rounds,
+                &mut seed,
+                &mut skip_next,
+                &mut results,
+            )?;
+            fs::write(&json_path, serde_json::to_string_pretty(&results)?)?;
+        }
+    }
+    if !opts.no_control_plane {
+        let n = if opts.quick { 1000 } else { 10_000 };
+        results.control = Some(control_plane(opts, &bench_bin, &cache, n)?);
+    }
+    results.elapsed_s = started.elapsed().as_secs_f64();
+    fs::write(&json_path, serde_json::to_string_pretty(&results)?)?;
+    say(format!("results: {}", json_path.display()));
+    report::write(&root, &results)?;
+    say(format!(
+        "wrote {} and {} in {:.0} s",
+        root.join("BENCHMARKS.md").display(),
+        root.join("docs/bench.png").display(),
+        results.elapsed_s
+    ));
+    Ok(())
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+        | 1
+}
+
+fn next_rand(s: &mut u64) -> u64 {
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    *s
+}
+
+fn shuffle<T>(v: &mut [T], s: &mut u64) {
+    for i in (1..v.len()).rev() {
+        let j = (next_rand(s) % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
+        .map(|d| d.join(tool))
+        .find(|p| p.is_file())
+}
+
+/// A binary built next to this one (target/release).
+fn sibling_bin(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let p = exe.with_file_name(name);
+    if p.is_file() {
+        Ok(p)
+    } else {
+        bail!("{} not found; run `cargo xtask build`", p.display())
+    }
+}
+
+fn ipvs_status() -> String {
+    if Path::new("/proc/net/ip_vs").exists() {
+        return "skipped: the kernel has IP_VS, but this suite has no IPVS arm yet".into();
+    }
+    let config = Command::new("sh")
+        .args([
+            "-c",
+            "zcat /proc/config.gz 2>/dev/null | grep -E '^(# )?CONFIG_IP_VS[ =]'",
+        ])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let detail = if config.is_empty() {
+        "no /proc/net/ip_vs".to_string()
+    } else {
+        format!("no /proc/net/ip_vs; /proc/config.gz: `{config}`")
+    };
+    format!("skipped: this kernel has no IPVS ({detail})")
+}
+
+fn read_trim(path: &str) -> String {
+    fs::read_to_string(path)
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
+}
+
+fn first_line(cmd: &mut Command) -> String {
+    cmd.output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_default()
+}
+
+fn machine(root: &Path) -> Machine {
+    let cpuinfo = read_trim("/proc/cpuinfo");
+    let cpu = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_else(|| "?".into());
+    let memory = read_trim("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.trim().trim_end_matches(" kB").parse::<f64>().ok())
+        .map(|kb| format!("{:.1} GiB", kb / 1024.0 / 1024.0))
+        .unwrap_or_default();
+    Machine {
+        cpu,
+        cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        memory,
+        kernel: read_trim("/proc/sys/kernel/osrelease"),
+        date: first_line(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"])),
+        commit: first_line(Command::new("git").current_dir(root).args([
+            "rev-parse",
+            "--short",
+            "HEAD",
+        ])),
+        iptables: first_line(Command::new("iptables-legacy").arg("--version")),
+        nft: first_line(Command::new("nft").arg("--version")),
+    }
+}
+
+/// A child that is killed when dropped.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One arm at one scale point: its namespaces, server, rules or agent.
+struct Arm {
+    kind: ArmKind,
+    // Drop order: agent (detaches), server, namespaces, cgroup.
+    agent: Option<Agent>,
+    _server: KillOnDrop,
+    topo: Topology,
+    cgroup: Option<CgroupGuard>,
+    _dir: Option<tempfile::TempDir>,
+    tcp: SocketAddrV4,
+    udp: SocketAddrV4,
+    /// Direct: every endpoint, picked at random per connection.
+    direct: Vec<SocketAddrV4>,
+    /// Ours: the connect4 program's id, for its run-time statistics.
+    connect4: Option<u32>,
+}
+
+impl Arm {
+    fn client_ns(&self) -> &str {
+        self.topo.client_netns()
+    }
+}
+
+/// Client and backend namespaces on a bridge; the backend holds the
+/// target's endpoint addresses and runs `lb-bench server` on core 1; the
+/// client has a route for the Service CIDR only.
+fn testbed(tag: &str, bench_bin: &Path, endpoints: u8) -> Result<(Topology, KillOnDrop)> {
+    let mut topo = Topology::new(tag)?;
+    topo.add_host(
+        "backend",
+        Ipv4Addr::new(10, 244, 1, 1),
+        Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 1),
+    )?;
+    topo.add_host(
+        "client",
+        Ipv4Addr::new(10, 244, 1, 100),
+        Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x100),
+    )?;
+    let backend = topo.host("backend").netns.clone();
+    for a in rules::target_endpoints(endpoints.max(2)).iter().skip(1) {
+        cmd::ip(&[
+            "-n",
+            &backend,
+            "addr",
+            "add",
+            &format!("{a}/24"),
+            "dev",
+            "eth0",
+        ])?;
+    }
+    let client = topo.client_netns().to_string();
+    cmd::ip(&["-n", &client, "route", "add", SERVICE_CIDR, "dev", "eth0"])?;
+    let server = spawn_server(bench_bin, &backend)?;
+    Ok((topo, server))
+}
+
+fn spawn_server(bench_bin: &Path, netns: &str) -> Result<KillOnDrop> {
+    let mut c = Command::new(bench_bin);
+    c.args(["server", "--netns", netns, "--cpu", "1"])
+        .args(["--port", &BACKEND_PORT.to_string()]);
+    let line = cmd::display(&c);
+    let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run `{line}`"))?;
+    let stdout = child.stdout.take().expect("piped");
+    let child = KillOnDrop(child);
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut l = String::new();
+        let _ = BufReader::new(stdout).read_line(&mut l);
+        let _ = tx.send(l);
+    });
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(l) if l.contains("listening") => Ok(child),
+        other => bail!("`{line}` did not start: {other:?}"),
+    }
+}
+
+/// Runs `cmd` with stdin from `input`, killing it after `timeout`; the
+/// wall time on success.
+fn timed(cmd: &mut Command, input: Option<&Path>, timeout: Duration) -> Result<f64, String> {
+    let line = cmd::display(cmd);
+    if let Some(f) = input {
+        let file = fs::File::open(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        cmd.stdin(file);
+    } else {
+        cmd.stdin(Stdio::null());
+    }
+    let t0 = Instant::now();
+    let mut child = cmd
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("`{line}`: {e}"))?;
+    loop {
+        match child.try_wait() {
+            Ok(Some(st)) => {
+                let took = t0.elapsed().as_secs_f64();
+                if st.success() {
+                    return Ok(took);
+                }
+                let mut err = String::new();
+                if let Some(mut e) = child.stderr.take() {
+                    use std::io::Read as _;
+                    let _ = e.read_to_string(&mut err);
+                }
+                let err: String = err.chars().take(400).collect();
+                return Err(format!("`{line}` failed ({st}): {}", err.trim()));
+            }
+            Ok(None) if t0.elapsed() > timeout => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!(
+                    "not loaded within {} s (killed)",
+                    timeout.as_secs()
+                ));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+fn netns_cmd(netns: &str, prog: &str, args: &[&str]) -> Command {
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", netns, prog]).args(args);
+    c
+}
+
+/// `(file, command)` that loads an arm's ruleset into `netns`.
+fn load_rules(kind: ArmKind, netns: &str, file: &Path, timeout: Duration) -> Result<f64, String> {
+    match kind {
+        ArmKind::IptablesNft => timed(
+            &mut netns_cmd(netns, "iptables-nft-restore", &[]),
+            Some(file),
+            timeout,
+        ),
+        ArmKind::IptablesLegacy => timed(
+            &mut netns_cmd(netns, "iptables-legacy-restore", &[]),
+            Some(file),
+            timeout,
+        ),
+        ArmKind::Nftables => timed(
+            &mut netns_cmd(netns, "nft", &["-f", &file.to_string_lossy()]),
+            None,
+            timeout,
+        ),
+        _ => Err("no ruleset".into()),
+    }
+}
+
+fn ruleset_file(kind: ArmKind, scenario: &Scenario, cache: &Path) -> Result<PathBuf> {
+    match kind {
+        ArmKind::IptablesNft | ArmKind::IptablesLegacy => {
+            scenario.cached(cache, "iptables", |s| Ok(s.iptables()))
+        }
+        ArmKind::Nftables => scenario.cached(cache, "nft", |s| Ok(s.nft())),
+        _ => bail!("no ruleset for {kind:?}"),
+    }
+}
+
+fn filler_file(scenario: &Scenario, cache: &Path) -> Result<PathBuf> {
+    scenario.cached(cache, "json", |s| {
+        Ok(serde_json::to_string(&s.filler_manifests())?)
+    })
+}
+
+/// Map capacities for `services` Services of `endpoints` endpoints.
+fn capacity_args(services: usize, endpoints: usize) -> Vec<String> {
+    let need = |n: usize| -> u32 { (n.next_power_of_two() as u32).max(1024) };
+    let frontends = services + 8;
+    let backends = services * endpoints + 64;
+    vec![
+        "--max-services".into(),
+        need(2 * frontends).max(lb_default_services()).to_string(),
+        "--max-backends".into(),
+        need(backends).max(262_144).to_string(),
+        "--max-slots".into(),
+        need(2 * backends).max(524_288).to_string(),
+    ]
+}
+
+fn lb_default_services() -> u32 {
+    65_536
+}
+
+fn start_ours(
+    topo_tag: &str,
+    scenario: &Scenario,
+    cache: &Path,
+    extra: &[&str],
+    ready_timeout: Duration,
+) -> Result<(CgroupGuard, tempfile::TempDir, Agent, f64)> {
+    let cgroup = CgroupGuard::create(topo_tag)?;
+    let dir = tempfile::Builder::new()
+        .prefix(&integration_tests::unique_name(topo_tag))
+        .tempdir()?;
+    let manifests = dir.path().join("manifests");
+    fs::create_dir_all(&manifests)?;
+    if scenario.services > 1 {
+        fs::copy(
+            filler_file(scenario, cache)?,
+            manifests.join("fillers.json"),
+        )?;
+    }
+    write_target(&manifests, &scenario.target)?;
+    let mut extra_args = capacity_args(scenario.services, scenario.endpoints);
+    extra_args.extend(extra.iter().map(|s| s.to_string()));
+    let opts = AgentOpts {
+        ready_timeout,
+        log_file: Some(dir.path().join("agent.log")),
+        extra_args,
+        ..Default::default()
+    };
+    let t0 = Instant::now();
+    let agent = Agent::start(&manifests, cgroup.path(), opts)?;
+    let took = t0.elapsed().as_secs_f64();
+    Ok((cgroup, dir, agent, took))
+}
+
+fn write_target(manifests: &Path, target: &[Ipv4Addr]) -> Result<()> {
+    let tmp = manifests.join(".target.json.tmp");
+    fs::write(
+        &tmp,
+        serde_json::to_string(&Scenario::target_manifests(target))?,
+    )?;
+    fs::rename(&tmp, manifests.join("target.json"))?;
+    Ok(())
+}
+
+fn vm_hwm_mib(pid: u32) -> Option<f64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kb: f64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches(" kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kb / 1024.0)
+}
+
+/// The id of the `connect4` program attached to `cgroup`.
+fn connect4_id(cgroup: &Path) -> Result<u32> {
+    let out = cmd::run(
+        Command::new("bpftool")
+            .args(["cgroup", "show"])
+            .arg(cgroup)
+            .arg("-j"),
+    )?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    v.as_array()
+        .into_iter()
+        .flatten()
+        .find(|p| p["name"].as_str() == Some("connect4"))
+        .and_then(|p| p["id"].as_u64())
+        .map(|id| id as u32)
+        .ok_or_else(|| anyhow!("no connect4 program on {}: {out}", cgroup.display()))
+}
+
+/// (run_time_ns, run_cnt) of program `id`.
+fn prog_stats(id: u32) -> Result<(u64, u64)> {
+    let out =
+        cmd::run(Command::new("bpftool").args(["prog", "show", "id", &id.to_string(), "-j"]))?;
+    let v: serde_json::Value = serde_json::from_str(&out)?;
+    Ok((
+        v["run_time_ns"].as_u64().unwrap_or(0),
+        v["run_cnt"].as_u64().unwrap_or(0),
+    ))
+}
+
+/// BPF_ENABLE_STATS: run-time statistics for as long as the fd is open,
+/// without touching the `kernel.bpf_stats_enabled` sysctl.
+fn enable_bpf_stats() -> Result<OwnedFd> {
+    #[repr(C)]
+    struct Attr {
+        kind: u32,
+    }
+    let mut attr = Attr { kind: 0 }; // BPF_STATS_RUN_TIME
+                                     // SAFETY: BPF_ENABLE_STATS (32) reads a u32 and returns a new fd.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            32 as libc::c_long,
+            &mut attr as *mut Attr as *mut libc::c_void,
+            std::mem::size_of::<Attr>() as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        bail!("BPF_ENABLE_STATS: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn client_cmd(
+    bench_bin: &Path,
+    arm: &Arm,
+    mode: &str,
+    target: SocketAddrV4,
+    duration_ms: u64,
+) -> Command {
+    let mut c = Command::new(bench_bin);
+    c.args(["client", "--netns", arm.client_ns(), "--cpu", "0"])
+        .args(["--target", &target.to_string(), "--mode", mode])
+        .args(["--duration-ms", &duration_ms.to_string()])
+        .args(["--timeout-ms", "1000"]);
+    if let Some(cg) = &arm.cgroup {
+        c.arg("--cgroup").arg(cg.path());
+    }
+    c
+}
+
+fn run_client(bench_bin: &Path, arm: &Arm, mode: Mode, duration_ms: u64) -> Result<Run> {
+    let target = if mode == Mode::Udp { arm.udp } else { arm.tcp };
+    let mut c = client_cmd(bench_bin, arm, mode.as_str(), target, duration_ms);
+    if matches!(mode, Mode::Cc | Mode::Crr) {
+        for t in arm.direct.iter().skip(1) {
+            c.args(["--target", &t.to_string()]);
+        }
+    }
+    let line = cmd::display(&c);
+    let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run `{line}`"))?;
+    // Bounded: the client stops itself at its duration; this is the backstop.
+    let deadline = Instant::now() + Duration::from_millis(duration_ms) + Duration::from_secs(15);
+    loop {
+        if child.try_wait()?.is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("`{line}` did not finish in time; killed");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let out = child.wait_with_output()?;
+    if !out.status.success() {
+        bail!(
+            "`{line}` failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    serde_json::from_slice(&out.stdout).with_context(|| {
+        format!(
+            "`{line}` printed {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        )
+    })
+}
+
+fn setup_arm(
+    opts: &Opts,
+    kind: ArmKind,
+    scenario: &Scenario,
+    cache: &Path,
+    bench_bin: &Path,
+) -> Result<(Arm, Setup)> {
+    let tag = format!("b{}-{}", scenario.services, kind.short());
+    let (topo, server) = testbed(&tag, bench_bin, opts.target_endpoints)?;
+    let vip_tcp = SocketAddrV4::new(TARGET_VIP, TARGET_PORT);
+    let mut setup = Setup {
+        services: scenario.services,
+        arm: kind,
+        load_s: None,
+        skipped: None,
+        rss_mib: None,
+    };
+    let mut arm = Arm {
+        kind,
+        agent: None,
+        _server: server,
+        topo,
+        cgroup: None,
+        _dir: None,
+        tcp: vip_tcp,
+        udp: vip_tcp,
+        direct: Vec::new(),
+        connect4: None,
+    };
+    match kind {
+        ArmKind::Direct => {
+            let b = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), BACKEND_PORT);
+            arm.tcp = b;
+            arm.udp = b;
+            arm.direct = scenario
+                .target
+                .iter()
+                .map(|a| SocketAddrV4::new(*a, BACKEND_PORT))
+                .collect();
+        }
+        ArmKind::Ours => {
+            let (cg, dir, agent, took) = start_ours(
+                &tag,
+                scenario,
+                cache,
+                &[],
+                Duration::from_secs(opts.load_timeout),
+            )?;
+            setup.load_s = Some(took);
+            setup.rss_mib = vm_hwm_mib(agent.pid());
+            arm.connect4 = Some(connect4_id(cg.path())?);
+            arm.agent = Some(agent);
+            arm.cgroup = Some(cg);
+            arm._dir = Some(dir);
+        }
+        _ => {
+            let file = ruleset_file(kind, scenario, cache)?;
+            match load_rules(
+                kind,
+                arm.client_ns(),
+                &file,
+                Duration::from_secs(opts.load_timeout),
+            ) {
+                Ok(s) => setup.load_s = Some(s),
+                Err(e) => setup.skipped = Some(e),
+            }
+        }
+    }
+    Ok((arm, setup))
+}
+
+/// One CRR and one UDP exchange must work before an arm is measured.
+fn sanity(bench_bin: &Path, arm: &Arm) -> Result<()> {
+    for mode in [Mode::Crr, Mode::Udp] {
+        let r = run_client(bench_bin, arm, mode, 200)?;
+        if r.ops == 0 || r.errors > 0 {
+            bail!(
+                "{} {}: {} ok, {} errors (first: {})",
+                arm.kind.label(),
+                mode.as_str(),
+                r.ops,
+                r.errors,
+                r.first_error.unwrap_or_default()
+            );
+        }
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn datapath_point(
+    opts: &Opts,
+    bench_bin: &Path,
+    cache: &Path,
+    services: usize,
+    rounds: usize,
+    seed: &mut u64,
+    skip: &mut Vec<ArmKind>,
+    results: &mut Results,
+) -> Result<()> {
+    say(format!("=== {services} Services ==="));
+    let scenario = Scenario::new(
+        services,
+        FILLER_ENDPOINTS,
+        rules::target_endpoints(opts.target_endpoints),
+    );
+    let mut arms = Vec::new();
+    for kind in ArmKind::ALL {
+        if skip.contains(&kind) {
+            let why = "skipped: did not load at the previous scale point within the time limit";
+            say(format!("{}: {why}", kind.label()));
+            results.setups.push(Setup {
+                services,
+                arm: kind,
+                load_s: None,
+                skipped: Some(why.into()),
+                rss_mib: None,
+            });
+            continue;
+        }
+        let t0 = Instant::now();
+        let (arm, setup) = setup_arm(opts, kind, &scenario, cache, bench_bin)
+            .with_context(|| format!("setting up {} at {services} Services", kind.label()))?;
+        match (&setup.skipped, setup.load_s) {
+            (Some(why), _) => {
+                say(format!("{}: {why}", kind.label()));
+                skip.push(kind);
+            }
+            (None, Some(s)) => say(format!(
+                "{}: loaded in {s:.2} s (set-up {:.1} s){}",
+                kind.label(),
+                t0.elapsed().as_secs_f64(),
+                setup
+                    .rss_mib
+                    .map(|m| format!(", agent peak RSS {m:.1} MiB"))
+                    .unwrap_or_default()
+            )),
+            _ => {}
+        }
+        let ok = setup.skipped.is_none();
+        results.setups.push(setup);
+        if ok {
+            sanity(bench_bin, &arm)
+                .with_context(|| format!("{} at {services} Services", kind.label()))?;
+            arms.push(arm);
+        }
+    }
+    let tests = durations(opts.quick);
+    for round in 0..rounds {
+        shuffle(&mut arms, seed);
+        let order: Vec<&str> = arms.iter().map(|a| a.kind.short()).collect();
+        say(format!("round {}/{rounds}: {}", round + 1, order.join(" ")));
+        for arm in &arms {
+            for (mode, ms) in tests {
+                let run = run_client(bench_bin, arm, mode, ms)?;
+                if run.errors > 0 {
+                    say(format!(
+                        "  {} {}: {} errors (first: {})",
+                        arm.kind.label(),
+                        mode.as_str(),
+                        run.errors,
+                        run.first_error.clone().unwrap_or_default()
+                    ));
+                }
+                results.samples.push(Sample {
+                    services,
+                    round,
+                    arm: arm.kind,
+                    mode,
+                    run,
+                });
+            }
+        }
+        // The programs' cost, in a run of its own: run-time statistics cost
+        // time themselves, so they are off during the measured runs.
+        if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+            let id = ours.connect4.expect("ours has connect4");
+            let stats = enable_bpf_stats()?;
+            let before = prog_stats(id)?;
+            run_client(
+                bench_bin,
+                ours,
+                Mode::Cc,
+                if opts.quick { 300 } else { 500 },
+            )?;
+            let after = prog_stats(id)?;
+            drop(stats);
+            results.costs.push(Cost {
+                services,
+                round,
+                run_cnt: after.1 - before.1,
+                run_time_ns: after.0 - before.0,
+            });
+        }
+        let line: Vec<String> = arms
+            .iter()
+            .filter_map(|a| {
+                results
+                    .samples
+                    .iter()
+                    .rev()
+                    .find(|s| s.arm == a.kind && s.mode == Mode::Cc && s.services == services)
+                    .map(|s| format!("{} {:.0}/s", a.kind.short(), s.run.rate))
+            })
+            .collect();
+        say(format!("  connect+close: {}", line.join(", ")));
+    }
+    if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+        if let (Some(agent), Some(s)) = (
+            &ours.agent,
+            results
+                .setups
+                .iter_mut()
+                .rev()
+                .find(|s| s.arm == ArmKind::Ours),
+        ) {
+            s.rss_mib = vm_hwm_mib(agent.pid()).or(s.rss_mib);
+        }
+    }
+    say(format!("tearing down the {services}-Service arms"));
+    drop(arms);
+    Ok(())
+}
+
+/// The first sync's `elapsed_ms` in the agent log (after `skip` syncs).
+fn sync_ms(log: &str, skip: usize) -> Option<f64> {
+    log.lines()
+        .filter(|l| l.contains(" synced") || l.contains("synced"))
+        .filter_map(|l| {
+            let i = l.find("elapsed_ms=")?;
+            l[i + 11..].split_whitespace().next()?.parse().ok()
+        })
+        .nth(skip)
+}
+
+fn metric(agent: &Agent, name: &str) -> Option<u64> {
+    let (_, body) = agent.get("/metrics").ok()?;
+    body.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+fn control_plane(
+    opts: &Opts,
+    bench_bin: &Path,
+    cache: &Path,
+    services: usize,
+) -> Result<ControlPlane> {
+    const ENDPOINTS: usize = 10;
+    say(format!(
+        "=== control plane: {services} Services x {ENDPOINTS} endpoints ==="
+    ));
+    let first = vec![Ipv4Addr::new(10, 244, 1, 1)];
+    let scenario = Scenario::new(services, ENDPOINTS, first.clone());
+    let mut cp = ControlPlane {
+        services,
+        endpoints: ENDPOINTS,
+        ours_ready_s: None,
+        ours_sync_ms: None,
+        ours_frontends: None,
+        ours_rss_mib: None,
+        change_ms: Vec::new(),
+        change_sync_ms: Vec::new(),
+        iptables_nft_s: Err("not run".into()),
+        iptables_legacy_s: Err("not run".into()),
+        nft_s: Err("not run".into()),
+        notes: Vec::new(),
+    };
+    let timeout = Duration::from_secs(opts.load_timeout.max(300));
+    // Generate (or find) the files before any clock starts.
+    let fillers = filler_file(&scenario, cache)?;
+    let ipt = ruleset_file(ArmKind::IptablesNft, &scenario, cache)?;
+    let nft = ruleset_file(ArmKind::Nftables, &scenario, cache)?;
+    say(format!(
+        "inputs: {} ({:.1} MB), {} ({:.1} MB), {} ({:.1} MB)",
+        fillers.display(),
+        mb(&fillers),
+        ipt.display(),
+        mb(&ipt),
+        nft.display(),
+        mb(&nft)
+    ));
+    {
+        let (topo, _server) = testbed("cp-ours", bench_bin, 2)?;
+        let (cgroup, dir, agent, took) = start_ours(
+            "cp-ours",
+            &scenario,
+            cache,
+            &["--sync-debounce", "0s"],
+            timeout,
+        )?;
+        let manifests = dir.path().join("manifests");
+        cp.ours_ready_s = Some(took);
+        let log = agent.log();
+        cp.ours_sync_ms = sync_ms(&log, 0);
+        let want = (services - 1 + 2) as u64;
+        cp.ours_frontends = metric(&agent, "lb_frontends_programmed").map(|got| (got, want));
+        say(format!(
+            "ours: /readyz after {took:.3} s, first sync {:?} ms, frontends {:?}",
+            cp.ours_sync_ms, cp.ours_frontends
+        ));
+        // One endpoint change at a time, alternating between two backends
+        // of the target: renamed into place, then connections until one
+        // lands on the new endpoint.
+        let arm = Arm {
+            kind: ArmKind::Ours,
+            agent: None,
+            _server: KillOnDrop(Command::new("true").spawn()?),
+            topo,
+            cgroup: Some(cgroup),
+            _dir: None,
+            tcp: SocketAddrV4::new(TARGET_VIP, TARGET_PORT),
+            udp: SocketAddrV4::new(TARGET_VIP, TARGET_PORT),
+            direct: Vec::new(),
+            connect4: None,
+        };
+        let changes = if opts.quick { 3 } else { 7 };
+        let mut syncs_seen = log.matches("elapsed_ms=").count();
+        for k in 0..changes {
+            let to = Ipv4Addr::new(10, 244, 1, if k % 2 == 0 { 2 } else { 1 });
+            match endpoint_change(bench_bin, &arm, &manifests, to) {
+                Ok(ms) => {
+                    cp.change_ms.push(ms);
+                    // Wait for the agent's log line of this sync.
+                    let _ = integration_tests::wait_until(
+                        Duration::from_secs(10),
+                        Duration::from_millis(20),
+                        || agent.log().matches("elapsed_ms=").count() > syncs_seen,
+                    );
+                    let log = agent.log();
+                    if let Some(s) = sync_ms(&log, syncs_seen) {
+                        cp.change_sync_ms.push(s);
+                    }
+                    syncs_seen = log.matches("elapsed_ms=").count();
+                    say(format!(
+                        "endpoint change {}: effective after {ms:.2} ms",
+                        k + 1
+                    ));
+                }
+                Err(e) => cp.notes.push(format!("endpoint change {}: {e:#}", k + 1)),
+            }
+        }
+        cp.ours_rss_mib = vm_hwm_mib(agent.pid());
+        say(format!("ours: peak RSS {:?} MiB", cp.ours_rss_mib));
+        drop(agent);
+        drop(arm);
+    }
+    for (kind, slot) in [
+        (ArmKind::IptablesNft, &mut cp.iptables_nft_s),
+        (ArmKind::IptablesLegacy, &mut cp.iptables_legacy_s),
+        (ArmKind::Nftables, &mut cp.nft_s),
+    ] {
+        let mut topo = Topology::new(&format!("cp-{}", kind.short()))?;
+        topo.add_host(
+            "client",
+            Ipv4Addr::new(10, 244, 1, 100),
+            Ipv6Addr::new(0xfd00, 0x244, 1, 0, 0, 0, 0, 0x100),
+        )?;
+        let file = if kind == ArmKind::Nftables {
+            &nft
+        } else {
+            &ipt
+        };
+        say(format!("{}: loading {} ...", kind.label(), file.display()));
+        *slot = load_rules(kind, topo.client_netns(), file, timeout);
+        say(format!("{}: {:?}", kind.label(), slot));
+        drop(topo);
+    }
+    Ok(cp)
+}
+
+fn mb(p: &Path) -> f64 {
+    fs::metadata(p).map(|m| m.len() as f64 / 1e6).unwrap_or(0.0)
+}
+
+/// Rewrites the target's endpoints to `to` and measures until a connection
+/// lands there (CLOCK_MONOTONIC in both processes).
+fn endpoint_change(bench_bin: &Path, arm: &Arm, manifests: &Path, to: Ipv4Addr) -> Result<f64> {
+    let expect = SocketAddrV4::new(to, BACKEND_PORT);
+    let mut c = client_cmd(bench_bin, arm, "until", arm.tcp, 20_000);
+    c.args(["--expect", &expect.to_string(), "--max-ops", "2000000"]);
+    let line = cmd::display(&c);
+    let mut child = KillOnDrop(
+        cmd::die_with_parent(&mut c, libc::SIGKILL)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot run `{line}`"))?,
+    );
+    let stdout = child.0.stdout.take().expect("piped");
+    let (tx, rx) = mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for l in BufReader::new(stdout).lines() {
+            let Ok(l) = l else { break };
+            if tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let ready = rx
+        .recv_timeout(Duration::from_secs(10))
+        .with_context(|| format!("`{line}`: no first reply"))?;
+    if !ready.contains("ready") {
+        bail!("`{line}`: {ready}");
+    }
+    let t0 = monotonic_ns();
+    write_target(manifests, &[to])?;
+    let mut changed = None;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(l) if l.contains("changed") => {
+                let v: serde_json::Value = serde_json::from_str(&l)?;
+                changed = v["changed"].as_u64();
+                break;
+            }
+            Ok(_) => {}
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(_) => break,
+        }
+    }
+    let t1 = changed.ok_or_else(|| anyhow!("`{line}`: the change never took effect"))?;
+    Ok(t1.saturating_sub(t0) as f64 / 1e6)
+}
+
+fn monotonic_ns() -> u64 {
+    // SAFETY: clock_gettime writes the timespec we pass.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

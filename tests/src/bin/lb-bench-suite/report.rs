@@ -1,0 +1,636 @@
+//! `BENCHMARKS.md` and `docs/bench.png` from the results.
+use std::{collections::BTreeMap, fmt::Write as _, fs, path::Path};
+
+use anyhow::{Context as _, Result};
+
+use crate::{ArmKind, Mode, Results};
+
+/// The DejaVu font Debian's `fonts-dejavu-core` installs (`cargo xtask
+/// setup` installs it); the chart is drawn without text if it is missing.
+const FONT: &str = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf";
+
+pub fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Median, min and max.
+#[derive(Clone, Copy, Debug)]
+pub struct Stat {
+    pub med: f64,
+    pub min: f64,
+    pub max: f64,
+    pub n: usize,
+}
+
+impl Stat {
+    pub fn of(mut v: Vec<f64>) -> Option<Stat> {
+        v.retain(|x| x.is_finite());
+        if v.is_empty() {
+            return None;
+        }
+        let med = median(&mut v);
+        Some(Stat {
+            med,
+            min: v[0],
+            max: v[v.len() - 1],
+            n: v.len(),
+        })
+    }
+}
+
+/// Per-round values of one (services, arm, mode).
+fn rounds(r: &Results, services: usize, arm: ArmKind, mode: Mode) -> BTreeMap<usize, &crate::Run> {
+    r.samples
+        .iter()
+        .filter(|s| s.services == services && s.arm == arm && s.mode == mode)
+        .map(|s| (s.round, &s.run))
+        .collect()
+}
+
+/// `arm` ÷ `base` in the same round, over rounds.
+pub fn ratio(
+    r: &Results,
+    services: usize,
+    arm: ArmKind,
+    base: ArmKind,
+    mode: Mode,
+) -> Option<Stat> {
+    let a = rounds(r, services, arm, mode);
+    let b = rounds(r, services, base, mode);
+    Stat::of(
+        a.iter()
+            .filter_map(|(round, run)| {
+                let base = b.get(round)?;
+                (base.rate > 0.0).then(|| run.rate / base.rate)
+            })
+            .collect(),
+    )
+}
+
+pub fn rate(r: &Results, services: usize, arm: ArmKind, mode: Mode) -> Option<Stat> {
+    Stat::of(
+        rounds(r, services, arm, mode)
+            .values()
+            .map(|x| x.rate)
+            .collect(),
+    )
+}
+
+fn field(
+    r: &Results,
+    services: usize,
+    arm: ArmKind,
+    mode: Mode,
+    f: fn(&crate::Run) -> f64,
+) -> Option<Stat> {
+    Stat::of(
+        rounds(r, services, arm, mode)
+            .values()
+            .map(|x| f(x))
+            .collect(),
+    )
+}
+
+fn arms_present(r: &Results) -> Vec<ArmKind> {
+    ArmKind::ALL
+        .into_iter()
+        .filter(|a| r.samples.iter().any(|s| s.arm == *a))
+        .collect()
+}
+
+fn fmt_rate(x: f64) -> String {
+    if x >= 10_000.0 {
+        format!("{:.1} k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+fn fmt_ratio(s: Option<Stat>) -> (String, String) {
+    match s {
+        Some(s) => (
+            format!("{:.3}", s.med),
+            format!("{:.3}–{:.3}", s.min, s.max),
+        ),
+        None => ("–".into(), "–".into()),
+    }
+}
+
+fn cost(r: &Results, services: usize) -> Option<Stat> {
+    Stat::of(
+        r.costs
+            .iter()
+            .filter(|c| c.services == services && c.run_cnt > 0)
+            .map(|c| c.run_time_ns as f64 / c.run_cnt as f64)
+            .collect(),
+    )
+}
+
+fn mode_table(out: &mut String, r: &Results, mode: Mode, unit: &str, latency: bool) {
+    let _ = write!(
+        out,
+        "| Services | arm | {unit} (median) | × direct (median) | × direct (min–max) |"
+    );
+    if latency {
+        out.push_str(" connect p50 µs | p99 µs | p99.9 µs |");
+    }
+    out.push('\n');
+    out.push_str("|---:|---|---:|---:|---:|");
+    if latency {
+        out.push_str("---:|---:|---:|");
+    }
+    out.push('\n');
+    for &n in &r.points {
+        for arm in arms_present(r) {
+            let Some(rt) = rate(r, n, arm, mode) else {
+                continue;
+            };
+            let (med, spread) = fmt_ratio(ratio(r, n, arm, ArmKind::Direct, mode));
+            let _ = write!(
+                out,
+                "| {} | {} | {} | {med} | {spread} |",
+                thousands(n),
+                arm.label(),
+                fmt_rate(rt.med)
+            );
+            if latency {
+                let p = |f: fn(&crate::Run) -> f64| {
+                    field(r, n, arm, mode, f).map_or("–".into(), |s| format!("{:.1}", s.med))
+                };
+                let _ = write!(
+                    out,
+                    " {} | {} | {} |",
+                    p(|x| x.p50_us),
+                    p(|x| x.p99_us),
+                    p(|x| x.p999_us)
+                );
+            }
+            out.push('\n');
+        }
+    }
+    out.push('\n');
+}
+
+fn thousands(n: usize) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i) % 3 == 0 {
+            out.push('\u{202f}');
+        }
+        out.push(c);
+    }
+    out
+}
+
+struct Goal {
+    what: &'static str,
+    met: Option<bool>,
+    measured: String,
+    limit: String,
+}
+
+fn goals(r: &Results) -> Vec<Goal> {
+    let mut g = Vec::new();
+    let pts: Vec<usize> = r
+        .points
+        .iter()
+        .copied()
+        .filter(|n| rate(r, *n, ArmKind::Ours, Mode::Cc).is_some())
+        .collect();
+    // 1. ≥ 0.98× direct at every point, flat.
+    let ratios: Vec<(usize, f64)> = pts
+        .iter()
+        .filter_map(|n| {
+            Some((
+                *n,
+                ratio(r, *n, ArmKind::Ours, ArmKind::Direct, Mode::Cc)?.med,
+            ))
+        })
+        .collect();
+    let worst = ratios.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
+    let first = ratios.first().map(|x| x.1);
+    let last = ratios.last().map(|x| x.1);
+    g.push(Goal {
+        what: "ClusterIP connect rate ≥ 0.98× direct at every scale point, flat from 1 to the largest",
+        met: (!ratios.is_empty()).then_some(worst >= 0.98),
+        measured: format!(
+            "{} ; largest/smallest point {}",
+            ratios
+                .iter()
+                .map(|(n, x)| format!("{}: {x:.3}", thousands(*n)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            match (first, last) {
+                (Some(a), Some(b)) => format!("{:.3}", b / a),
+                _ => "–".into(),
+            }
+        ),
+        limit: "The socket hooks add a map lookup or three and an address rewrite to every connect(); against a ~15 µs connect+close that is a few percent. What remains is the cost of running the programs at all (cgroup hook dispatch, helper calls, the reverse-translation LRU update).".into(),
+    });
+    // 2. ≥ 5× iptables at 10 000.
+    for base in [ArmKind::IptablesNft, ArmKind::IptablesLegacy] {
+        let n = 10_000;
+        let s = ratio(r, n, ArmKind::Ours, base, Mode::Cc);
+        g.push(Goal {
+            what: if base == ArmKind::IptablesNft {
+                "≥ 5× iptables (nft backend) at 10 000 Services"
+            } else {
+                "≥ 5× iptables (legacy backend) at 10 000 Services"
+            },
+            met: s.map(|s| s.med >= 5.0),
+            measured: s.map_or("not measured at 10 000".into(), |s| {
+                format!("{:.2}× (min–max {:.2}–{:.2})", s.med, s.min, s.max)
+            }),
+            limit: "iptables walks KUBE-SERVICES linearly for the first packet of each connection; the gap grows with the Service count and with where the target sits in the chain (last, here).".into(),
+        });
+    }
+    // 3. ≥ 1.2× nftables at every scale.
+    let nft: Vec<(usize, Stat)> = pts
+        .iter()
+        .filter_map(|n| {
+            Some((
+                *n,
+                ratio(r, *n, ArmKind::Ours, ArmKind::Nftables, Mode::Cc)?,
+            ))
+        })
+        .collect();
+    g.push(Goal {
+        what: "≥ 1.2× nftables at every scale",
+        met: (!nft.is_empty()).then(|| nft.iter().all(|(_, s)| s.med >= 1.2)),
+        measured: nft
+            .iter()
+            .map(|(n, s)| format!("{}: {:.2}×", thousands(*n), s.med))
+            .collect::<Vec<_>>()
+            .join(", "),
+        limit: "nftables looks the Service up in a hash-backed verdict map, so it is flat too; its cost is conntrack and NAT on the first packet, per connection. With one client connection at a time on one core, that cost is a fraction of a connect+close, which bounds the ratio.".into(),
+    });
+    // 4. Program cost.
+    let costs: Vec<(usize, Stat)> = pts
+        .iter()
+        .filter_map(|n| Some((*n, cost(r, *n)?)))
+        .collect();
+    g.push(Goal {
+        what: "connect4 program cost < 200 ns per run",
+        met: (!costs.is_empty()).then(|| costs.iter().all(|(_, s)| s.med < 200.0)),
+        measured: costs
+            .iter()
+            .map(|(n, s)| format!("{}: {:.0} ns", thousands(*n), s.med))
+            .collect::<Vec<_>>()
+            .join(", "),
+        limit: "bpf_stats run_time_ns / run_cnt of connect4 over a connect+close run, statistics on only for that run.".into(),
+    });
+    if let Some(cp) = &r.control {
+        let scale = format!("{} × {}", thousands(cp.services), cp.endpoints);
+        g.push(Goal {
+            what: "10 000 × 10 programmed in < 250 ms",
+            met: (cp.services >= 10_000)
+                .then_some(())
+                .and(cp.ours_sync_ms.map(|s| s < 250.0)),
+            measured: format!(
+                "{scale}: first sync (translate + map writes) {} ms; agent start to /readyz {} s",
+                cp.ours_sync_ms.map_or("?".into(), |s| format!("{s:.0}")),
+                cp.ours_ready_s.map_or("?".into(), |s| format!("{s:.2}"))
+            ),
+            limit: "Judged on the sync itself, which is what iptables-restore and nft -f are timed on. Agent start adds reading and parsing the manifests (JSON here) and loading and verifying the programs.".into(),
+        });
+        let ch = Stat::of(cp.change_ms.clone());
+        g.push(Goal {
+            what: "one endpoint change effective in < 5 ms",
+            met: (cp.services >= 10_000).then_some(()).and(ch.map(|s| s.med < 5.0)),
+            measured: format!(
+                "{scale}: {}; the agent's sync {}",
+                ch.map_or("?".into(), |s| format!(
+                    "median {:.1} ms (min–max {:.1}–{:.1})",
+                    s.med, s.min, s.max
+                )),
+                Stat::of(cp.change_sync_ms.clone())
+                    .map_or("?".into(), |s| format!("median {:.1} ms", s.med))
+            ),
+            limit: "Standalone mode: the file watcher wakes the agent, which re-reads the manifests directory (all Services) before it diffs and writes the one changed frontend. Measured with --sync-debounce 0s.".into(),
+        });
+        g.push(Goal {
+            what: "agent RSS < 100 MiB at 10 000 × 10",
+            met: (cp.services >= 10_000)
+                .then_some(())
+                .and(cp.ours_rss_mib.map(|m| m < 100.0)),
+            measured: cp
+                .ours_rss_mib
+                .map_or("?".into(), |m| format!("{scale}: peak {m:.1} MiB (VmHWM)")),
+            limit: "Peak while parsing the manifests and building the desired state next to the programmed one.".into(),
+        });
+    }
+    g
+}
+
+pub fn write(root: &Path, r: &Results) -> Result<()> {
+    let md = markdown(r);
+    fs::write(root.join("BENCHMARKS.md"), md).context("writing BENCHMARKS.md")?;
+    fs::create_dir_all(root.join("docs"))?;
+    chart(&root.join("docs/bench.png"), r).context("drawing docs/bench.png")?;
+    Ok(())
+}
+
+fn markdown(r: &Results) -> String {
+    let m = &r.machine;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "# Benchmarks\n\n\
+         Regenerated by `cargo xtask bench{}` (as root). Do not edit by hand.\n",
+        if r.quick { " --quick" } else { "" }
+    );
+    if r.quick {
+        o.push_str("**This is a `--quick` run: small scale points, few rounds, short runs. Use it for development, not for claims.**\n\n");
+    }
+    let _ = writeln!(
+        o,
+        "| | |\n|---|---|\n| date | {} |\n| commit | {} |\n| CPU | {} × {} |\n| memory | {} |\n| kernel | {} |\n| iptables | {} |\n| nftables | {} |\n| duration | {:.0} s |\n",
+        m.date, m.commit, m.cores, m.cpu, m.memory, m.kernel, m.iptables, m.nft, r.elapsed_s
+    );
+    o.push_str("![connect+close rate against the number of Services](docs/bench.png)\n\n");
+    o.push_str(
+        "## Goals (issue 6)\n\n| goal | result | measured | what limits it |\n|---|---|---|---|\n",
+    );
+    for g in goals(r) {
+        let res = match g.met {
+            Some(true) => "**met**",
+            Some(false) => "**missed**",
+            None => "not measured",
+        };
+        let _ = writeln!(o, "| {} | {res} | {} | {} |", g.what, g.measured, g.limit);
+    }
+    o.push('\n');
+    let durs: Vec<String> = r
+        .durations_ms
+        .iter()
+        .map(|(m, ms)| format!("{} {ms} ms", m.as_str()))
+        .collect();
+    let _ = writeln!(
+        o,
+        "## Method\n\n\
+         Everything runs on this machine, in network namespaces the benchmark creates and removes. \
+         Each arm has its own client namespace and one backend namespace, joined by a bridge in a \
+         third namespace. The backend holds {} addresses (the target Service's endpoints) and runs \
+         `lb-bench server` pinned to core 1; the client runs `lb-bench client` pinned to core 0. \
+         Clients have no default route: only a route for the Service CIDR {} onto the bridge.\n\n\
+         - **direct**: the client connects to the backend's address; no load balancer. The limit.\n\
+         - **lb (ours)**: `lb-agent run` with a manifests directory, its socket programs attached to a \
+         child cgroup the client joins. The connect is rewritten before routing: no NAT, no conntrack.\n\
+         - **iptables (nft)** / **iptables (legacy)**: the rules kube-proxy's iptables mode writes \
+         (`KUBE-SERVICES` → `KUBE-SVC-*` with `! -s 10.244.0.0/16 … -j KUBE-MARK-MASQ` and \
+         `statistic --mode random --probability` → `KUBE-SEP-*` with the hairpin mark and DNAT; \
+         `KUBE-POSTROUTING` masquerading marked packets; the filter table's `KUBE-SERVICES`/firewall \
+         jumps), loaded into the client namespace's nat OUTPUT path with `iptables-nft-restore` and \
+         `iptables-legacy-restore`. The target Service is **last** in `KUBE-SERVICES`.\n\
+         - **nftables**: kube-proxy's nftables mode shape: table `ip kube-proxy`, the `service-ips` \
+         verdict map (`ip daddr . meta l4proto . th dport vmap @service-ips`), per-Service chains with \
+         `numgen random mod N vmap`, per-endpoint chains that DNAT, masquerade marks, the \
+         `no-endpoint-services` and `firewall-ips` lookups on new connections; loaded with `nft -f`.\n\
+         - **IPVS**: {}.\n\n\
+         Scale points count Services: the target (TCP and UDP port 80, {} endpoints) plus fillers \
+         with {} endpoints each, on addresses nothing answers. Generated rulesets and manifests are \
+         cached in `target/bench-cache/`.\n\n\
+         Tests, each a fixed duration ({}), one connection at a time:\n\n\
+         - **connect+close** (`cc`): `connect()`, then `close()` with `SO_LINGER` 0 (RST, no \
+         TIME_WAIT). Latency is the `connect()` call.\n\
+         - **TCP_CRR** (`crr`): connect, 64-byte request, response, close.\n\
+         - **request/response** (`rr`): 64 bytes each way on one connection: a control, the load \
+         balancer is not involved after the connect.\n\
+         - **UDP request/response** (`udp`): `sendto` the ClusterIP and `recvfrom` on one unconnected \
+         socket (our `sendmsg4`/`recvmsg4` hooks run for every datagram; iptables/nftables NAT it \
+         through one conntrack entry).\n\n\
+         {} rounds; each round runs every arm in a new shuffled order, all four tests per arm. \
+         Tables give the median over rounds of the rate, and the arm's rate divided by direct's \
+         **from the same round** (median and min–max of that ratio). The program cost comes from \
+         `BPF_ENABLE_STATS` (`run_time_ns / run_cnt` of `connect4`) in a separate connect+close run \
+         per round, so that the statistics' own overhead stays out of the measured runs.\n",
+        r.target_endpoints,
+        crate::rules::SERVICE_CIDR,
+        r.ipvs,
+        r.target_endpoints,
+        r.filler_endpoints,
+        durs.join(", "),
+        r.rounds
+    );
+    o.push_str(
+        "### How to read it\n\n\
+         A ratio of 1.000 is as fast as connecting straight to the backend. Ratios are computed per \
+         round, so slow phases of the machine (this is a 2-core VM, shared) cancel out; the min–max \
+         column shows how much a single round can be trusted. `rr` is the control: all arms should \
+         be ~1.0 there, and the width of its spread is the noise floor. Latencies are medians over \
+         rounds of each round's percentile.\n\n",
+    );
+    o.push_str("## Connect+close (connections per second)\n\n");
+    mode_table(&mut o, r, Mode::Cc, "conn/s", true);
+    o.push_str("## TCP_CRR (transactions per second)\n\n");
+    mode_table(&mut o, r, Mode::Crr, "trans/s", true);
+    o.push_str("## Request/response on one connection (control)\n\n");
+    mode_table(&mut o, r, Mode::Rr, "trans/s", false);
+    o.push_str("## UDP request/response through the ClusterIP\n\n");
+    mode_table(&mut o, r, Mode::Udp, "trans/s", false);
+    o.push_str("## Our program cost (connect4)\n\n| Services | ns per run (median) | min–max | runs per measurement |\n|---:|---:|---:|---:|\n");
+    for &n in &r.points {
+        if let Some(s) = cost(r, n) {
+            let runs = r
+                .costs
+                .iter()
+                .filter(|c| c.services == n)
+                .map(|c| c.run_cnt)
+                .max()
+                .unwrap_or(0);
+            let _ = writeln!(
+                o,
+                "| {} | {:.0} | {:.0}–{:.0} | {} |",
+                thousands(n),
+                s.med,
+                s.min,
+                s.max,
+                runs
+            );
+        }
+    }
+    o.push_str("\n## Loading each scale point\n\n| Services | arm | load time | note |\n|---:|---|---:|---|\n");
+    for s in &r.setups {
+        if s.arm == ArmKind::Direct {
+            continue;
+        }
+        let load = s.load_s.map_or("–".into(), |x| format!("{x:.2} s"));
+        let mut note = s.skipped.clone().unwrap_or_default();
+        if let Some(m) = s.rss_mib {
+            note = format!("agent start to /readyz; peak RSS {m:.1} MiB");
+        }
+        let _ = writeln!(
+            o,
+            "| {} | {} | {load} | {note} |",
+            thousands(s.services),
+            s.arm.label()
+        );
+    }
+    o.push('\n');
+    if let Some(cp) = &r.control {
+        let _ = writeln!(
+            o,
+            "## Control plane: {} Services × {} endpoints, from empty\n",
+            thousands(cp.services),
+            cp.endpoints
+        );
+        o.push_str("| what | time | × ours (sync) |\n|---|---:|---:|\n");
+        let ours = cp.ours_sync_ms.map(|x| x / 1e3);
+        let x = |t: f64| ours.map_or("–".into(), |o| format!("{:.0}×", t / o));
+        if let Some(s) = cp.ours_sync_ms {
+            let _ = writeln!(
+                o,
+                "| lb (ours): first sync, translate + map writes | {:.0} ms | 1× |",
+                s
+            );
+        }
+        if let Some(s) = cp.ours_ready_s {
+            let _ = writeln!(
+                o,
+                "| lb (ours): agent start → /readyz (load + verify + attach, parse manifests, sync) | {:.2} s | {} |",
+                s,
+                x(s)
+            );
+        }
+        for (what, v) in [
+            ("iptables-nft-restore", &cp.iptables_nft_s),
+            ("iptables-legacy-restore", &cp.iptables_legacy_s),
+            ("nft -f", &cp.nft_s),
+        ] {
+            match v {
+                Ok(s) => {
+                    let _ = writeln!(o, "| {what} | {s:.2} s | {} |", x(*s));
+                }
+                Err(e) => {
+                    let _ = writeln!(o, "| {what} | {} | |", e.replace('|', "\\|"));
+                }
+            }
+        }
+        o.push('\n');
+        if let Some((got, want)) = cp.ours_frontends {
+            let _ = writeln!(
+                o,
+                "Frontends programmed at /readyz (`lb_frontends_programmed`): {got} of {want}.\n"
+            );
+        }
+        if let Some(m) = cp.ours_rss_mib {
+            let _ = writeln!(
+                o,
+                "Agent peak RSS (VmHWM) after the changes below: {m:.1} MiB.\n"
+            );
+        }
+        if let Some(s) = Stat::of(cp.change_ms.clone()) {
+            let _ = writeln!(
+                o,
+                "One endpoint change (the target's only endpoint moved to another address; manifest \
+                 file renamed into place, `--sync-debounce 0s`) until a new connection lands on the \
+                 new endpoint: median **{:.1} ms**, min–max {:.1}–{:.1} ms over {} changes; the \
+                 agent's sync for it: {}.\n",
+                s.med,
+                s.min,
+                s.max,
+                s.n,
+                Stat::of(cp.change_sync_ms.clone())
+                    .map_or("?".into(), |s| format!("median {:.1} ms", s.med))
+            );
+        }
+        for n in &cp.notes {
+            let _ = writeln!(o, "- {n}");
+        }
+    }
+    o
+}
+
+const COLORS: [(u8, u8, u8); 5] = [
+    (90, 90, 90),
+    (214, 39, 40),
+    (31, 119, 180),
+    (23, 190, 207),
+    (44, 160, 44),
+];
+
+fn chart(path: &Path, r: &Results) -> Result<()> {
+    use plotters::prelude::*;
+    let have_font = match fs::read(FONT) {
+        Ok(bytes) => {
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok()
+        }
+        Err(_) => false,
+    };
+    let series: Vec<(ArmKind, Vec<(f64, f64)>)> = ArmKind::ALL
+        .into_iter()
+        .map(|a| {
+            let pts = r
+                .points
+                .iter()
+                .filter_map(|&n| Some((n as f64, rate(r, n, a, Mode::Cc)?.med)))
+                .collect();
+            (a, pts)
+        })
+        .filter(|(_, p): &(ArmKind, Vec<(f64, f64)>)| !p.is_empty())
+        .collect();
+    let ymax = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|x| x.1))
+        .fold(1.0, f64::max)
+        * 1.15;
+    let xmax = r.points.iter().copied().max().unwrap_or(10) as f64 * 1.5;
+    let root = BitMapBackend::new(path, (960, 540)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut builder = ChartBuilder::on(&root);
+    builder.margin(20);
+    if have_font {
+        builder
+            .caption(
+                "connect+close rate vs. Services (median of rounds)",
+                ("sans-serif", 22),
+            )
+            .x_label_area_size(45)
+            .y_label_area_size(70);
+    }
+    let mut chart = builder.build_cartesian_2d((0.7f64..xmax).log_scale(), 0f64..ymax)?;
+    if have_font {
+        chart
+            .configure_mesh()
+            .x_desc("Services")
+            .y_desc("connections / s")
+            .x_label_formatter(&|x| format!("{}", x.round() as u64))
+            .y_label_formatter(&|y| format!("{:.0}k", y / 1e3))
+            .draw()?;
+    } else {
+        chart.configure_mesh().disable_x_mesh().draw()?;
+    }
+    for (i, (arm, pts)) in series.iter().enumerate() {
+        let (cr, cg, cb) = COLORS[ArmKind::ALL.iter().position(|a| a == arm).unwrap_or(i) % 5];
+        let color = RGBColor(cr, cg, cb);
+        let s = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(3)))?;
+        if have_font {
+            s.label(arm.label()).legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(3))
+            });
+        }
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 4, color.filled())))?;
+    }
+    if have_font {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(BLACK)
+            .label_font(("sans-serif", 16))
+            .draw()?;
+    }
+    root.present()?;
+    Ok(())
+}
