@@ -102,24 +102,45 @@ pub struct Reconciler {
     frontends: BTreeMap<Frontend, Programmed>,
     vips: BTreeSet<(IpAddr, Scope)>,
     backends: BTreeMap<BackendAddr, ProgrammedBackend>,
-    used_service_ids: BTreeSet<u32>,
-    used_backend_ids: BTreeSet<u32>,
+    used_service_ids: IdSet,
+    used_backend_ids: IdSet,
     used_sets: BTreeSet<u32>,
     next_set: u32,
     /// Sets replaced or removed by the last `apply`: (set id, slot count).
     retiring: Vec<(u32, u32)>,
 }
 
-fn lowest_free(used: &BTreeSet<u32>) -> u32 {
-    // Ids start at 1 so that 0 never names a live object in a dump.
-    let mut candidate = 1;
-    for &id in used.range(1..) {
-        if id != candidate {
-            break;
-        }
-        candidate += 1;
+/// Ids in use, handing out the lowest free one. Ids start at 1 so that 0
+/// never names a live object in a dump.
+#[derive(Debug, Default)]
+struct IdSet {
+    used: BTreeSet<u32>,
+    /// No id below this one is free: the search starts here, so handing out
+    /// n ids in a row costs O(n log n), not O(n²).
+    floor: u32,
+}
+
+impl IdSet {
+    fn insert(&mut self, id: u32) {
+        self.used.insert(id);
     }
-    candidate
+
+    fn remove(&mut self, id: &u32) {
+        self.used.remove(id);
+        self.floor = self.floor.min(*id);
+    }
+
+    fn lowest_free(&mut self) -> u32 {
+        let mut candidate = self.floor.max(1);
+        for &id in self.used.range(candidate..) {
+            if id != candidate {
+                break;
+            }
+            candidate += 1;
+        }
+        self.floor = candidate;
+        candidate
+    }
 }
 
 fn service_value(
@@ -153,8 +174,8 @@ impl Reconciler {
             frontends: BTreeMap::new(),
             vips: BTreeSet::new(),
             backends: BTreeMap::new(),
-            used_service_ids: BTreeSet::new(),
-            used_backend_ids: BTreeSet::new(),
+            used_service_ids: IdSet::default(),
+            used_backend_ids: IdSet::default(),
             used_sets: BTreeSet::new(),
             next_set: 1,
             retiring: Vec::new(),
@@ -187,7 +208,7 @@ impl Reconciler {
             r.backends
                 .insert(addr, ProgrammedBackend { id: id.id, value });
         }
-        let backend_ids: BTreeSet<u32> = r.used_backend_ids.clone();
+        let backend_ids: BTreeSet<u32> = r.used_backend_ids.used.clone();
         for (key, value) in services {
             let addr = crate::inspect::ip_from_bytes(&key.addr);
             let Some(scope) = Scope::from_number(key.scope) else {
@@ -319,7 +340,7 @@ impl Reconciler {
                 existing => {
                     let id = match existing {
                         Some(b) => b.id,
-                        None => lowest_free(&self.used_backend_ids),
+                        None => self.used_backend_ids.lowest_free(),
                     };
                     match ops.put_backend(BackendId { id }, value) {
                         Ok(()) => {
@@ -491,7 +512,7 @@ impl Reconciler {
                 let id = prev
                     .as_ref()
                     .map(|p| p.id)
-                    .unwrap_or_else(|| lowest_free(&self.used_service_ids));
+                    .unwrap_or_else(|| self.used_service_ids.lowest_free());
                 let set = self.alloc_set();
                 for (slot, backend_id) in slots.iter().enumerate() {
                     let key = BackendSlotKey {
