@@ -1,4 +1,5 @@
 //! Developer tasks: `cargo xtask <command>` (alias in `.cargo/config.toml`).
+mod bench;
 mod build;
 mod demo;
 mod setup;
@@ -46,9 +47,9 @@ enum Cmd {
     },
     /// Run setup, build, then the lb-demo binary
     Demo,
-    /// Run the benchmark suite (not implemented yet)
+    /// Run setup, build, then the benchmark (as root); writes BENCHMARKS.md and docs/bench.png
     Bench {
-        /// Shorter runs
+        /// Small scale points, few rounds, short runs: a few minutes
         #[arg(long)]
         quick: bool,
     },
@@ -63,10 +64,7 @@ fn main() -> ExitCode {
         Cmd::Build => build::build(&root).map(|_| ExitCode::SUCCESS),
         Cmd::Test { args } => test::test(&root, &args),
         Cmd::Demo => demo::demo(&root),
-        Cmd::Bench { quick: _ } => {
-            step!("the benchmark suite is not implemented yet");
-            Ok(ExitCode::from(2))
-        }
+        Cmd::Bench { quick } => bench::bench(&root, quick),
     };
     result.unwrap_or_else(|err| {
         eprintln!("xtask: error: {err:#}");
