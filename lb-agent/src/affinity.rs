@@ -7,11 +7,27 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use lb_common::{select, AffinityEntry, AffinityKey};
 
-/// What a frontend with affinity allows: its timeout and active backends.
+/// What a frontend with affinity allows: its timeout and the backends a
+/// client may be bound to (see [`selectable_backends`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AffinityPolicy {
     pub timeout_s: u32,
     pub active_backends: BTreeSet<u32>,
+}
+
+/// The backends the kernel chooses from for a frontend whose slots are
+/// `slots` (active, then terminating, then any Maglev table): the active
+/// ones, or, while there is none, the serving-terminating ones (KEP-1669).
+/// An entry bound to one of them is not stale: a client sticks to a
+/// terminating endpoint as to a ready one while the fallback lasts.
+pub fn selectable_backends(slots: &[u32], active: u16, terminating: u16) -> BTreeSet<u32> {
+    let (start, len) = if active > 0 {
+        (0, active as usize)
+    } else {
+        (active as usize, terminating as usize)
+    };
+    let end = (start + len).min(slots.len());
+    slots[start.min(end)..end].iter().copied().collect()
 }
 
 /// Why an entry is deleted.
@@ -78,6 +94,19 @@ mod tests {
             _pad: 0,
             last_used_ns: last_used_s * 1_000_000_000,
         }
+    }
+
+    #[test]
+    fn selectable_follows_the_kernels_fallback() {
+        // Slots: 2 active, 1 terminating, then a Maglev table.
+        let slots = [1, 2, 3, 1, 2, 2, 1];
+        assert_eq!(selectable_backends(&slots, 2, 1), BTreeSet::from([1, 2]));
+        // KEP-1669: no active backend, the terminating ones are chosen.
+        assert_eq!(selectable_backends(&[3, 4], 0, 2), BTreeSet::from([3, 4]));
+        assert!(selectable_backends(&[], 0, 0).is_empty());
+        // Counts larger than the slots (a broken adopted entry) clamp.
+        assert_eq!(selectable_backends(&[5], 0, 3), BTreeSet::from([5]));
+        assert!(selectable_backends(&[], 2, 0).is_empty());
     }
 
     #[test]

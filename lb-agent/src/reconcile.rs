@@ -584,7 +584,11 @@ impl Reconciler {
                     return None;
                 }
                 let timeout_s = p.value.affinity_timeout;
-                let active_backends = p.slots[..p.value.active as usize].iter().copied().collect();
+                let active_backends = crate::affinity::selectable_backends(
+                    &p.slots,
+                    p.value.active,
+                    p.value.terminating,
+                );
                 Some((
                     p.id,
                     crate::affinity::AffinityPolicy {

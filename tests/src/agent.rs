@@ -299,6 +299,14 @@ impl Agent {
     /// health address and source; its log is appended to the same file.
     /// Waits for `/readyz` up to `ready_timeout`.
     pub fn restart(&mut self, ready_timeout: Duration) -> Result<()> {
+        let line = self.respawn()?;
+        self.wait_ready(ready_timeout)
+            .with_context(|| format!("`{line}` (restarted)"))
+    }
+
+    /// Like [`restart`](Self::restart), without waiting for `/readyz`; the
+    /// command line.
+    pub fn respawn(&mut self) -> Result<String> {
         let mut g = self.child.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(c) = g.as_mut() {
             if matches!(c.try_wait(), Ok(None)) {
@@ -308,9 +316,7 @@ impl Agent {
         let (child, line) = spawn(&self.bin, &self.args, &self.log_path, true)?;
         self.pid = child.id();
         *g = Some(child);
-        drop(g);
-        self.wait_ready(ready_timeout)
-            .with_context(|| format!("`{line}` (restarted)"))
+        Ok(line)
     }
 
     /// What the agent logged after the first `offset` bytes (e.g. the

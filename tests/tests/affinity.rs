@@ -270,3 +270,162 @@ fn the_sweeper_keeps_the_affinity_map_bounded_under_client_churn() {
         "{m}"
     );
 }
+
+/// The `affinity_timeout` of the web frontend 10.96.0.10:80, per inspect
+/// (None: no affinity).
+fn inspected_timeout(env: &Env) -> Option<u64> {
+    let v = env.agent().inspect_services().unwrap();
+    let list = v.as_array().cloned().unwrap_or_default();
+    list.iter()
+        .find(|f| {
+            let s = f.to_string();
+            s.contains("10.96.0.10") && f["port"].as_u64() == Some(80)
+        })
+        .and_then(|f| f["affinity_timeout"].as_u64())
+}
+
+#[test]
+fn timeout_changes_and_switching_off_apply_on_the_next_sync() {
+    require_root!();
+    let mut env = Env::new("affcfg", 3).unwrap();
+    let all = ["b1", "b2", "b3"];
+    env.manifests
+        .write("web.yaml", &sticky_web(&env, 3600, &all))
+        .unwrap();
+    env.start_agent().unwrap();
+    let mut clients = add_clients(&mut env, "c", 101, 9);
+    clients.push("client".into());
+    let round = |env: &Env| -> Vec<String> {
+        clients
+            .iter()
+            .map(|c| single_backend(c, &tcp_from(env, c, 3)))
+            .collect()
+    };
+    let first = round(&env);
+    assert_eq!(affinity_entries(&env), clients.len());
+
+    // 3600 s -> 1 s: the kernel applies the new timeout to existing entries.
+    env.manifests
+        .write("web.yaml", &sticky_web(&env, 1, &all))
+        .unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), Duration::from_millis(50), || {
+            inspected_timeout(&env) == Some(1)
+        }),
+        "timeoutSeconds 1 not programmed: {:?}",
+        inspected_timeout(&env)
+    );
+    std::thread::sleep(Duration::from_millis(1500));
+    let after = round(&env);
+    let changed = first.iter().zip(&after).filter(|(a, b)| a != b).count();
+    eprintln!(
+        "timeout cut to 1 s, 1.5 s idle: {changed} of {} clients changed backend",
+        clients.len()
+    );
+    assert!(
+        changed >= 1,
+        "the shorter timeout did not apply to existing entries"
+    );
+
+    // Off: entries are swept at once and connections spread again.
+    let mut off = sticky_web(&env, 1, &all);
+    off[0]["spec"]["sessionAffinity"] = serde_json::json!("None");
+    off[0]["spec"]
+        .as_object_mut()
+        .unwrap()
+        .remove("sessionAffinityConfig");
+    env.manifests.write("web.yaml", &off).unwrap();
+    assert!(
+        wait_until(Duration::from_secs(5), Duration::from_millis(50), || {
+            inspected_timeout(&env).is_none()
+        }),
+        "affinity still programmed"
+    );
+    let a = env.tcp("10.96.0.10:80", 60);
+    assert_spread("affinity off", &a, &all, 0.1);
+    assert_eq!(
+        affinity_entries(&env),
+        0,
+        "entries left after affinity was switched off"
+    );
+}
+
+#[test]
+fn clients_stick_to_serving_terminating_endpoints_too() {
+    require_root!();
+    // KEP-1669 with affinity: with no ready endpoint, the client sticks to
+    // one of the serving-terminating ones like to a ready one, and the
+    // sweeper must not take that for a backend that left.
+    let mut env = Env::new("affterm", 3).unwrap();
+    let all = ["b1", "b2", "b3"];
+    let terminating = |env: &Env| {
+        let mut docs = sticky_web(env, 3600, &all);
+        let addrs: Vec<std::net::IpAddr> = (1..=3).map(|i| pod_v4(i).into()).collect();
+        docs[1] =
+            integration_tests::cluster::with_conditions(docs[1].clone(), &addrs, false, true, true);
+        docs
+    };
+    env.manifests.write("web.yaml", &terminating(&env)).unwrap();
+    env.start_agent().unwrap();
+    let sticky = single_backend("terminating only", &env.tcp("10.96.0.10:80", 20));
+    assert_eq!(affinity_entries(&env), 1);
+    // Any sync that writes a frontend sweeps: add an unrelated Service.
+    env.manifests
+        .write(
+            "other.yaml",
+            &[
+                integration_tests::manifests::Service::new("demo", "other")
+                    .cluster_ip("10.96.0.11")
+                    .port("http", 80, "TCP", serde_json::json!(8080))
+                    .to_value(),
+                EndpointSlice::new("demo", "other-1", "other")
+                    .port("http", 8080, "TCP")
+                    .endpoint(Endpoint::ready(pod_v4(1).into()))
+                    .to_value(),
+            ],
+        )
+        .unwrap();
+    poll_tcp(&env, "10.96.0.11:80", 3, Duration::from_secs(5), |s| {
+        s.ok() == s.total
+    })
+    .unwrap_or_else(|s| panic!("other not served:\n{s}"));
+    let entries = env.agent().inspect_affinity().unwrap();
+    eprintln!("after a sweeping sync: {entries:?}");
+    assert_eq!(
+        entries.len(),
+        1,
+        "the sweeper deleted the entry of a client on a serving-terminating endpoint"
+    );
+    assert_eq!(
+        sticky,
+        single_backend("after the sweep", &env.tcp("10.96.0.10:80", 20))
+    );
+}
+
+#[test]
+fn stickiness_survives_an_agent_restart() {
+    require_root!();
+    let mut env = Env::new("affrs", 3).unwrap();
+    env.manifests
+        .write("web.yaml", &sticky_web(&env, 3600, &["b1", "b2", "b3"]))
+        .unwrap();
+    env.start_agent().unwrap();
+    let mut clients = add_clients(&mut env, "c", 101, 5);
+    clients.push("client".into());
+    let round = |env: &Env| -> Vec<String> {
+        clients
+            .iter()
+            .map(|c| single_backend(c, &tcp_from(env, c, 3)))
+            .collect()
+    };
+    let before = round(&env);
+    let agent = env.agent.as_mut().unwrap();
+    agent.kill().unwrap();
+    agent.restart(Duration::from_secs(20)).unwrap();
+    let after = round(&env);
+    assert_eq!(
+        before, after,
+        "clients lost their backends across a restart"
+    );
+    assert_eq!(affinity_entries(&env), clients.len());
+}

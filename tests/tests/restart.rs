@@ -157,3 +157,71 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     eprintln!("api on b3 after {took:?}");
     assert_all_ok("db after the restarts", &env.tcp("10.96.0.13:80", 5));
 }
+
+#[test]
+fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("restart-away", 3).unwrap();
+    for o in [
+        web_service().to_value(),
+        slice(
+            &env,
+            "web",
+            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
+            &["b1", "b2"],
+        ),
+    ] {
+        api.apply(&o).unwrap();
+    }
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    assert_all_ok("before", &env.tcp("10.96.0.10:80", 10));
+
+    // The agent crashes, and comes back while the API server is away: it
+    // cannot list, so it must leave the adopted maps alone (an early sync
+    // from an empty store would delete every Service).
+    let moved = slice(
+        &env,
+        "web",
+        &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
+        &["b3"],
+    );
+    let agent = env.agent.as_mut().unwrap();
+    let offset = agent.log().len();
+    agent.kill().unwrap();
+    api.go_away();
+    api.apply(&moved).unwrap();
+    agent.respawn().unwrap();
+    let t = Instant::now();
+    let mut during = Vec::new();
+    while t.elapsed() < Duration::from_secs(2) {
+        during.extend(env.tcp("10.96.0.10:80", 10));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let agent = env.agent();
+    assert!(agent.is_running(), "the agent died:\n{}", agent.log());
+    assert_all_ok("restarted without an API server", &during);
+    let s = Spread::of(&during);
+    eprintln!("restarted while the API server is away:\n{s}");
+    assert_eq!(s.count("b3"), 0);
+    let (code, _) = agent.get("/readyz").unwrap();
+    assert_ne!(code, 200, "ready without having listed the API");
+    assert!(
+        !agent.log_since(offset).contains(" synced"),
+        "synced without the API:\n{}",
+        agent.log_since(offset)
+    );
+
+    api.come_back();
+    agent.wait_ready(Duration::from_secs(20)).unwrap();
+    let took = poll_tcp(&env, "10.96.0.10:80", 10, Duration::from_secs(10), |s| {
+        s.count("b3") == s.total
+    })
+    .unwrap_or_else(|s| panic!("the change made while away was not applied:\n{s}"));
+    eprintln!("after the API came back: on b3 after {took:?}");
+    let log = agent.log_since(offset);
+    let (written, adopted, removed) = synced_counts(&log).expect("a synced line");
+    eprintln!("first sync: written={written} adopted={adopted} removed={removed}");
+    assert_eq!((written, adopted, removed), (2, 0, 0), "{log}");
+}
