@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use aya::{
-    maps::{HashMap, Map, MapData, MapError, MapInfo},
+    maps::{HashMap, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
         CgroupAttachMode, CgroupSockAddr,
@@ -508,6 +508,40 @@ impl MapOps for PinnedMaps {
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
         self.backends.remove(&id).map_err(io)
     }
+    // Bulk writes: one bpf(2) call per few thousand elements (see `batch`).
+    fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> crate::reconcile::BatchResult {
+        batch_put(self.backends.map(), items)
+    }
+    fn put_slots(
+        &mut self,
+        items: &[(BackendSlotKey, BackendSlot)],
+    ) -> crate::reconcile::BatchResult {
+        batch_put(self.slots.map(), items)
+    }
+    fn put_services(
+        &mut self,
+        items: &[(ServiceKey, ServiceValue)],
+    ) -> crate::reconcile::BatchResult {
+        batch_put(self.services.map(), items)
+    }
+    fn del_slots(&mut self, keys: &[BackendSlotKey]) {
+        use std::os::fd::AsFd as _;
+        let fd = self.slots.map().fd().as_fd();
+        let mut rest = keys;
+        // A missing slot stops a batch: skip it and go on with the rest.
+        while let Err(e) = crate::batch::delete(fd, rest) {
+            rest = &rest[(e.done + 1).min(rest.len())..];
+        }
+    }
+}
+
+/// `items` into `map` through `batch::update` (keys and values as the
+/// kernel wants them: two arrays).
+fn batch_put<K: Copy, V: Copy>(map: &MapData, items: &[(K, V)]) -> crate::reconcile::BatchResult {
+    use std::os::fd::AsFd as _;
+    let keys: Vec<K> = items.iter().map(|(k, _)| *k).collect();
+    let values: Vec<V> = items.iter().map(|(_, v)| *v).collect();
+    crate::batch::update(map.fd().as_fd(), &keys, &values).map_err(|e| (e.done, e.error))
 }
 
 #[cfg(test)]

@@ -8,6 +8,13 @@
 //! 3. the old set's slots, and backends nothing points at any more, are
 //!    deleted only in `retire`, which the caller runs a little later, so a
 //!    program that read the old `ServiceValue` still finds its slots.
+//!
+//! Bulk writes go through the batch methods of `MapOps` (one
+//! `BPF_MAP_UPDATE_BATCH` per map over the real maps, see `batch`): every
+//! backend, then every slot of every new set, then every `ServiceValue`,
+//! each batch finished before the next starts, so the order above holds
+//! across all frontends of a sync. A batch that stops part-way is finished
+//! element by element, so each failure is still reported against its object.
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
@@ -38,7 +45,42 @@ pub trait MapOps {
     fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()>;
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()>;
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()>;
+
+    /// Writes `items` in order (one `BPF_MAP_UPDATE_BATCH` over the real
+    /// maps); on failure, how many were written before the one that failed.
+    /// The default is the per-element loop, which the unit tests observe
+    /// write by write.
+    fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> BatchResult {
+        for (i, (k, v)) in items.iter().enumerate() {
+            self.put_backend(*k, *v).map_err(|e| (i, e))?;
+        }
+        Ok(())
+    }
+    /// Like [`put_backends`](Self::put_backends), for backend slots.
+    fn put_slots(&mut self, items: &[(BackendSlotKey, BackendSlot)]) -> BatchResult {
+        for (i, (k, v)) in items.iter().enumerate() {
+            self.put_slot(*k, *v).map_err(|e| (i, e))?;
+        }
+        Ok(())
+    }
+    /// Like [`put_backends`](Self::put_backends), for frontends.
+    fn put_services(&mut self, items: &[(ServiceKey, ServiceValue)]) -> BatchResult {
+        for (i, (k, v)) in items.iter().enumerate() {
+            self.put_service(*k, *v).map_err(|e| (i, e))?;
+        }
+        Ok(())
+    }
+    /// Deletes every slot in `keys`; one already gone is what we want, and
+    /// other failures are left for the next retire. Best effort.
+    fn del_slots(&mut self, keys: &[BackendSlotKey]) {
+        for k in keys {
+            let _ = self.del_slot(*k);
+        }
+    }
 }
+
+/// A batch write: `Err((written, error))` when the element at `written` failed.
+pub type BatchResult = Result<(), (usize, std::io::Error)>;
 
 pub fn addr_bytes(addr: IpAddr) -> [u8; 16] {
     match addr {
@@ -72,6 +114,37 @@ struct Programmed {
     value: ServiceValue,
     /// Backend ids in slot order (with the Maglev table, if any).
     slots: Vec<u32>,
+}
+
+/// How one frontend is to be written by `apply`.
+struct Plan {
+    frontend: Frontend,
+    state: FrontendState,
+    id: u32,
+    /// The id was reserved for this plan (a new frontend).
+    fresh_id: bool,
+    set: u32,
+    /// The set is new: its slots must be written before the value.
+    fresh_set: bool,
+    slots: Vec<u32>,
+    value: ServiceValue,
+    previous: Option<Programmed>,
+    /// Adopted from pinned maps exactly as wanted: nothing to write.
+    adopt_only: bool,
+}
+
+impl Plan {
+    fn slot_items(&self) -> impl Iterator<Item = (BackendSlotKey, BackendSlot)> + '_ {
+        self.slots.iter().enumerate().map(|(slot, id)| {
+            (
+                BackendSlotKey {
+                    backend_set: self.set,
+                    slot: slot as u32,
+                },
+                BackendSlot { backend_id: *id },
+            )
+        })
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -334,51 +407,134 @@ impl Reconciler {
         let mut report = SyncReport::default();
 
         // 1. Backends first, so that no slot ever points at a missing one.
+        // New ids are reserved now and given back if their write fails.
+        let mut pending: Vec<(BackendAddr, u32, Backend, bool)> = Vec::new();
         for (addr, value) in Self::desired_backends(desired) {
             match self.backends.get(&addr) {
                 Some(b) if b.value == value => {}
-                existing => {
-                    let id = match existing {
-                        Some(b) => b.id,
-                        None => self.used_backend_ids.lowest_free(),
-                    };
-                    match ops.put_backend(BackendId { id }, value) {
-                        Ok(()) => {
-                            self.used_backend_ids.insert(id);
-                            self.backends.insert(addr, ProgrammedBackend { id, value });
-                            report.backends_written += 1;
-                        }
-                        Err(source) => report.errors.push(
-                            MapWriteError {
-                                what: format!("backend {addr}"),
-                                source,
-                            }
-                            .to_string(),
-                        ),
+                Some(b) => pending.push((addr, b.id, value, false)),
+                None => {
+                    let id = self.used_backend_ids.lowest_free();
+                    self.used_backend_ids.insert(id);
+                    pending.push((addr, id, value, true));
+                }
+            }
+        }
+        let items: Vec<(BackendId, Backend)> = pending
+            .iter()
+            .map(|(_, id, v, _)| (BackendId { id: *id }, *v))
+            .collect();
+        let batched = match ops.put_backends(&items) {
+            Ok(()) => items.len(),
+            Err((written, _)) => written,
+        };
+        for (i, (addr, id, value, fresh)) in pending.into_iter().enumerate() {
+            // Past a failed batch, one by one, so each failure names its object.
+            let written = if i < batched {
+                Ok(())
+            } else {
+                ops.put_backend(BackendId { id }, value)
+            };
+            match written {
+                Ok(()) => {
+                    self.backends.insert(addr, ProgrammedBackend { id, value });
+                    report.backends_written += 1;
+                }
+                Err(source) => {
+                    if fresh {
+                        self.used_backend_ids.remove(&id);
                     }
+                    report.errors.push(
+                        MapWriteError {
+                            what: format!("backend {addr}"),
+                            source,
+                        }
+                        .to_string(),
+                    );
                 }
             }
         }
 
-        // 2. Frontends whose backends or options changed.
+        // 2. Frontends whose backends or options changed: first every slot
+        // of every new backend set, then the ServiceValues that publish
+        // them, so that no ServiceValue ever names a set not fully written.
+        let mut plans = Vec::new();
         for (frontend, state) in &desired.frontends {
             if let Some(p) = self.frontends.get(frontend) {
                 if p.state.as_ref() == Some(state) {
                     continue;
                 }
             }
-            let previous = self.frontends.get(frontend).cloned();
-            match self.write_frontend(frontend, state, ops) {
-                Ok(true) => {
-                    report.frontends_written += 1;
-                    if let (Some(old), Some(new)) = (previous, self.frontends.get(frontend)) {
-                        let keep = new.slots.clone();
-                        self.note_departed(frontend, &old, &keep, &mut report);
-                    }
-                }
-                Ok(false) => report.frontends_adopted += 1,
+            match self.plan_frontend(frontend, state) {
+                Ok(plan) => plans.push(plan),
                 Err(e) => report.errors.push(e.to_string()),
             }
+        }
+        let slot_items: Vec<(BackendSlotKey, BackendSlot)> = plans
+            .iter()
+            .filter(|p| p.fresh_set)
+            .flat_map(|p| p.slot_items())
+            .collect();
+        let batched = match ops.put_slots(&slot_items) {
+            Ok(()) => slot_items.len(),
+            Err((written, _)) => written,
+        };
+        let mut offset = 0;
+        let mut ready = Vec::with_capacity(plans.len());
+        for plan in plans {
+            if plan.fresh_set {
+                let end = offset + plan.slots.len();
+                offset = end;
+                if end > batched {
+                    // Not all written by the batch: slot by slot.
+                    if let Err(e) = self.write_slots(&plan, ops) {
+                        self.abandon(&plan);
+                        report.errors.push(e.to_string());
+                        continue;
+                    }
+                }
+            }
+            ready.push(plan);
+        }
+        let service_items: Vec<(ServiceKey, ServiceValue)> = ready
+            .iter()
+            .filter(|p| !p.adopt_only)
+            .map(|p| (service_key(&p.frontend), p.value))
+            .collect();
+        let batched = match ops.put_services(&service_items) {
+            Ok(()) => service_items.len(),
+            Err((written, _)) => written,
+        };
+        let mut n = 0;
+        for plan in ready {
+            if plan.adopt_only {
+                let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
+                adopted.state = Some(plan.state.clone());
+                self.frontends.insert(plan.frontend, adopted);
+                report.frontends_adopted += 1;
+                continue;
+            }
+            let i = n;
+            n += 1;
+            if i >= batched {
+                if let Err(source) = ops.put_service(service_key(&plan.frontend), plan.value) {
+                    if plan.fresh_set {
+                        self.retiring.push((plan.set, plan.slots.len() as u32));
+                    }
+                    if plan.fresh_id {
+                        self.used_service_ids.remove(&plan.id);
+                    }
+                    report.errors.push(
+                        MapWriteError {
+                            what: format!("frontend {} ({})", plan.frontend, plan.state.service),
+                            source,
+                        }
+                        .to_string(),
+                    );
+                    continue;
+                }
+            }
+            self.commit(plan, &mut report);
         }
 
         // 3. VIP markers: add before removing frontends so a VIP never
@@ -468,12 +624,13 @@ impl Reconciler {
         }
     }
 
-    fn write_frontend(
+    /// Works out how `frontend` is to be programmed, reserving a service id
+    /// and a backend set when it needs new ones; nothing is written.
+    fn plan_frontend(
         &mut self,
         frontend: &Frontend,
         state: &FrontendState,
-        ops: &mut impl MapOps,
-    ) -> Result<bool, MapWriteError> {
+    ) -> Result<Plan, MapWriteError> {
         let mut slots = Vec::with_capacity(state.active.len() + state.terminating.len());
         for r in state.active.iter().chain(&state.terminating) {
             match self.backends.get(&r.backend) {
@@ -506,72 +663,85 @@ impl Reconciler {
         let previous = self.frontends.get(frontend).cloned();
         // Options alone changed: the set can stay.
         let reuse = previous.as_ref().filter(|p| p.slots == slots);
-        let (id, set) = match (reuse, &previous) {
-            (Some(p), _) => (p.id, p.backend_set),
-            (None, prev) => {
-                let id = prev
-                    .as_ref()
-                    .map(|p| p.id)
-                    .unwrap_or_else(|| self.used_service_ids.lowest_free());
-                let set = self.alloc_set();
-                for (slot, backend_id) in slots.iter().enumerate() {
-                    let key = BackendSlotKey {
-                        backend_set: set,
-                        slot: slot as u32,
-                    };
-                    let value = BackendSlot {
-                        backend_id: *backend_id,
-                    };
-                    if let Err(source) = ops.put_slot(key, value) {
-                        for undo in 0..slot {
-                            let _ = ops.del_slot(BackendSlotKey {
-                                backend_set: set,
-                                slot: undo as u32,
-                            });
-                        }
-                        self.used_sets.remove(&set);
-                        return Err(MapWriteError {
-                            what: format!("frontend {frontend} ({}) slot {slot}", state.service),
-                            source,
-                        });
-                    }
-                }
-                (id, set)
+        let (id, fresh_id, set, fresh_set) = match (reuse, &previous) {
+            (Some(p), _) => (p.id, false, p.backend_set, false),
+            (None, Some(prev)) => (prev.id, false, self.alloc_set(), true),
+            (None, None) => {
+                let id = self.used_service_ids.lowest_free();
+                self.used_service_ids.insert(id);
+                (id, true, self.alloc_set(), true)
             }
         };
         let value = service_value(id, set, state, maglev_size);
-        if let Some(p) = reuse.filter(|p| p.state.is_none() && p.value == value) {
-            let mut adopted = p.clone();
-            adopted.state = Some(state.clone());
-            self.frontends.insert(*frontend, adopted);
-            return Ok(false);
-        }
-        if let Err(source) = ops.put_service(service_key(frontend), value) {
-            if reuse.is_none() {
-                self.retiring.push((set, slots.len() as u32));
+        let adopt_only = reuse.is_some_and(|p| p.state.is_none() && p.value == value);
+        Ok(Plan {
+            frontend: *frontend,
+            state: state.clone(),
+            id,
+            fresh_id,
+            set,
+            fresh_set,
+            slots,
+            value,
+            previous,
+            adopt_only,
+        })
+    }
+
+    /// The per-element path for one plan's slots, undoing them on failure.
+    fn write_slots(&mut self, plan: &Plan, ops: &mut impl MapOps) -> Result<(), MapWriteError> {
+        let items: Vec<(BackendSlotKey, BackendSlot)> = plan.slot_items().collect();
+        for (slot, (key, value)) in items.iter().enumerate() {
+            if let Err(source) = ops.put_slot(*key, *value) {
+                for (undo, _) in &items[..slot] {
+                    let _ = ops.del_slot(*undo);
+                }
+                return Err(MapWriteError {
+                    what: format!(
+                        "frontend {} ({}) slot {slot}",
+                        plan.frontend, plan.state.service
+                    ),
+                    source,
+                });
             }
-            return Err(MapWriteError {
-                what: format!("frontend {frontend} ({})", state.service),
-                source,
-            });
         }
-        if let Some(p) = previous {
-            if p.backend_set != set {
+        Ok(())
+    }
+
+    /// Gives back what `plan_frontend` reserved for a plan that failed
+    /// before any ServiceValue named its set.
+    fn abandon(&mut self, plan: &Plan) {
+        if plan.fresh_set {
+            self.used_sets.remove(&plan.set);
+        }
+        if plan.fresh_id {
+            self.used_service_ids.remove(&plan.id);
+        }
+    }
+
+    /// Records a plan whose ServiceValue was written.
+    fn commit(&mut self, plan: Plan, report: &mut SyncReport) {
+        if let Some(p) = &plan.previous {
+            if p.backend_set != plan.set {
                 self.retiring.push((p.backend_set, p.slots.len() as u32));
             }
         }
-        self.used_service_ids.insert(id);
+        self.used_service_ids.insert(plan.id);
+        let keep = plan.slots.clone();
         self.frontends.insert(
-            *frontend,
+            plan.frontend,
             Programmed {
-                id,
-                backend_set: set,
-                state: Some(state.clone()),
-                value,
-                slots,
+                id: plan.id,
+                backend_set: plan.set,
+                state: Some(plan.state),
+                value: plan.value,
+                slots: plan.slots,
             },
         );
-        Ok(true)
+        report.frontends_written += 1;
+        if let Some(old) = plan.previous {
+            self.note_departed(&plan.frontend, &old, &keep, report);
+        }
     }
 
     /// The affinity policy of every programmed frontend that has one, by
@@ -616,14 +786,19 @@ impl Reconciler {
     /// `apply`, once no program can still hold the old `ServiceValue`.
     pub fn retire(&mut self, ops: &mut impl MapOps) -> Vec<String> {
         let mut errors = Vec::new();
-        for (set, len) in std::mem::take(&mut self.retiring) {
-            for slot in 0..len {
-                // A slot already gone is what we want.
-                let _ = ops.del_slot(BackendSlotKey {
+        let retiring = std::mem::take(&mut self.retiring);
+        let keys: Vec<BackendSlotKey> = retiring
+            .iter()
+            .flat_map(|&(set, len)| {
+                (0..len).map(move |slot| BackendSlotKey {
                     backend_set: set,
                     slot,
-                });
-            }
+                })
+            })
+            .collect();
+        // A slot already gone is what we want.
+        ops.del_slots(&keys);
+        for (set, _) in retiring {
             self.used_sets.remove(&set);
         }
         let referenced = self.referenced_backends();
@@ -1168,5 +1343,99 @@ mod tests {
         );
         assert!(report.errors.is_empty());
         assert_eq!(m.backends_of(&b), many);
+    }
+
+    /// Batches that stop part-way, as `BPF_MAP_UPDATE_BATCH` does at a
+    /// failing element: the reconciler must finish the rest one by one,
+    /// still in order (the inner maps check after every write).
+    struct PartialBatches {
+        inner: FakeMaps,
+        /// Each batch writes this many elements, then fails.
+        stop_after: usize,
+        batches: usize,
+    }
+
+    impl PartialBatches {
+        fn batch<K: Copy, V: Copy>(
+            &mut self,
+            items: &[(K, V)],
+            put: fn(&mut FakeMaps, K, V) -> std::io::Result<()>,
+        ) -> BatchResult {
+            self.batches += 1;
+            for (i, (k, v)) in items.iter().enumerate() {
+                if i == self.stop_after {
+                    return Err((i, std::io::Error::from_raw_os_error(libc::EIO)));
+                }
+                put(&mut self.inner, *k, *v).map_err(|e| (i, e))?;
+            }
+            Ok(())
+        }
+    }
+
+    impl MapOps for PartialBatches {
+        fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
+            self.inner.put_service(key, value)
+        }
+        fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
+            self.inner.del_service(key)
+        }
+        fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
+            self.inner.put_slot(key, value)
+        }
+        fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
+            self.inner.del_slot(key)
+        }
+        fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
+            self.inner.put_backend(id, backend)
+        }
+        fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
+            self.inner.del_backend(id)
+        }
+        fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> BatchResult {
+            self.batch(items, FakeMaps::put_backend)
+        }
+        fn put_slots(&mut self, items: &[(BackendSlotKey, BackendSlot)]) -> BatchResult {
+            self.batch(items, FakeMaps::put_slot)
+        }
+        fn put_services(&mut self, items: &[(ServiceKey, ServiceValue)]) -> BatchResult {
+            self.batch(items, FakeMaps::put_service)
+        }
+    }
+
+    #[test]
+    fn batches_that_stop_part_way_are_finished_one_by_one() {
+        let frontends: Vec<(Frontend, FrontendState)> = (0..5u8)
+            .map(|i| {
+                let backends: Vec<BackendAddr> = (1..=3u8)
+                    .map(|j| be(&format!("10.244.{i}.{j}"), 8080))
+                    .collect();
+                (
+                    fe(&format!("10.96.0.{}", 10 + i), 80),
+                    state(&format!("s{i}"), &backends),
+                )
+            })
+            .collect();
+        let d = desired(&frontends);
+        for stop_after in [0, 1, 4, 7, 100] {
+            let mut r = Reconciler::test();
+            let mut m = PartialBatches {
+                inner: FakeMaps::default(),
+                stop_after,
+                batches: 0,
+            };
+            let report = r.apply(&d, &mut m);
+            assert!(report.errors.is_empty(), "{:?}", report.errors);
+            assert_eq!(m.batches, 3, "backends, slots, services: one batch each");
+            assert_eq!((report.frontends_written, report.backends_written), (5, 15));
+            for (f, s) in &frontends {
+                let want: Vec<BackendAddr> = s.active.iter().map(|b| b.backend).collect();
+                assert_eq!(m.inner.backends_of(f), want, "stop_after {stop_after}");
+            }
+            // And a second apply writes nothing.
+            let before = m.inner.writes;
+            let report = r.apply(&d, &mut m);
+            assert_eq!(report.frontends_written, 0);
+            assert_eq!(m.inner.writes, before);
+        }
     }
 }
