@@ -107,6 +107,31 @@ pub fn poll_tcp(
     }
 }
 
+/// Starts `lb-probe client` from the environment's client host with
+/// `count` attempts at `target` paced `interval_us` apart; the thread
+/// returns its attempts.
+pub fn paced_client(
+    env: &Env,
+    proto: crate::Proto,
+    target: &str,
+    count: usize,
+    interval_us: u64,
+) -> Result<std::thread::JoinHandle<Vec<Attempt>>> {
+    let mut c = env.client().proto(proto).command(target, count)?;
+    c.args(["--interval-us", &interval_us.to_string()]);
+    let line = cmd::display(&c);
+    let child = cmd::die_with_parent(&mut c, libc::SIGKILL)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("cannot run `{line}`"))?;
+    Ok(std::thread::spawn(move || {
+        let out = child.wait_with_output().expect("client output");
+        assert!(out.status.success(), "{line}: {}", out.status);
+        crate::probe::parse_attempts(&String::from_utf8_lossy(&out.stdout)).expect("client lines")
+    }))
+}
+
 /// A child `lb-probe` whose JSON output lines arrive on a channel; killed
 /// on drop.
 pub struct ProbeChild {

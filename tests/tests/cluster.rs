@@ -548,3 +548,70 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
         "{m}"
     );
 }
+
+#[test]
+fn backend_sets_change_atomically_under_load() {
+    require_root!();
+    // Connects in a loop while the API flips each Service between backend
+    // sets every 100 ms: a connect that met a half-written set would be
+    // refused or go nowhere. One random Service, one Maglev.
+    let api = ApiServer::start();
+    let mut env = Env::new("clchurn", 4).unwrap();
+    let ports = [("http", 8080, "TCP"), ("dns", 8080, "UDP")];
+    let svc = |name: &str, ip: &str| {
+        Service::new("demo", name)
+            .cluster_ip(ip)
+            .port("http", 80, "TCP", json!(8080))
+            .port("dns", 53, "UDP", json!(8080))
+            .to_value()
+    };
+    let sets: [&[&str]; 4] = [&["b1", "b2"], &["b2", "b3", "b4"], &["b4"], &["b1", "b3"]];
+    apply(
+        &api,
+        &[
+            svc("rand", "10.96.0.10"),
+            slice(&env, "rand", "rand-1", &ports, sets[0]),
+            integration_tests::cluster::with_maglev(svc("mag", "10.96.0.11")),
+            slice(&env, "mag", "mag-1", &ports, sets[0]),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    use integration_tests::cluster::paced_client;
+    let clients = [
+        paced_client(&env, Proto::Tcp, "10.96.0.10:80", 1500, 2000).unwrap(),
+        paced_client(&env, Proto::Tcp, "10.96.0.11:80", 1500, 2000).unwrap(),
+        paced_client(&env, Proto::Udp, "10.96.0.10:53", 1500, 2000).unwrap(),
+        paced_client(&env, Proto::Udp, "10.96.0.11:53", 1500, 2000).unwrap(),
+    ];
+    let t = std::time::Instant::now();
+    let mut flips = 0;
+    while t.elapsed() < Duration::from_millis(2800) {
+        flips += 1;
+        let set = sets[flips % sets.len()];
+        apply(
+            &api,
+            &[
+                slice(&env, "rand", "rand-1", &ports, set),
+                slice(&env, "mag", "mag-1", &ports, set),
+            ],
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    for (c, what) in
+        clients
+            .into_iter()
+            .zip(["random TCP", "Maglev TCP", "random UDP", "Maglev UDP"])
+    {
+        let a = c.join().expect("client");
+        eprintln!(
+            "{what} during {flips} backend-set flips:\n{}",
+            Spread::of(&a)
+        );
+        assert_all_ok(&format!("{what} during backend-set flips"), &a);
+    }
+    let log = env.agent().log();
+    let syncs = log.lines().filter(|l| l.contains(" synced")).count();
+    eprintln!("{syncs} syncs for {flips} flips");
+    assert!(syncs >= 5, "the flips were not applied one by one:\n{log}");
+}

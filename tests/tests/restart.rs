@@ -4,19 +4,14 @@
 //! while it was down.
 mod common;
 
-use std::{
-    process::Stdio,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use common::*;
 use integration_tests::{
     apiserver::ApiServer,
-    cluster::poll_tcp,
-    cmd,
+    cluster::{paced_client, poll_tcp},
     manifests::{Endpoint, EndpointSlice, Service},
-    probe::parse_attempts,
-    require_root, AgentOpts, Env, Spread,
+    require_root, AgentOpts, Env, Proto, Spread,
 };
 use serde_json::{json, Value};
 
@@ -43,29 +38,6 @@ fn synced_counts(log: &str) -> Option<(usize, usize, usize)> {
             .ok()
     };
     Some((field("written")?, field("adopted")?, field("removed")?))
-}
-
-/// Starts `lb-probe client` with `count` TCP connects paced `interval_us`
-/// apart; returns a thread that yields its attempts.
-fn background_client(
-    env: &Env,
-    target: &str,
-    count: usize,
-    interval_us: u64,
-) -> std::thread::JoinHandle<Vec<integration_tests::Attempt>> {
-    let mut c = env.client().command(target, count).unwrap();
-    c.args(["--interval-us", &interval_us.to_string()]);
-    let line = cmd::display(&c);
-    let child = cmd::die_with_parent(&mut c, libc::SIGKILL)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("{line}: {e}"));
-    std::thread::spawn(move || {
-        let out = child.wait_with_output().expect("client output");
-        assert!(out.status.success(), "{line}: {}", out.status);
-        parse_attempts(&String::from_utf8_lossy(&out.stdout)).expect("client lines")
-    })
 }
 
 #[test]
@@ -102,7 +74,7 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     // Twice: a crash with nothing changed meanwhile, then one with a change.
     for round in 0..2 {
         let count = 2000;
-        let client = background_client(&env, "10.96.0.10:80", count, 1500);
+        let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", count, 1500).unwrap();
         let t = Instant::now();
         // Let the client get going, then crash the agent under it.
         std::thread::sleep(Duration::from_millis(500));
