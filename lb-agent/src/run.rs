@@ -201,7 +201,10 @@ impl Syncer {
                 let checks = northsouth::health_checks(store, &node_name);
                 (desired, rejections, net, ranges, checks)
             });
+        let read_translate = started.elapsed();
+        let applying = Instant::now();
         let report = self.reconciler.apply(&desired, self.datapath.maps());
+        let apply = applying.elapsed();
         for e in &report.errors {
             tracing::error!("map write failed, will retry on the next sync: {e}");
         }
@@ -227,6 +230,8 @@ impl Syncer {
             removed = report.frontends_removed,
             backends_written = report.backends_written,
             rejected = rejections.len(),
+            read_translate_ms = read_translate.as_secs_f64() * 1e3,
+            apply_ms = apply.as_secs_f64() * 1e3,
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "synced"
         );
