@@ -191,8 +191,14 @@ pub struct ControlPlane {
     pub endpoints: usize,
     /// Agent started → /readyz 200 (load + verify + attach + parse + sync).
     pub ours_ready_s: Option<f64>,
-    /// The first sync alone (translate + map writes), from the agent's log.
+    /// The first sync alone (read the manifests, translate, write the
+    /// maps), from the agent's log.
     pub ours_sync_ms: Option<f64>,
+    /// Its parts: reading + translating, and the map writes.
+    #[serde(default)]
+    pub ours_read_translate_ms: Option<f64>,
+    #[serde(default)]
+    pub ours_apply_ms: Option<f64>,
     /// `lb_frontends_programmed` once ready, and what it should be.
     pub ours_frontends: Option<(u64, u64)>,
     pub ours_rss_mib: Option<f64>,
@@ -200,6 +206,9 @@ pub struct ControlPlane {
     pub change_ms: Vec<f64>,
     /// The agent's sync for each change, from its log.
     pub change_sync_ms: Vec<f64>,
+    /// The map writes of each change's sync.
+    #[serde(default)]
+    pub change_apply_ms: Vec<f64>,
     pub iptables_nft_s: Result<f64, String>,
     pub iptables_legacy_s: Result<f64, String>,
     pub nft_s: Result<f64, String>,
@@ -1043,15 +1052,21 @@ fn datapath_point(
     Ok(())
 }
 
-/// The first sync's `elapsed_ms` in the agent log (after `skip` syncs).
-fn sync_ms(log: &str, skip: usize) -> Option<f64> {
+/// `field` (`elapsed_ms`, `apply_ms`, ...) of the agent's `synced` log
+/// lines, after `skip` of them.
+fn sync_field(log: &str, field: &str, skip: usize) -> Option<f64> {
+    let key = format!(" {field}=");
     log.lines()
-        .filter(|l| l.contains(" synced") || l.contains("synced"))
-        .filter_map(|l| {
-            let i = l.find("elapsed_ms=")?;
-            l[i + 11..].split_whitespace().next()?.parse().ok()
-        })
+        .filter(|l| l.contains("synced") && l.contains(" elapsed_ms="))
         .nth(skip)
+        .and_then(|l| {
+            let i = l.find(&key)?;
+            l[i + key.len()..].split_whitespace().next()?.parse().ok()
+        })
+}
+
+fn sync_ms(log: &str, skip: usize) -> Option<f64> {
+    sync_field(log, "elapsed_ms", skip)
 }
 
 fn metric(agent: &Agent, name: &str) -> Option<u64> {
@@ -1079,10 +1094,13 @@ fn control_plane(
         endpoints: ENDPOINTS,
         ours_ready_s: None,
         ours_sync_ms: None,
+        ours_read_translate_ms: None,
+        ours_apply_ms: None,
         ours_frontends: None,
         ours_rss_mib: None,
         change_ms: Vec::new(),
         change_sync_ms: Vec::new(),
+        change_apply_ms: Vec::new(),
         iptables_nft_s: Err("not run".into()),
         iptables_legacy_s: Err("not run".into()),
         nft_s: Err("not run".into()),
@@ -1115,11 +1133,13 @@ fn control_plane(
         cp.ours_ready_s = Some(took);
         let log = agent.log();
         cp.ours_sync_ms = sync_ms(&log, 0);
+        cp.ours_read_translate_ms = sync_field(&log, "read_translate_ms", 0);
+        cp.ours_apply_ms = sync_field(&log, "apply_ms", 0);
         let want = (services - 1 + 2) as u64;
         cp.ours_frontends = metric(&agent, "lb_frontends_programmed").map(|got| (got, want));
         say(format!(
-            "ours: /readyz after {took:.3} s, first sync {:?} ms, frontends {:?}",
-            cp.ours_sync_ms, cp.ours_frontends
+            "ours: /readyz after {took:.3} s, first sync {:?} ms (read + translate {:?} ms, map writes {:?} ms), frontends {:?}",
+            cp.ours_sync_ms, cp.ours_read_translate_ms, cp.ours_apply_ms, cp.ours_frontends
         ));
         // One endpoint change at a time, alternating between two backends
         // of the target: renamed into place, then connections until one
@@ -1137,7 +1157,7 @@ fn control_plane(
             connect4: None,
         };
         let changes = if opts.quick { 3 } else { 7 };
-        let mut syncs_seen = log.matches("elapsed_ms=").count();
+        let mut syncs_seen = log.matches(" elapsed_ms=").count();
         for k in 0..changes {
             let to = Ipv4Addr::new(10, 244, 1, if k % 2 == 0 { 2 } else { 1 });
             match endpoint_change(bench_bin, &arm, &manifests, to) {
@@ -1147,13 +1167,16 @@ fn control_plane(
                     let _ = integration_tests::wait_until(
                         Duration::from_secs(10),
                         Duration::from_millis(20),
-                        || agent.log().matches("elapsed_ms=").count() > syncs_seen,
+                        || agent.log().matches(" elapsed_ms=").count() > syncs_seen,
                     );
                     let log = agent.log();
                     if let Some(s) = sync_ms(&log, syncs_seen) {
                         cp.change_sync_ms.push(s);
                     }
-                    syncs_seen = log.matches("elapsed_ms=").count();
+                    if let Some(s) = sync_field(&log, "apply_ms", syncs_seen) {
+                        cp.change_apply_ms.push(s);
+                    }
+                    syncs_seen = log.matches(" elapsed_ms=").count();
                     say(format!(
                         "endpoint change {}: effective after {ms:.2} ms",
                         k + 1
