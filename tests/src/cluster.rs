@@ -85,6 +85,39 @@ pub fn metric_sum(text: &str, family: &str) -> f64 {
         .sum()
 }
 
+/// The backend addresses (`IP:PORT`, active and terminating) of the
+/// frontend `addr`:`port` (any protocol when `protocol` is None, else
+/// `"TCP"`/`"UDP"`), as `lb-agent inspect services --json` shows them; None
+/// if there is no such frontend.
+pub fn frontend_backends(
+    agent: &crate::Agent,
+    addr: &str,
+    port: u16,
+    protocol: Option<&str>,
+) -> Result<Option<Vec<String>>> {
+    let v = agent.inspect_services()?;
+    let Some(list) = v.as_array() else {
+        bail!("inspect services: not a list: {v}");
+    };
+    let found = list.iter().find(|f| {
+        f["addr"].as_str() == Some(addr)
+            && f["port"].as_u64() == Some(port as u64)
+            && protocol.map_or(true, |p| {
+                f["protocol"]
+                    .as_str()
+                    .is_some_and(|x| x.eq_ignore_ascii_case(p))
+            })
+    });
+    Ok(found.map(|f| {
+        f["backends"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|b| format!("{}:{}", b["addr"].as_str().unwrap_or("?"), b["port"]))
+            .collect()
+    }))
+}
+
 /// Polls with batches of `batch` TCP attempts at `target` until `done`
 /// holds for a batch; how long that took, or the last spread on timeout.
 pub fn poll_tcp(

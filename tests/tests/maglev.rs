@@ -7,9 +7,9 @@ mod common;
 use std::{collections::BTreeMap, time::Duration};
 
 use integration_tests::{
-    cluster::{flows, poll_tcp, with_maglev},
+    cluster::{flows, frontend_backends, with_maglev},
     manifests::{Endpoint, EndpointSlice, Service},
-    require_root, AgentOpts, Env,
+    require_root, wait_until, AgentOpts, Env,
 };
 use serde_json::{json, Value};
 
@@ -83,10 +83,18 @@ fn measure(
     env.manifests
         .write("web.yaml", &web(env, &rest, annotate))
         .unwrap();
-    poll_tcp(env, "10.96.0.10:80", 20, Duration::from_secs(10), |s| {
-        s.ok() == s.total && s.count(removed) == 0
-    })
-    .unwrap_or_else(|s| panic!("{removed} still chosen after it left:\n{s}"));
+    // Programmed: the UDP frontend no longer lists it (a batch of
+    // connects without it would prove nothing: each misses it by chance).
+    let gone = format!("{}:8080", env.topo.host(removed).ipv4);
+    let mut last = None;
+    assert!(
+        wait_until(Duration::from_secs(10), Duration::from_millis(20), || {
+            last = frontend_backends(env.agent(), "10.96.0.10", 53, Some("UDP")).unwrap();
+            last.as_ref()
+                .is_some_and(|b| !b.is_empty() && !b.contains(&gone))
+        }),
+        "{removed} still a backend of 10.96.0.10:53: {last:?}"
+    );
     let r3 = f.round().unwrap();
     assert!(
         r3.iter().all(Option::is_some),
