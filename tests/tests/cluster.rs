@@ -293,6 +293,41 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
     let restarts = || metric_sum(&metrics(&env), "lb_watch_restarts_total");
     let lists = |k| api.list_count(k);
 
+    // 0. A relist that finds nothing new rewrites nothing: the full
+    // reconcile leaves good entries untouched.
+    let synced = |env: &Env| -> Vec<String> {
+        env.agent()
+            .log()
+            .lines()
+            .filter(|l| l.contains(" synced"))
+            .map(str::to_string)
+            .collect()
+    };
+    let n0 = synced(&env).len();
+    let listed: Vec<u64> = Kind::ALL.iter().map(|k| lists(*k)).collect();
+    api.expire_watches();
+    assert!(
+        wait_until(POLL, Duration::from_millis(50), || {
+            Kind::ALL.iter().zip(&listed).all(|(k, n)| lists(*k) > *n) && synced(&env).len() > n0
+        }),
+        "no relist and sync after expire_watches"
+    );
+    // Let the syncs of the three relists (each debounced) land.
+    std::thread::sleep(Duration::from_millis(400));
+    let after_relist = synced(&env)[n0..].to_vec();
+    eprintln!(
+        "syncs after a relist without changes:\n{}",
+        after_relist.join("\n")
+    );
+    for l in &after_relist {
+        for field in [" written=0", " removed=0", " backends_written=0"] {
+            assert!(
+                l.contains(field),
+                "a relist without changes rewrote entries: {l}"
+            );
+        }
+    }
+
     // 1. 410 inside the watch streams: relist, and a change made right
     // after is still applied.
     let before = lists(Kind::Service);
@@ -542,6 +577,32 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
         assert!(after.get_or_insert(b.clone()) == &b);
     }
     eprintln!("reconnected to {}", after.unwrap());
+    // The whole Service goes: its connected sockets are destroyed too, and
+    // a new connect finds no Service behind the address.
+    api.delete(Kind::Service, "demo", "dns").unwrap();
+    let mut events = Vec::new();
+    let aborted = loop {
+        let a = next();
+        events.push(a.clone());
+        if !a.ok {
+            break a;
+        }
+        assert!(
+            events.len() < 100,
+            "no error on the socket 10 s after its Service was deleted: {events:?}"
+        );
+    };
+    assert_eq!(
+        (aborted.stage.as_deref(), aborted.error.as_deref()),
+        (Some("recv"), Some("ECONNABORTED")),
+        "{aborted:?}"
+    );
+    let a = next();
+    assert_eq!(
+        (a.stage.as_deref(), a.error.as_deref()),
+        (Some("connect"), Some("ENETUNREACH")),
+        "reconnecting to a deleted Service: {a:?}"
+    );
     let m = metrics(&env);
     assert!(
         metric(&m, "lb_udp_sockets_destroyed_total") >= Some(1.0),
