@@ -83,8 +83,10 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
         let status = agent.kill().unwrap();
         let killed_at = t.elapsed();
         if round == 1 {
-            // While the agent is down: api moves from b1 to b3.
+            // While the agent is down: api moves from b1 to b3, db goes.
             api.apply(&slice(&env, "api", &[("http", 8080, "TCP")], &["b3"]))
+                .unwrap();
+            api.delete(integration_tests::apiserver::Kind::Service, "demo", "db")
                 .unwrap();
         }
         let agent = env.agent.as_mut().unwrap();
@@ -113,11 +115,12 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
         eprintln!(
             "round {round}: first sync after the restart: written={written} adopted={adopted} removed={removed}"
         );
-        // Frontends: web 80/TCP and 53/UDP, api 80/TCP, db 80/TCP.
-        let want_written = if round == 1 { 1 } else { 0 };
+        // Frontends: web 80/TCP and 53/UDP, api 80/TCP, db 80/TCP; in
+        // round 1, api rewritten and db removed.
+        let want = if round == 1 { (1, 2, 1) } else { (0, 4, 0) };
         assert_eq!(
             (written, adopted, removed),
-            (want_written, 4 - want_written, 0),
+            want,
             "the restarted agent rewrote more than what changed:\n{log}"
         );
     }
@@ -127,7 +130,11 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     })
     .unwrap_or_else(|s| panic!("api is not on b3 after the restart:\n{s}"));
     eprintln!("api on b3 after {took:?}");
-    assert_all_ok("db after the restarts", &env.tcp("10.96.0.13:80", 5));
+    assert_all_fail(
+        "db, deleted while the agent was down",
+        &env.tcp("10.96.0.13:80", 3),
+        "ENETUNREACH",
+    );
 }
 
 #[test]
@@ -196,4 +203,61 @@ fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
     let (written, adopted, removed) = synced_counts(&log).expect("a synced line");
     eprintln!("first sync: written={written} adopted={adopted} removed={removed}");
     assert_eq!((written, adopted, removed), (2, 0, 0), "{log}");
+}
+
+#[test]
+fn udp_sockets_of_backends_that_left_while_the_agent_was_down_are_destroyed() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("restart-udp", 3).unwrap();
+    let ports = [("dns", 8080, "UDP")];
+    let all = ["b1", "b2", "b3"];
+    api.apply(
+        &Service::new("demo", "dns")
+            .cluster_ip("10.96.0.53")
+            .port("dns", 53, "UDP", json!(8080))
+            .to_value(),
+    )
+    .unwrap();
+    api.apply(&slice(&env, "dns", &ports, &all)).unwrap();
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    let probe = integration_tests::cluster::hold_udp(&env, "10.96.0.53:53", 100, 30_000).unwrap();
+    let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
+    let a = next();
+    assert!(a.ok, "{a:?}");
+    let gone = a.backend.unwrap();
+    let rest: Vec<&str> = all.into_iter().filter(|b| *b != gone).collect();
+
+    let agent = env.agent.as_mut().unwrap();
+    agent.kill().unwrap();
+    api.apply(&slice(&env, "dns", &ports, &rest)).unwrap();
+    // Nobody destroys the socket while the agent is down: it keeps its backend.
+    for _ in 0..3 {
+        let a = next();
+        assert_eq!(a.backend.as_deref(), Some(gone.as_str()), "{a:?}");
+    }
+    env.agent
+        .as_mut()
+        .unwrap()
+        .restart(Duration::from_secs(20))
+        .unwrap();
+    let mut seen = Vec::new();
+    let err = loop {
+        let a = next();
+        seen.push(a.clone());
+        if !a.ok {
+            break a;
+        }
+        assert!(
+            seen.len() < 100,
+            "the socket to {gone} survived the restart: {seen:?}\n{}",
+            env.agent().log()
+        );
+    };
+    eprintln!("{gone} left while the agent was down; after the restart: {err:?}");
+    assert_eq!(err.error.as_deref(), Some("ECONNABORTED"), "{err:?}");
+    let a = next();
+    assert!(a.ok, "{a:?}");
+    assert!(rest.contains(&a.backend.as_deref().unwrap()), "{a:?}");
 }
