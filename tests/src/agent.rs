@@ -74,6 +74,11 @@ pub struct AgentOpts {
     pub ready_timeout: Duration,
     /// More arguments for `lb-agent run`.
     pub extra_args: Vec<String>,
+    /// Run the agent in this network namespace (`ip netns` name), through
+    /// `nsenter --net` (not `ip netns exec`, which remounts /sys and hides
+    /// the cgroups and bpffs). Its health address is then reached from
+    /// inside that namespace.
+    pub netns: Option<String>,
 }
 
 impl Default for AgentOpts {
@@ -84,6 +89,7 @@ impl Default for AgentOpts {
             log_file: None,
             ready_timeout: Duration::from_secs(20),
             extra_args: Vec::new(),
+            netns: None,
         }
     }
 }
@@ -118,9 +124,43 @@ pub enum Source<'a> {
     Kubeconfig(&'a Path),
 }
 
-/// Spawns `bin args...`, its output to `log_path` (appended to with
-/// `append`); the child and its command line.
-fn spawn(bin: &Path, args: &[OsString], log_path: &Path, append: bool) -> Result<(Child, String)> {
+/// A plain HTTP/1.0 GET from inside network namespace `netns` (`None`:
+/// this one), from a thread that enters it.
+pub fn http_get_in(netns: Option<&str>, addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let Some(ns) = netns else {
+        return http_get(addr, path);
+    };
+    let ns_path = Path::new("/run/netns").join(ns);
+    let path = path.to_owned();
+    std::thread::spawn(move || -> Result<(u16, String)> {
+        use std::os::fd::AsRawFd as _;
+        let f = std::fs::File::open(&ns_path)
+            .with_context(|| format!("opening {}", ns_path.display()))?;
+        // SAFETY: setns on a descriptor we hold; affects this thread only,
+        // which ends right after.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            bail!(
+                "setns({}): {}",
+                ns_path.display(),
+                std::io::Error::last_os_error()
+            );
+        }
+        http_get(addr, &path)
+    })
+    .join()
+    .map_err(|_| anyhow!("the HTTP thread panicked"))?
+}
+
+/// Spawns `bin args...` (in network namespace `netns` through `nsenter`),
+/// its output to `log_path` (appended to with `append`); the child and its
+/// command line.
+fn spawn(
+    bin: &Path,
+    args: &[OsString],
+    log_path: &Path,
+    append: bool,
+    netns: Option<&str>,
+) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
         .write(true)
@@ -128,7 +168,14 @@ fn spawn(bin: &Path, args: &[OsString], log_path: &Path, append: bool) -> Result
         .truncate(!append)
         .open(log_path)
         .with_context(|| format!("creating {}", log_path.display()))?;
-    let mut c = Command::new(bin);
+    let mut c = match netns {
+        Some(ns) => {
+            let mut c = Command::new("nsenter");
+            c.arg(format!("--net=/run/netns/{ns}")).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    };
     // Plain log lines in the log file.
     c.args(args).env("NO_COLOR", "1");
     let line = cmd::display(&c);
@@ -149,6 +196,7 @@ pub struct Agent {
     pin_dir: PathBuf,
     health: SocketAddr,
     log_path: PathBuf,
+    netns: Option<String>,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -194,7 +242,7 @@ impl Agent {
         args.extend(["--node-name".into(), opts.node_name.clone().into()]);
         args.extend(["--health-addr".into(), health.to_string().into()]);
         args.extend(opts.extra_args.iter().map(OsString::from));
-        let (child, line) = spawn(&bin, &args, &log_path, false)?;
+        let (child, line) = spawn(&bin, &args, &log_path, false, opts.netns.as_deref())?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
         let (c2, p2) = (child.clone(), pin_dir.clone());
@@ -214,6 +262,7 @@ impl Agent {
             pin_dir,
             health,
             log_path,
+            netns: opts.netns.clone(),
             pid,
             child,
             _cleanup: handle,
@@ -235,7 +284,7 @@ impl Agent {
                     self.log()
                 );
             }
-            match http_get(self.health, "/readyz") {
+            match http_get_in(self.netns.as_deref(), self.health, "/readyz") {
                 Ok((200, _)) => return Ok(()),
                 Ok((code, body)) => last = format!("{code} {}", body.trim()),
                 Err(e) => last = e.to_string(),
@@ -266,7 +315,7 @@ impl Agent {
 
     /// GET `path` on the health address.
     pub fn get(&self, path: &str) -> Result<(u16, String)> {
-        http_get(self.health, path)
+        http_get_in(self.netns.as_deref(), self.health, path)
     }
 
     /// SIGTERM and wait (up to 10 s): the agent's exit status. Its pin
@@ -313,7 +362,13 @@ impl Agent {
                 bail!("the agent is still running");
             }
         }
-        let (child, line) = spawn(&self.bin, &self.args, &self.log_path, true)?;
+        let (child, line) = spawn(
+            &self.bin,
+            &self.args,
+            &self.log_path,
+            true,
+            self.netns.as_deref(),
+        )?;
         self.pid = child.id();
         *g = Some(child);
         Ok(line)
@@ -330,6 +385,15 @@ impl Agent {
     pub fn inspect_affinity(&self) -> Result<Vec<serde_json::Value>> {
         let mut c = Command::new(&self.bin);
         c.args(["inspect", "affinity", "--json", "--bpffs"])
+            .arg(&self.pin_dir);
+        let out = cmd::run(&mut c)?;
+        serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))
+    }
+
+    /// `lb-agent inspect conntrack --bpffs PIN --json`, parsed.
+    pub fn inspect_conntrack(&self) -> Result<Vec<serde_json::Value>> {
+        let mut c = Command::new(&self.bin);
+        c.args(["inspect", "conntrack", "--json", "--bpffs"])
             .arg(&self.pin_dir);
         let out = cmd::run(&mut c)?;
         serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))

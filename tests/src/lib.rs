@@ -31,6 +31,7 @@ pub mod cluster;
 pub mod cmd;
 pub mod manifests;
 pub mod netns;
+pub mod nodes;
 pub mod probe;
 
 use std::{

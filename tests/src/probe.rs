@@ -22,6 +22,9 @@ pub struct Attempt {
     /// The local port the backend was reached on, when it answers `NAME:PORT`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend_port: Option<u16>,
+    /// The client address the backend saw, when it runs `serve --with-peer`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seen_from: Option<String>,
     /// The whole reply, trimmed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reply: Option<String>,

@@ -107,6 +107,10 @@ struct ServeArgs {
     /// Answer `NAME:PORT` (the local port that was hit) instead of `NAME`.
     #[arg(long)]
     with_port: bool,
+    /// Append ` from IP`: the client address this server sees (the client
+    /// reports it as `seen_from`), to tell preserved from masqueraded.
+    #[arg(long)]
+    with_peer: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -224,11 +228,23 @@ fn serve(a: ServeArgs) -> Result<()> {
             dual_stack_socket(libc::SOCK_DGRAM, port)
                 .with_context(|| format!("UDP [::]:{port}"))?,
         );
-        let line = format!("{reply}\n");
+        let with_peer = a.with_peer;
+        let answer = move |reply: &str, peer: SocketAddr| -> String {
+            if with_peer {
+                let ip = match peer.ip() {
+                    IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+                    v4 => v4,
+                };
+                format!("{reply} from {ip}")
+            } else {
+                reply.to_string()
+            }
+        };
+        let line = reply.clone();
         threads.push(std::thread::spawn(move || loop {
             match tcp.accept() {
-                Ok((mut s, _)) => {
-                    let _ = s.write_all(line.as_bytes());
+                Ok((mut s, peer)) => {
+                    let _ = s.write_all(format!("{}\n", answer(&line, peer)).as_bytes());
                 }
                 Err(e) => {
                     eprintln!("lb-probe serve: accept on {port}: {e}");
@@ -241,7 +257,7 @@ fn serve(a: ServeArgs) -> Result<()> {
             loop {
                 match udp.recv_from(&mut buf) {
                     Ok((_, src)) => {
-                        let _ = udp.send_to(reply.as_bytes(), src);
+                        let _ = udp.send_to(answer(&reply, src).as_bytes(), src);
                     }
                     Err(e) => {
                         eprintln!("lb-probe serve: recvfrom on {port}: {e}");
@@ -415,16 +431,12 @@ fn client(a: ClientArgs) -> Result<()> {
         let attempt = match r {
             Ok(ans) => {
                 let reply = ans.reply.trim().to_string();
-                let (backend, port) = match reply.rsplit_once(':') {
-                    Some((name, port)) if port.parse::<u16>().is_ok() => {
-                        (name.to_string(), port.parse().ok())
-                    }
-                    _ => (reply.clone(), None),
-                };
+                let (backend, port, seen_from) = split_reply(&reply);
                 Attempt {
                     ok: true,
                     backend: Some(backend),
                     backend_port: port,
+                    seen_from,
                     reply: Some(reply),
                     peer: Some(ans.peer.to_string()),
                     source: ans.source.map(|s| s.to_string()),
@@ -449,17 +461,29 @@ fn client(a: ClientArgs) -> Result<()> {
 
 // ---------------------------------------------------------------- hold-udp
 
+/// `NAME[:PORT][ from IP]`: the name, the port and the address the server saw.
+fn split_reply(reply: &str) -> (String, Option<u16>, Option<String>) {
+    let (main, seen) = match reply.split_once(" from ") {
+        Some((m, ip)) => (m, Some(ip.to_string())),
+        None => (reply, None),
+    };
+    match main.rsplit_once(':') {
+        Some((name, port)) if port.parse::<u16>().is_ok() => {
+            (name.to_string(), port.parse().ok(), seen)
+        }
+        _ => (main.to_string(), None, seen),
+    }
+}
+
 /// A reply as an [`Attempt`]: the backend (up to a `:PORT`) and the reply.
 fn answered(reply: &str, peer: SocketAddr, source: Option<SocketAddr>) -> Attempt {
     let reply = reply.trim().to_string();
-    let (backend, port) = match reply.rsplit_once(':') {
-        Some((name, port)) if port.parse::<u16>().is_ok() => (name.to_string(), port.parse().ok()),
-        _ => (reply.clone(), None),
-    };
+    let (backend, port, seen_from) = split_reply(&reply);
     Attempt {
         ok: true,
         backend: Some(backend),
         backend_port: port,
+        seen_from,
         reply: Some(reply),
         peer: Some(peer.to_string()),
         source: source.map(|s| s.to_string()),

@@ -1,0 +1,528 @@
+//! A multi-node topology for the north-south (tc) path, built from network
+//! namespaces:
+//!
+//! ```text
+//!   client (192.168.77.100, fd00:77::100, no default route)
+//!     |
+//!   switch namespace: bridge br0 = the nodes' network 192.168.77.0/24, fd00:77::/64
+//!     |                 |                 |
+//!   n1 eth0 .1        n2 eth0 .2        n3 eth0 .3      (forwarding on,
+//!   n1 cbr0 10.244.1.1 ...                               routes to the other
+//!     |                                                  nodes' pod CIDRs)
+//!   pods 10.244.1.10, .11 (default route via 10.244.1.1)
+//! ```
+//!
+//! Each node has its own agent ([`Cluster::start_agents`]: `nsenter --net`
+//! into the node namespace, its own pins and child cgroup), attaching the tc
+//! programs to the node's `eth0`. Nothing has a route off the machine: the
+//! client and the nodes have none, the pods' default route leads to their
+//! node. Everything is torn down on drop, also on panic.
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    path::Path,
+    process::{Command, Stdio},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use anyhow::{anyhow, Context as _, Result};
+use serde_json::{json, Value};
+
+use crate::{
+    agent::{http_get_in, Agent, AgentOpts},
+    cgroup::CgroupGuard,
+    cleanup::{self, CleanupHandle},
+    cmd,
+    probe::{parse_attempts, Attempt},
+};
+
+/// The port every pod serves on (TCP and UDP).
+pub const POD_PORT: u16 = 8080;
+
+pub fn node_v4(i: u8) -> Ipv4Addr {
+    Ipv4Addr::new(192, 168, 77, i)
+}
+
+pub fn node_v6(i: u8) -> Ipv6Addr {
+    Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, i as u16)
+}
+
+pub const CLIENT_INDEX: u8 = 100;
+
+/// A pod: `10.244.{node}.{10+k}`, `fd00:244:{node}::{10+k}`.
+#[derive(Debug, Clone)]
+pub struct Pod {
+    pub name: String,
+    pub node: u8,
+    pub netns: String,
+    pub ipv4: Ipv4Addr,
+    pub ipv6: Ipv6Addr,
+}
+
+#[derive(Debug, Clone)]
+pub struct Node {
+    pub name: String,
+    pub index: u8,
+    pub netns: String,
+}
+
+#[derive(Default)]
+struct State {
+    netns: Vec<String>,
+    children: Vec<std::process::Child>,
+}
+
+fn teardown(state: &Mutex<State>) {
+    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    for c in st.children.iter_mut() {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    st.children.clear();
+    while let Some(ns) = st.netns.pop() {
+        crate::netns::delete_netns(&ns);
+    }
+}
+
+/// Nodes, their pods, an external client, and (once started) one agent
+/// per node. Dropped in a safe order: agents, namespaces, cgroups.
+pub struct Cluster {
+    pub prefix: String,
+    pub nodes: Vec<Node>,
+    pub pods: Vec<Pod>,
+    pub client_netns: String,
+    /// A second external client, 192.168.77.101 (source ranges).
+    pub client2_netns: String,
+    pub agents: Vec<Agent>,
+    cgroups: Vec<CgroupGuard>,
+    pub manifests: crate::manifests::Manifests,
+    switch: String,
+    state: Arc<Mutex<State>>,
+    _cleanup: CleanupHandle,
+    pub dir: tempfile::TempDir,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Agents first (they detach), then namespaces, then cgroups.
+        self.agents.clear();
+        teardown(&self.state);
+        self.cgroups.clear();
+    }
+}
+
+fn ip(args: &[&str]) -> Result<String> {
+    cmd::ip(args)
+}
+
+fn sysctl(netns: &str, settings: &[&str]) -> Result<()> {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{netns}"))
+        .args(["sysctl", "-q", "-w"])
+        .args(settings);
+    cmd::run(&mut c).map(|_| ())
+}
+
+impl Cluster {
+    /// `pods_per_node[i]` pods on node `n{i+1}`.
+    pub fn new(tag: &str, pods_per_node: &[u8]) -> Result<Self> {
+        cleanup::sweep_stale();
+        let prefix = crate::unique_name(tag);
+        let state = Arc::new(Mutex::new(State::default()));
+        let st = state.clone();
+        let handle =
+            cleanup::register(format!("delete network namespaces {prefix}-*"), move || {
+                teardown(&st)
+            });
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("{prefix}-"))
+            .tempdir()?;
+        let manifests = crate::manifests::Manifests::new(dir.path().join("manifests"))?;
+        let mut c = Cluster {
+            switch: format!("{prefix}-sw"),
+            prefix,
+            nodes: Vec::new(),
+            pods: Vec::new(),
+            client_netns: String::new(),
+            client2_netns: String::new(),
+            agents: Vec::new(),
+            cgroups: Vec::new(),
+            manifests,
+            state,
+            _cleanup: handle,
+            dir,
+        };
+        let sw = c.switch.clone();
+        c.add_netns(&sw)?;
+        ip(&["-n", &sw, "link", "set", "lo", "up"])?;
+        ip(&[
+            "-n",
+            &sw,
+            "link",
+            "add",
+            "br0",
+            "type",
+            "bridge",
+            "mcast_snooping",
+            "0",
+        ])?;
+        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        let n = pods_per_node.len() as u8;
+        for i in 1..=n {
+            c.add_node(i, n)?;
+        }
+        for (i, pods) in pods_per_node.iter().enumerate() {
+            for k in 0..*pods {
+                c.add_pod(i as u8 + 1, k)?;
+            }
+        }
+        c.client_netns = format!("{}-client", c.prefix);
+        let client = c.client_netns.clone();
+        c.add_netns(&client)?;
+        c.wire_to_switch(&client, "vc", node_v4(CLIENT_INDEX), node_v6(CLIENT_INDEX))?;
+        c.client2_netns = format!("{}-client2", c.prefix);
+        let client2 = c.client2_netns.clone();
+        c.add_netns(&client2)?;
+        c.wire_to_switch(
+            &client2,
+            "vc2",
+            node_v4(CLIENT_INDEX + 1),
+            node_v6(CLIENT_INDEX + 1),
+        )?;
+        c.wait_settled()?;
+        Ok(c)
+    }
+
+    /// Waits until no namespace has a tentative IPv6 address (link-local
+    /// DAD): until then the first IPv6 packets may be lost.
+    fn wait_settled(&self) -> Result<()> {
+        let all = self
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .netns
+            .clone();
+        let settled =
+            crate::wait_until(Duration::from_secs(10), Duration::from_millis(100), || {
+                all.iter().all(|ns| {
+                    ip(&["-n", ns, "-6", "addr", "show", "tentative"])
+                        .map(|out| out.trim().is_empty())
+                        .unwrap_or(false)
+                })
+            });
+        if !settled {
+            return Err(anyhow!("IPv6 addresses still tentative after 10 s"));
+        }
+        Ok(())
+    }
+
+    fn add_netns(&self, ns: &str) -> Result<()> {
+        ip(&["netns", "add", ns])?;
+        self.state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .netns
+            .push(ns.to_string());
+        Ok(())
+    }
+
+    fn wire_to_switch(&self, ns: &str, port: &str, v4: Ipv4Addr, v6: Ipv6Addr) -> Result<()> {
+        let sw = self.switch.as_str();
+        ip(&[
+            "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns,
+        ])?;
+        ip(&["-n", sw, "link", "set", port, "master", "br0", "up"])?;
+        ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        ip(&["-n", ns, "addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
+        ip(&[
+            "-n",
+            ns,
+            "-6",
+            "addr",
+            "add",
+            &format!("{v6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        ip(&["-n", ns, "link", "set", "eth0", "up"])?;
+        Ok(())
+    }
+
+    fn add_node(&mut self, i: u8, total: u8) -> Result<()> {
+        let name = format!("n{i}");
+        let ns = format!("{}-{name}", self.prefix);
+        self.add_netns(&ns)?;
+        self.wire_to_switch(&ns, &format!("v{name}"), node_v4(i), node_v6(i))?;
+        ip(&["-n", &ns, "link", "add", "cbr0", "type", "bridge"])?;
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("10.244.{i}.1/24"),
+            "dev",
+            "cbr0",
+        ])?;
+        ip(&[
+            "-n",
+            &ns,
+            "-6",
+            "addr",
+            "add",
+            &format!("fd00:244:{i}::1/64"),
+            "dev",
+            "cbr0",
+            "nodad",
+        ])?;
+        ip(&["-n", &ns, "link", "set", "cbr0", "up"])?;
+        sysctl(
+            &ns,
+            &[
+                "net.ipv4.ip_forward=1",
+                "net.ipv6.conf.all.forwarding=1",
+                "net.ipv4.conf.all.rp_filter=0",
+                "net.ipv4.conf.default.rp_filter=0",
+            ],
+        )?;
+        for j in 1..=total {
+            if j == i {
+                continue;
+            }
+            ip(&[
+                "-n",
+                &ns,
+                "route",
+                "add",
+                &format!("10.244.{j}.0/24"),
+                "via",
+                &node_v4(j).to_string(),
+            ])?;
+            ip(&[
+                "-n",
+                &ns,
+                "-6",
+                "route",
+                "add",
+                &format!("fd00:244:{j}::/64"),
+                "via",
+                &node_v6(j).to_string(),
+            ])?;
+        }
+        self.nodes.push(Node {
+            name,
+            index: i,
+            netns: ns,
+        });
+        Ok(())
+    }
+
+    fn add_pod(&mut self, node: u8, k: u8) -> Result<()> {
+        let name = format!("n{node}p{k}");
+        let ns = format!("{}-{name}", self.prefix);
+        let node_ns = self.nodes[node as usize - 1].netns.clone();
+        self.add_netns(&ns)?;
+        let host_end = format!("vp{k}");
+        let v4 = Ipv4Addr::new(10, 244, node, 10 + k);
+        let v6 = Ipv6Addr::new(0xfd00, 0x244, node as u16, 0, 0, 0, 0, 0x10 + k as u16);
+        ip(&[
+            "-n", &node_ns, "link", "add", &host_end, "type", "veth", "peer", "name", "eth0",
+            "netns", &ns,
+        ])?;
+        ip(&[
+            "-n", &node_ns, "link", "set", &host_end, "master", "cbr0", "up",
+        ])?;
+        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        ip(&["-n", &ns, "addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
+        ip(&[
+            "-n",
+            &ns,
+            "-6",
+            "addr",
+            "add",
+            &format!("{v6}/64"),
+            "dev",
+            "eth0",
+            "nodad",
+        ])?;
+        ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        // Towards the node only; the node has no route out.
+        ip(&[
+            "-n",
+            &ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("10.244.{node}.1"),
+        ])?;
+        ip(&[
+            "-n",
+            &ns,
+            "-6",
+            "route",
+            "add",
+            "default",
+            "via",
+            &format!("fd00:244:{node}::1"),
+        ])?;
+        self.pods.push(Pod {
+            name,
+            node,
+            netns: ns,
+            ipv4: v4,
+            ipv6: v6,
+        });
+        Ok(())
+    }
+
+    /// A route in an external client's namespace for `prefix` via node
+    /// `node` (how a load balancer or a router would deliver LoadBalancer
+    /// IPs and externalIPs). Never a default route.
+    pub fn route_via(&self, netns: &str, prefix: &str, node: u8) -> Result<()> {
+        let via = if prefix.contains(':') {
+            node_v6(node).to_string()
+        } else {
+            node_v4(node).to_string()
+        };
+        ip(&["-n", netns, "route", "replace", prefix, "via", &via]).map(|_| ())
+    }
+
+    /// `lb-probe serve --name POD --port 8080 --with-peer` in every pod.
+    pub fn serve_all(&self) -> Result<()> {
+        let probe = crate::probe_bin()?;
+        for pod in &self.pods {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &pod.netns])
+                .arg(&probe)
+                .args(["serve", "--name", &pod.name, "--port"])
+                .arg(POD_PORT.to_string())
+                .arg("--with-peer");
+            let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .with_context(|| format!("serving in {}", pod.name))?;
+            let stdout = child.stdout.take().expect("piped");
+            self.state
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .children
+                .push(child);
+            let mut line = String::new();
+            std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
+            if !line.contains("\"listening\"") {
+                return Err(anyhow!("lb-probe serve in {} said {line:?}", pod.name));
+            }
+        }
+        Ok(())
+    }
+
+    /// The `v1 Node` objects, with their InternalIPs.
+    pub fn node_objects(&self) -> Vec<Value> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                json!({
+                    "apiVersion": "v1", "kind": "Node",
+                    "metadata": {"name": n.name},
+                    "status": {"addresses": [
+                        {"type": "Hostname", "address": n.name},
+                        {"type": "InternalIP", "address": node_v4(n.index).to_string()},
+                        {"type": "InternalIP", "address": node_v6(n.index).to_string()},
+                    ]}
+                })
+            })
+            .collect()
+    }
+
+    /// An EndpointSlice of `service` (namespace `demo`) with `pods`, port
+    /// 8080 named `http`, of one family.
+    pub fn slice(&self, service: &str, pods: &[&Pod], v6: bool, proto: &str) -> Value {
+        json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": format!("{service}-{}", if v6 {"v6"} else {"v4"}), "namespace": "demo",
+                "labels": {"kubernetes.io/service-name": service}},
+            "addressType": if v6 {"IPv6"} else {"IPv4"},
+            "ports": [{"name": "http", "port": POD_PORT, "protocol": proto}],
+            "endpoints": pods.iter().map(|p| json!({
+                "addresses": [if v6 { p.ipv6.to_string() } else { p.ipv4.to_string() }],
+                "nodeName": format!("n{}", p.node),
+                "conditions": {"ready": true},
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    pub fn pod(&self, name: &str) -> &Pod {
+        self.pods
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or_else(|| panic!("no pod {name}"))
+    }
+
+    /// One agent per node, in the node's namespace, with its own pins and
+    /// child cgroup; `extra` arguments for all of them.
+    pub fn start_agents(&mut self, extra: &[&str]) -> Result<()> {
+        for n in self.nodes.clone() {
+            let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
+            let opts = AgentOpts {
+                node_name: n.name.clone(),
+                netns: Some(n.netns.clone()),
+                log_file: Some(self.dir.path().join(format!("agent-{}.log", n.name))),
+                extra_args: extra.iter().map(|s| s.to_string()).collect(),
+                ..Default::default()
+            };
+            let agent = Agent::start(self.manifests.path(), cg.path(), opts)
+                .with_context(|| format!("agent of {}", n.name))?;
+            self.cgroups.push(cg);
+            self.agents.push(agent);
+        }
+        Ok(())
+    }
+
+    /// `count` attempts from the external client at `target`.
+    pub fn from_client(&self, proto: &str, target: &str, count: usize) -> Vec<Attempt> {
+        self.from_netns(&self.client_netns.clone(), proto, target, count)
+    }
+
+    /// `count` attempts from network namespace `netns` (no cgroup: the
+    /// socket hooks do not apply), 1 s timeout each.
+    pub fn from_netns(&self, netns: &str, proto: &str, target: &str, count: usize) -> Vec<Attempt> {
+        let probe = crate::probe_bin().expect("lb-probe");
+        let mut c = Command::new(probe);
+        c.args([
+            "client", "--netns", netns, "--target", target, "--proto", proto,
+        ])
+        .args(["--count", &count.to_string(), "--timeout-ms", "1000"]);
+        let out = cmd::run(&mut c).unwrap_or_else(|e| panic!("{e:#}"));
+        parse_attempts(&out).unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
+    /// GET on a node's health-check node port, from the client namespace.
+    pub fn health_check(&self, node: u8, port: u16) -> Result<(u16, String)> {
+        http_get_in(Some(&self.client_netns), (node_v4(node), port).into(), "/")
+    }
+
+    /// Runs `f` until it is true, for up to `timeout`.
+    pub fn eventually(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+        crate::wait_until(timeout, Duration::from_millis(100), f)
+    }
+
+    pub fn agent_logs(&self) -> String {
+        self.agents
+            .iter()
+            .map(|a| a.log())
+            .collect::<Vec<_>>()
+            .join("\n----\n")
+    }
+
+    pub fn manifests_dir(&self) -> &Path {
+        self.manifests.path()
+    }
+}
+
+/// The address a target string names, for messages.
+pub fn target(addr: IpAddr, port: u16) -> String {
+    std::net::SocketAddr::new(addr, port).to_string()
+}

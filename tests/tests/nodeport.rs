@@ -1,0 +1,537 @@
+//! North-south traffic through the tc path on a three-node topology of
+//! network namespaces (see `integration_tests::nodes`): an agent per node,
+//! pods behind a bridge on each node, routes between the nodes, and an
+//! external client on the nodes' network without a default route.
+//!
+//! Pods: n1p0, n1p1 on n1; n2p0 on n2; none on n3.
+use std::{
+    collections::BTreeSet,
+    net::IpAddr,
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use integration_tests::{
+    nodes::{node_v4, node_v6, Cluster},
+    require_root, Attempt,
+};
+use serde_json::{json, Value};
+
+const WEB_NODEPORT: u16 = 30080;
+const UDP_NODEPORT: u16 = 30053;
+const LOCAL_NODEPORT: u16 = 30081;
+const HEALTH_PORT: u16 = 32000;
+const LB_LOCAL: &str = "203.0.113.10";
+const EXTERNAL_IP: &str = "203.0.113.20";
+const LB_RANGED: &str = "203.0.113.30";
+const REFUSED_EXTERNAL_IP: &str = "198.51.100.66";
+
+fn service(name: &str, cluster_ips: &[&str], spec: Value, status: Value) -> Value {
+    let mut s = json!({
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": name, "namespace": "demo"},
+        "spec": {
+            "type": "NodePort",
+            "clusterIP": cluster_ips[0],
+            "clusterIPs": cluster_ips,
+            "ipFamilyPolicy": if cluster_ips.len() > 1 {"PreferDualStack"} else {"SingleStack"},
+        },
+        "status": status,
+    });
+    for (k, v) in spec.as_object().unwrap() {
+        s["spec"][k] = v.clone();
+    }
+    s
+}
+
+fn port(node_port: u16, proto: &str) -> Value {
+    json!([{"name": "http", "port": 80, "protocol": proto, "targetPort": 8080, "nodePort": node_port}])
+}
+
+/// Builds the cluster, writes every Service, starts the agents.
+fn setup(tag: &str) -> Cluster {
+    let mut c = Cluster::new(tag, &[2, 1, 0]).expect("topology");
+    c.serve_all().expect("servers");
+    let (n1p0, n1p1, n2p0) = (
+        c.pod("n1p0").clone(),
+        c.pod("n1p1").clone(),
+        c.pod("n2p0").clone(),
+    );
+    let all = [&n1p0, &n1p1, &n2p0];
+    let mut docs = c.node_objects();
+    docs.extend([
+        // NodePort, externalTrafficPolicy Cluster, dual-stack.
+        service(
+            "web",
+            &["10.96.0.10", "fd00:96::10"],
+            json!({"ports": port(WEB_NODEPORT, "TCP")}),
+            json!({}),
+        ),
+        c.slice("web", &all, false, "TCP"),
+        json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "web-v6", "namespace": "demo", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv6",
+            "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+            "endpoints": all.iter().map(|p| json!({"addresses": [p.ipv6.to_string()],
+                "nodeName": format!("n{}", p.node), "conditions": {"ready": true}})).collect::<Vec<_>>()}),
+        // UDP NodePort.
+        service("dns", &["10.96.0.53"], json!({"ports": port(UDP_NODEPORT, "UDP")}), json!({})),
+        c.slice("dns", &all, false, "UDP"),
+        // LoadBalancer, externalTrafficPolicy Local, health-check node port.
+        service(
+            "local",
+            &["10.96.0.11"],
+            json!({"type": "LoadBalancer", "ports": port(LOCAL_NODEPORT, "TCP"),
+                "externalTrafficPolicy": "Local", "healthCheckNodePort": HEALTH_PORT}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_LOCAL}]}}),
+        ),
+        c.slice("local", &[&n1p0, &n2p0], false, "TCP"),
+        // externalIPs.
+        service(
+            "ext",
+            &["10.96.0.12"],
+            json!({"type": "ClusterIP", "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+                "externalIPs": [EXTERNAL_IP]}),
+            json!({}),
+        ),
+        c.slice("ext", &all, false, "TCP"),
+        // loadBalancerSourceRanges: only the first client.
+        service(
+            "ranged",
+            &["10.96.0.13"],
+            json!({"type": "LoadBalancer", "ports": port(30083, "TCP"),
+                "loadBalancerSourceRanges": ["192.168.77.100/32"]}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_RANGED}]}}),
+        ),
+        c.slice("ranged", &all, false, "TCP"),
+        // An externalIP outside --allowed-external-ip-cidrs.
+        service(
+            "evil",
+            &["10.96.0.14"],
+            json!({"type": "ClusterIP", "ports": [{"name": "http", "port": 80, "targetPort": 8080}],
+                "externalIPs": [REFUSED_EXTERNAL_IP]}),
+            json!({}),
+        ),
+        c.slice("evil", &all, false, "TCP"),
+    ]);
+    c.manifests.write("cluster.yaml", &docs).expect("manifests");
+    c.start_agents(&["--allowed-external-ip-cidrs", "203.0.113.0/24"])
+        .expect("agents");
+    c
+}
+
+fn ok_count(a: &[Attempt]) -> usize {
+    a.iter().filter(|a| a.ok).count()
+}
+
+fn backends(a: &[Attempt]) -> BTreeSet<String> {
+    a.iter().filter_map(|a| a.backend.clone()).collect()
+}
+
+fn node_of(backend: &str) -> u8 {
+    backend[1..2].parse().unwrap()
+}
+
+fn show(a: &[Attempt]) -> String {
+    a.iter()
+        .map(|a| serde_json::to_string(a).unwrap())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// NodePort on every node reaches every endpoint; the client address is
+/// masqueraded to the node's for endpoints on other nodes (Cluster) and
+/// kept for endpoints on the node itself; the client sees the NodePort as
+/// its peer. IPv4 and IPv6, TCP and UDP.
+#[test]
+fn nodeport_cluster_policy_every_node_every_endpoint() {
+    require_root!();
+    let c = setup("np");
+    for node in 1..=3u8 {
+        for v6 in [false, true] {
+            let (client, node_ip): (IpAddr, IpAddr) = if v6 {
+                (node_v6(100).into(), node_v6(node).into())
+            } else {
+                (node_v4(100).into(), node_v4(node).into())
+            };
+            let target = std::net::SocketAddr::new(node_ip, WEB_NODEPORT).to_string();
+            let a = c.from_client("tcp", &target, 60);
+            assert_eq!(
+                ok_count(&a),
+                60,
+                "{target}:\n{}\n{}",
+                show(&a),
+                c.agent_logs()
+            );
+            assert_eq!(
+                backends(&a),
+                BTreeSet::from(["n1p0".into(), "n1p1".into(), "n2p0".into()]),
+                "{target}"
+            );
+            for at in &a {
+                let b = at.backend.as_deref().unwrap();
+                let seen: IpAddr = at.seen_from.as_deref().unwrap().parse().unwrap();
+                let want = if node_of(b) == node { client } else { node_ip };
+                assert_eq!(seen, want, "{target} via {b}");
+                assert_eq!(at.peer.as_deref(), Some(target.as_str()));
+            }
+        }
+    }
+    let target = format!("{}:{UDP_NODEPORT}", node_v4(2));
+    let a = c.from_client("udp", &target, 30);
+    assert_eq!(ok_count(&a), 30, "{}", show(&a));
+    assert_eq!(backends(&a).len(), 3, "{}", show(&a));
+    for at in &a {
+        assert_eq!(
+            at.peer.as_deref(),
+            Some(target.as_str()),
+            "answers from the NodePort"
+        );
+    }
+    let flows = c.agents[1].inspect_conntrack().unwrap();
+    assert!(
+        flows
+            .iter()
+            .any(|f| f["direction"] == "forward" && f["proto"] == "UDP"),
+        "{flows:?}"
+    );
+}
+
+/// externalTrafficPolicy Local: only the node's own endpoints, the client
+/// address kept; a node without endpoints drops, and its health-check node
+/// port answers 503 where the others answer 200 with their count.
+#[test]
+fn local_policy_and_health_check_node_ports() {
+    require_root!();
+    let c = setup("local");
+    for (node, pod) in [(1u8, "n1p0"), (2, "n2p0")] {
+        let target = format!("{}:{LOCAL_NODEPORT}", node_v4(node));
+        let a = c.from_client("tcp", &target, 20);
+        assert_eq!(ok_count(&a), 20, "{target}: {}", show(&a));
+        assert_eq!(backends(&a), BTreeSet::from([pod.to_string()]));
+        for at in &a {
+            assert_eq!(
+                at.seen_from.as_deref(),
+                Some("192.168.77.100"),
+                "client IP kept"
+            );
+        }
+    }
+    let a = c.from_client("tcp", &format!("{}:{LOCAL_NODEPORT}", node_v4(3)), 3);
+    assert_eq!(ok_count(&a), 0, "no local endpoint: dropped: {}", show(&a));
+    assert!(
+        a.iter().all(|a| a.error.as_deref() == Some("ETIMEDOUT")),
+        "{}",
+        show(&a)
+    );
+
+    let (code, body) = c.health_check(1, HEALTH_PORT).unwrap();
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["localEndpoints"], 1);
+    assert_eq!(v["service"]["name"], "local");
+    assert_eq!(v["service"]["namespace"], "demo");
+    let (code, body) = c.health_check(3, HEALTH_PORT).unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["localEndpoints"],
+        0
+    );
+}
+
+/// LoadBalancer ingress IPs and externalIPs, delivered to a node by a
+/// route (as a load balancer or router would); source ranges; externalIPs
+/// outside --allowed-external-ip-cidrs refused with a warning.
+#[test]
+fn load_balancer_ips_external_ips_and_source_ranges() {
+    require_root!();
+    let c = setup("lb");
+    for ns in [&c.client_netns, &c.client2_netns] {
+        c.route_via(ns, "203.0.113.0/24", 1).unwrap();
+        c.route_via(ns, "198.51.100.0/24", 1).unwrap();
+    }
+    // LoadBalancer IP of a Local Service, reached through n1: n1's pod.
+    let a = c.from_client("tcp", &format!("{LB_LOCAL}:80"), 20);
+    assert_eq!(ok_count(&a), 20, "{}", show(&a));
+    assert_eq!(backends(&a), BTreeSet::from(["n1p0".to_string()]));
+    assert!(a
+        .iter()
+        .all(|a| a.peer.as_deref() == Some("203.0.113.10:80")));
+    // externalIP of a Cluster Service: every endpoint.
+    let a = c.from_client("tcp", &format!("{EXTERNAL_IP}:80"), 60);
+    assert_eq!(ok_count(&a), 60, "{}", show(&a));
+    assert_eq!(backends(&a).len(), 3, "{}", show(&a));
+    // Source ranges: the first client only.
+    let a = c.from_client("tcp", &format!("{LB_RANGED}:80"), 10);
+    assert_eq!(ok_count(&a), 10, "{}", show(&a));
+    let a = c.from_netns(&c.client2_netns, "tcp", &format!("{LB_RANGED}:80"), 3);
+    assert_eq!(ok_count(&a), 0, "outside the source ranges: {}", show(&a));
+    // The same client may use a frontend without ranges.
+    let a = c.from_netns(&c.client2_netns, "tcp", &format!("{EXTERNAL_IP}:80"), 5);
+    assert_eq!(ok_count(&a), 5, "{}", show(&a));
+    // CVE-2020-8554: the externalIP outside the allowed CIDRs is not served.
+    let a = c.from_client("tcp", &format!("{REFUSED_EXTERNAL_IP}:80"), 3);
+    assert_eq!(ok_count(&a), 0, "{}", show(&a));
+    let log = c.agents[0].log();
+    assert!(
+        log.contains("Service demo/evil") && log.contains(REFUSED_EXTERNAL_IP),
+        "the refusal names the Service:\n{log}"
+    );
+}
+
+/// A UDP flow keeps its backend while the endpoints change around it; when
+/// its backend is removed, its conntrack entries go and the next datagram
+/// reaches a live backend.
+#[test]
+fn existing_flows_stay_on_their_backend() {
+    require_root!();
+    let c = setup("flows");
+    let probe = integration_tests::probe_bin().unwrap();
+    let target = format!("{}:{UDP_NODEPORT}", node_v4(1));
+    let child = Command::new(probe)
+        .args(["hold-udp", "--netns", &c.client_netns, "--target", &target])
+        .args(["--interval-ms", "50", "--duration-ms", "6000"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1000));
+    let flows = c.agents[0].inspect_conntrack().unwrap();
+    let first = flows
+        .iter()
+        .find(|f| f["direction"] == "forward" && f["proto"] == "UDP")
+        .unwrap_or_else(|| panic!("no flow: {flows:?}"))["nat_dst"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let all: Vec<_> = c.pods.iter().collect();
+    let pinned = all
+        .iter()
+        .find(|p| first.starts_with(&p.ipv4.to_string()))
+        .unwrap()
+        .name
+        .clone();
+    // Endpoints change: the other two leave, then come back.
+    let keep: Vec<_> = all.iter().copied().filter(|p| p.name == pinned).collect();
+    rewrite_slice(&c, "dns", &keep);
+    std::thread::sleep(Duration::from_millis(1000));
+    rewrite_slice(&c, "dns", &all);
+    std::thread::sleep(Duration::from_millis(1000));
+    // Now the flow's own backend leaves.
+    let rest: Vec<_> = all.iter().copied().filter(|p| p.name != pinned).collect();
+    rewrite_slice(&c, "dns", &rest);
+    let out = child.wait_with_output().unwrap();
+    let events =
+        integration_tests::probe::parse_attempts(&String::from_utf8_lossy(&out.stdout)).unwrap();
+    let replies: Vec<&Attempt> = events.iter().filter(|e| e.ok).collect();
+    assert!(replies.len() > 60, "{}", show(&events));
+    // Until the last change (about 3 s in) every reply came from the first backend.
+    let before: Vec<_> = replies.iter().filter(|e| e.elapsed_ms < 2900.0).collect();
+    assert!(
+        before
+            .iter()
+            .all(|e| e.backend.as_deref() == Some(pinned.as_str())),
+        "flow moved while its backend stayed: {}",
+        show(&events)
+    );
+    // After it: another backend, within a second of the change.
+    let after: Vec<_> = replies.iter().filter(|e| e.elapsed_ms > 4500.0).collect();
+    assert!(!after.is_empty(), "{}", show(&events));
+    assert!(
+        after
+            .iter()
+            .all(|e| e.backend.as_deref() != Some(pinned.as_str())),
+        "{}",
+        show(&events)
+    );
+}
+
+fn rewrite_slice(c: &Cluster, service: &str, pods: &[&integration_tests::nodes::Pod]) {
+    // The slice lives in cluster.yaml; an override file with the same
+    // object name would conflict, so rewrite the whole set.
+    let path = c.manifests_dir().join("cluster.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut docs: Vec<Value> = serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    let name = format!("{service}-v4");
+    for d in docs.iter_mut() {
+        if d["kind"] == "EndpointSlice" && d["metadata"]["name"] == name.as_str() {
+            *d = c.slice(service, pods, false, "UDP");
+        }
+    }
+    c.manifests.write("cluster.yaml", &docs).unwrap();
+}
+
+/// CVE-2020-8558: a neighbour sending to 127.0.0.1:NodePort (a frame to the
+/// node's MAC) gets nothing; the same frame to the node's address gets a
+/// SYN-ACK.
+#[test]
+fn nodeport_is_not_reachable_through_localhost_from_a_neighbour() {
+    require_root!();
+    let c = setup("cve");
+    let node_ns = &c.nodes[0].netns;
+    // What kube-proxy's CVE needed: route_localnet on, and something on
+    // 127.0.0.1:NodePort in the node. Only the tc program stands between
+    // the neighbour and it. (Killed with the namespace.)
+    let mut sysctl = Command::new("nsenter");
+    sysctl
+        .arg(format!("--net=/run/netns/{node_ns}"))
+        .args(["sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=1"])
+        .args(["net.ipv4.conf.eth0.route_localnet=1"]);
+    integration_tests::cmd::run(&mut sysctl).unwrap();
+    let probe = integration_tests::probe_bin().unwrap();
+    let mut local = Command::new("nsenter")
+        .arg(format!("--net=/run/netns/{node_ns}"))
+        .arg(probe)
+        .args(["serve", "--name", "node-local", "--port"])
+        .arg(WEB_NODEPORT.to_string())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(local.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("listening"), "{line}");
+    let mac = integration_tests::cmd::ip(&["-n", node_ns, "-j", "link", "show", "eth0"]).unwrap();
+    let mac: Value = serde_json::from_str(&mac).unwrap();
+    let mac = mac[0]["address"].as_str().unwrap().to_string();
+    let answered = |dst: [u8; 4]| {
+        raw_syn(
+            &c.client_netns,
+            &mac,
+            [192, 168, 77, 100],
+            dst,
+            WEB_NODEPORT,
+        )
+    };
+    assert!(
+        answered([192, 168, 77, 1]),
+        "control: the node's address answers"
+    );
+    assert!(!answered([127, 0, 0, 1]), "127.0.0.1 must not answer");
+    let _ = local.kill();
+    let _ = local.wait();
+    let flows = c.agents[0].inspect_conntrack().unwrap();
+    assert!(
+        flows
+            .iter()
+            .all(|f| !f["dst"].as_str().unwrap().starts_with("127.")),
+        "{flows:?}"
+    );
+}
+
+fn csum(data: &[u8]) -> u16 {
+    let mut sum: u32 = data
+        .chunks(2)
+        .map(|c| u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]) as u32)
+        .sum();
+    while sum > 0xffff {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Sends a TCP SYN frame from `netns`'s eth0 to `dst_mac`, and reports
+/// whether a SYN-ACK from the port comes back within 1 s.
+fn raw_syn(netns: &str, dst_mac: &str, src: [u8; 4], dst: [u8; 4], port: u16) -> bool {
+    let netns = netns.to_string();
+    let dst_mac: Vec<u8> = dst_mac
+        .split(':')
+        .map(|h| u8::from_str_radix(h, 16).unwrap())
+        .collect();
+    std::thread::spawn(move || {
+        use std::os::fd::AsRawFd as _;
+        let f = std::fs::File::open(format!("/run/netns/{netns}")).unwrap();
+        // SAFETY: setns on an open descriptor, this thread only.
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        let sport: u16 = 40000 + (std::process::id() % 20000) as u16;
+        let mut tcp = Vec::new();
+        tcp.extend(sport.to_be_bytes());
+        tcp.extend(port.to_be_bytes());
+        tcp.extend(7u32.to_be_bytes());
+        tcp.extend(0u32.to_be_bytes());
+        tcp.extend([5 << 4, 0x02]);
+        tcp.extend(65535u16.to_be_bytes());
+        tcp.extend([0, 0, 0, 0]);
+        let mut pseudo = Vec::new();
+        pseudo.extend(src);
+        pseudo.extend(dst);
+        pseudo.extend([0, 6, 0, tcp.len() as u8]);
+        pseudo.extend(&tcp);
+        let c = csum(&pseudo);
+        tcp[16..18].copy_from_slice(&c.to_be_bytes());
+        let mut ip = vec![0x45, 0];
+        ip.extend(((20 + tcp.len()) as u16).to_be_bytes());
+        ip.extend([0, 1, 0x40, 0, 64, 6, 0, 0]);
+        ip.extend(src);
+        ip.extend(dst);
+        let c = csum(&ip);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+        ip.extend(&tcp);
+        // SAFETY: plain socket calls on descriptors we own; buffers sized as passed.
+        unsafe {
+            let ifindex = libc::if_nametoindex(c"eth0".as_ptr()) as i32;
+            let s = libc::socket(
+                libc::AF_PACKET,
+                libc::SOCK_DGRAM,
+                (libc::ETH_P_IP as u16).to_be() as i32,
+            );
+            assert!(s >= 0);
+            let tv = libc::timeval {
+                tv_sec: 0,
+                tv_usec: 200_000,
+            };
+            libc::setsockopt(
+                s,
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as u32,
+            );
+            let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+            sll.sll_family = libc::AF_PACKET as u16;
+            sll.sll_protocol = (libc::ETH_P_IP as u16).to_be();
+            sll.sll_ifindex = ifindex;
+            sll.sll_halen = 6;
+            sll.sll_addr[..6].copy_from_slice(&dst_mac);
+            let n = libc::sendto(
+                s,
+                ip.as_ptr() as *const libc::c_void,
+                ip.len(),
+                0,
+                &sll as *const _ as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_ll>() as u32,
+            );
+            assert_eq!(n as usize, ip.len());
+            let deadline = std::time::Instant::now() + Duration::from_secs(1);
+            let mut buf = [0u8; 2048];
+            while std::time::Instant::now() < deadline {
+                let n = libc::recv(s, buf.as_mut_ptr() as *mut libc::c_void, buf.len(), 0);
+                if n < 40 {
+                    continue;
+                }
+                let p = &buf[..n as usize];
+                let ihl = (p[0] & 0x0f) as usize * 4;
+                if p[9] != 6 || p.len() < ihl + 14 {
+                    continue;
+                }
+                let t = &p[ihl..];
+                let (sp, dp) = (
+                    u16::from_be_bytes([t[0], t[1]]),
+                    u16::from_be_bytes([t[2], t[3]]),
+                );
+                if sp == port && dp == sport && t[13] & 0x12 == 0x12 {
+                    libc::close(s);
+                    return true;
+                }
+            }
+            libc::close(s);
+            false
+        }
+    })
+    .join()
+    .unwrap()
+}
