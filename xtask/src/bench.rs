@@ -69,12 +69,20 @@ pub fn bench(root: &Path, quick: bool) -> Result<ExitCode> {
     bench_packages()?;
     build::build(root)?;
     let release = target_dir(root).join("release");
-    let mut cmd = Command::new(release.join("lb-bench-suite"));
+    // A private copy: a build running meanwhile (cargo xtask test in another
+    // shell) must not swap the binaries under a run that lasts half an hour.
+    let bin = target_dir(root).join("bench").join("bin");
+    std::fs::create_dir_all(&bin)?;
+    for name in ["lb-bench-suite", "lb-bench", "lb-agent"] {
+        std::fs::copy(release.join(name), bin.join(name))
+            .map_err(|e| anyhow::anyhow!("copying {name} into {}: {e}", bin.display()))?;
+    }
+    let mut cmd = Command::new(bin.join("lb-bench-suite"));
     cmd.current_dir(root)
         .arg("--root")
         .arg(root)
-        .env("LB_AGENT_BIN", release.join("lb-agent"))
-        .env("LB_BIN_DIR", &release);
+        .env("LB_AGENT_BIN", bin.join("lb-agent"))
+        .env("LB_BIN_DIR", &bin);
     if quick {
         cmd.arg("--quick");
     }

@@ -141,7 +141,12 @@ fn mode_table(out: &mut String, r: &Results, mode: Mode, unit: &str, latency: bo
         "| Services | arm | {unit} (median) | × direct (median) | × direct (min–max) |"
     );
     if latency {
-        out.push_str(" connect p50 µs | p99 µs | p99.9 µs |");
+        let what = if mode == Mode::Cc {
+            "connect"
+        } else {
+            "transaction"
+        };
+        let _ = write!(out, " {what} p50 µs | p99 µs | p99.9 µs |");
     }
     out.push('\n');
     out.push_str("|---:|---|---:|---:|---:|");
@@ -391,7 +396,10 @@ fn markdown(r: &Results) -> String {
          Clients have no default route: only a route for the Service CIDR {} onto the bridge.\n\n\
          - **direct**: the client connects to the backend's address; no load balancer. The limit.\n\
          - **lb (ours)**: `lb-agent run` with a manifests directory, its socket programs attached to a \
-         child cgroup the client joins. The connect is rewritten before routing: no NAT, no conntrack.\n\
+         child cgroup the client joins. The connect is rewritten before routing: no NAT, no conntrack. \
+         The agent is paused (SIGSTOP) during the rounds: the pinned programs and maps need no agent, \
+         and its periodic full resync of the manifests directory would otherwise take one of the \
+         two cores from whichever arm is being measured.\n\
          - **iptables (nft)** / **iptables (legacy)**: the rules kube-proxy's iptables mode writes \
          (`KUBE-SERVICES` → `KUBE-SVC-*` with `! -s 10.244.0.0/16 … -j KUBE-MARK-MASQ` and \
          `statistic --mode random --probability` → `KUBE-SEP-*` with the hairpin mark and DNAT; \
