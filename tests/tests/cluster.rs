@@ -676,3 +676,58 @@ fn backend_sets_change_atomically_under_load() {
     eprintln!("{syncs} syncs for {flips} flips");
     assert!(syncs >= 5, "the flips were not applied one by one:\n{log}");
 }
+
+#[test]
+fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("cludp6", 2).unwrap();
+    let slice6 = |env: &Env, hosts: &[&str]| {
+        EndpointSlice::new("demo", "dns6-1", "dns6")
+            .address_type("IPv6")
+            .port("dns", 8080, "UDP")
+            .endpoints(
+                hosts
+                    .iter()
+                    .map(|h| Endpoint::ready(env.topo.host(h).ipv6.into())),
+            )
+            .to_value()
+    };
+    apply(
+        &api,
+        &[
+            Service::new("demo", "dns6")
+                .cluster_ip("fd00:96::53")
+                .port("dns", 53, "UDP", json!(8080))
+                .to_value(),
+            slice6(&env, &["b1", "b2"]),
+        ],
+    );
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    let probe =
+        integration_tests::cluster::hold_udp(&env, "[fd00:96::53]:53", 100, 30_000).unwrap();
+    let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
+    let a = next();
+    assert!(a.ok, "{a:?}");
+    assert_eq!(a.peer_addr(), Some(sa("[fd00:96::53]:53")), "{a:?}");
+    let gone = a.backend.clone().unwrap();
+    let stay = if gone == "b1" { "b2" } else { "b1" };
+    apply(&api, &[slice6(&env, &[stay])]);
+    let mut seen = Vec::new();
+    let err = loop {
+        let a = next();
+        seen.push(a.clone());
+        if !a.ok {
+            break a;
+        }
+        assert!(
+            seen.len() < 100,
+            "the IPv6 socket was not destroyed: {seen:?}"
+        );
+    };
+    eprintln!("IPv6: {gone} left: {err:?}");
+    assert_eq!(err.error.as_deref(), Some("ECONNABORTED"), "{err:?}");
+    let a = next();
+    assert_eq!(a.backend.as_deref(), Some(stay), "{a:?}");
+}
