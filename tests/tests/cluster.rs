@@ -731,3 +731,73 @@ fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
     let a = next();
     assert_eq!(a.backend.as_deref(), Some(stay), "{a:?}");
 }
+
+#[test]
+fn a_large_list_is_programmed_whole_and_relisted_without_rewrites() {
+    require_root!();
+    let api = ApiServer::start();
+    let mut env = Env::new("cllarge", 2).unwrap();
+    const N: usize = 1200;
+    let vip = |i: usize| format!("10.96.{}.{}", 10 + i / 250, 1 + i % 250);
+    for i in 0..N {
+        let name = format!("s{i}");
+        apply(
+            &api,
+            &[
+                Service::new("demo", &name)
+                    .cluster_ip(&vip(i))
+                    .port("http", 80, "TCP", json!(8080))
+                    .to_value(),
+                slice(
+                    &env,
+                    &name,
+                    &format!("{name}-1"),
+                    &[("http", 8080, "TCP")],
+                    if i % 2 == 0 { &["b1"] } else { &["b2"] },
+                ),
+            ],
+        );
+    }
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    let paged = api
+        .requests()
+        .iter()
+        .filter(|r| r.contains("limit=") && !r.contains("watch=true"))
+        .count();
+    eprintln!("{paged} LIST requests with a limit for {} objects", 2 * N);
+    let m = metrics(&env);
+    assert_eq!(metric(&m, "lb_frontends_programmed"), Some(N as f64));
+    for i in [0, 1, N / 2, N - 2, N - 1] {
+        let want = if i % 2 == 0 { "b1" } else { "b2" };
+        let a = env.tcp(&format!("{}:80", vip(i)), 3);
+        assert_all_ok(&vip(i), &a);
+        assert_eq!(Spread::of(&a).count(want), 3, "{}: {a:?}", vip(i));
+    }
+    // A relist of all of it changes nothing.
+    let before = metric(&m, "lb_sync_duration_seconds_count").unwrap();
+    api.expire_watches();
+    assert!(
+        wait_until(POLL, Duration::from_millis(50), || {
+            metric(&metrics(&env), "lb_sync_duration_seconds_count").unwrap() > before
+                && metric_sum(&metrics(&env), "lb_watch_restarts_total") >= 2.0
+        }),
+        "no sync after the relist"
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let log = env.agent().log();
+    let last = log
+        .lines()
+        .filter(|l| l.contains(" synced"))
+        .last()
+        .unwrap();
+    eprintln!("after the relist: {last}");
+    assert!(
+        last.contains(" written=0") && last.contains(" removed=0"),
+        "{last}"
+    );
+    assert_eq!(
+        metric(&metrics(&env), "lb_frontends_programmed"),
+        Some(N as f64)
+    );
+}
