@@ -481,6 +481,31 @@ impl Cluster {
         Ok(())
     }
 
+    /// The child cgroup of node `node`'s agent (after `start_agents`).
+    pub fn cgroup(&self, node: u8) -> &Path {
+        self.cgroups[node as usize - 1].path()
+    }
+
+    /// `count` attempts from `netns` as a member of node `node`'s cgroup:
+    /// a pod (or a host process) whose sockets the socket hooks translate.
+    pub fn from_pod(
+        &self,
+        node: u8,
+        netns: &str,
+        proto: &str,
+        target: &str,
+        count: usize,
+    ) -> Vec<Attempt> {
+        let probe = crate::probe_bin().expect("lb-probe");
+        let mut c = Command::new(probe);
+        c.args(["client", "--cgroup"])
+            .arg(self.cgroup(node))
+            .args(["--netns", netns, "--target", target, "--proto", proto])
+            .args(["--count", &count.to_string(), "--timeout-ms", "1000"]);
+        let out = cmd::run(&mut c).unwrap_or_else(|e| panic!("{e:#}"));
+        parse_attempts(&out).unwrap_or_else(|e| panic!("{e:#}"))
+    }
+
     /// `count` attempts from the external client at `target`.
     pub fn from_client(&self, proto: &str, target: &str, count: usize) -> Vec<Attempt> {
         self.from_netns(&self.client_netns.clone(), proto, target, count)

@@ -535,3 +535,105 @@ fn raw_syn(netns: &str, dst_mac: &str, src: [u8; 4], dst: [u8; 4], port: u16) ->
     .join()
     .unwrap()
 }
+
+/// Pods and host processes reaching a NodePort, LoadBalancer IP or
+/// externalIP go through the socket path (cgroup hooks), with every
+/// endpoint; hairpin: a pod reaching its own Service may land on itself.
+#[test]
+fn pods_and_host_processes_use_the_socket_path_hairpin_included() {
+    require_root!();
+    let c = setup("hairpin");
+    let n1p0 = c.pod("n1p0").netns.clone();
+    for target in [
+        format!("{}:{WEB_NODEPORT}", node_v4(1)),
+        format!("{}:{WEB_NODEPORT}", node_v4(2)),
+        format!("{EXTERNAL_IP}:80"),
+        format!("{LB_LOCAL}:80"),
+    ] {
+        let a = c.from_pod(1, &n1p0, "tcp", &target, 60);
+        assert_eq!(ok_count(&a), 60, "{target}: {}", show(&a));
+        // The socket path uses every endpoint (kube-proxy short-circuits
+        // in-cluster traffic to north-south addresses), itself included.
+        assert!(
+            backends(&a).contains("n1p0"),
+            "hairpin: {target}: {}",
+            show(&a)
+        );
+        // The Local Service has two endpoints, on two nodes: in-cluster
+        // clients get both (externalTrafficPolicy is for outside traffic).
+        let want = if target.starts_with(LB_LOCAL) { 2 } else { 3 };
+        assert_eq!(backends(&a).len(), want, "{target}: {}", show(&a));
+        for at in &a {
+            // Translated at connect on this node: the backend sees the pod
+            // itself. Another node's NodePort is plain traffic to that
+            // node, whose tc path masquerades towards remote endpoints.
+            let via_node2 = target.starts_with("192.168.77.2:");
+            let want = if via_node2 && at.backend.as_deref() != Some("n2p0") {
+                "192.168.77.2"
+            } else {
+                "10.244.1.10"
+            };
+            assert_eq!(at.seen_from.as_deref(), Some(want), "{target}");
+            assert_eq!(at.peer.as_deref(), Some(target.as_str()));
+        }
+    }
+    // A host process of node 2 (its namespace, its cgroup).
+    let node2 = c.nodes[1].netns.clone();
+    let a = c.from_pod(
+        2,
+        &node2,
+        "tcp",
+        &format!("{}:{WEB_NODEPORT}", node_v4(2)),
+        30,
+    );
+    assert_eq!(ok_count(&a), 30, "{}", show(&a));
+    assert_eq!(backends(&a).len(), 3, "{}", show(&a));
+}
+
+/// Standalone mode without a Node object: the node addresses come from
+/// `--devices`.
+#[test]
+fn node_addresses_from_devices_without_a_node_object() {
+    require_root!();
+    let mut c = Cluster::new("devs", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let pod = c.pod("n1p0").clone();
+    c.manifests
+        .write(
+            "web.yaml",
+            &[
+                service(
+                    "web",
+                    &["10.96.0.10"],
+                    json!({"ports": port(WEB_NODEPORT, "TCP")}),
+                    json!({}),
+                ),
+                c.slice("web", &[&pod], false, "TCP"),
+            ],
+        )
+        .unwrap();
+    c.start_agents(&["--devices", "eth0"]).unwrap();
+    let a = c.from_client("tcp", &format!("{}:{WEB_NODEPORT}", node_v4(1)), 10);
+    assert_eq!(ok_count(&a), 10, "{}\n{}", show(&a), c.agent_logs());
+    // Without a Node object the endpoint is not known to be local: masqueraded.
+    assert!(a.iter().all(|a| a.backend.as_deref() == Some("n1p0")));
+}
+
+/// The tc programs stay attached through pinned links while the agent is
+/// down, and a restarted agent replaces them without a gap.
+#[test]
+fn tc_path_survives_agent_restarts() {
+    require_root!();
+    let mut c = setup("restart");
+    let target = format!("{}:{WEB_NODEPORT}", node_v4(1));
+    c.agents[0].kill().unwrap();
+    let a = c.from_client("tcp", &target, 30);
+    assert_eq!(ok_count(&a), 30, "agent down: {}", show(&a));
+    let before = c.agents[0].log().len();
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    let log = c.agents[0].log_since(before);
+    assert!(log.contains("replaced_links=2"), "{log}");
+    let a = c.from_client("tcp", &target, 30);
+    assert_eq!(ok_count(&a), 30, "restarted: {}", show(&a));
+    assert_eq!(backends(&a).len(), 3);
+}
