@@ -203,6 +203,13 @@ fn removing_the_sticky_backend_moves_the_client_which_then_sticks() {
     assert_eq!(entries.len(), 1, "{entries:#?}");
     let want = format!("{}:8080", env.topo.host(&moved).ipv4);
     assert_eq!(entries[0]["backend"].as_str(), Some(want.as_str()));
+    // The sweeper's work on /metrics: the entry bound to the backend that
+    // left was swept.
+    let (_, m) = env.agent().get("/metrics").unwrap();
+    assert!(
+        metric(&m, "lb_affinity_swept_total") >= Some(1.0),
+        "lb_affinity_swept_total: {m}"
+    );
 }
 
 #[test]
