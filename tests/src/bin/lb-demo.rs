@@ -8,6 +8,11 @@
 //! they spread, shows what the agent programmed, marks one backend unready
 //! live and shows the new spread, then removes everything. Ctrl-C cleans up
 //! too.
+//!
+//! Then the NodePort part: three "nodes" (namespaces, an agent each, pods
+//! behind a bridge on two of them) and an external client; NodePorts on
+//! every node, masquerade vs client IP, `externalTrafficPolicy: Local` and
+//! its health-check node port, and the conntrack table.
 use std::{
     net::IpAddr,
     path::{Path, PathBuf},
@@ -273,6 +278,98 @@ fn run(args: &Args) -> Result<()> {
         }
     );
     cleanup_check(&args.bpffs);
+    nodeport_part()
+}
+
+/// North-south: NodePorts through the tc path on a three-node topology.
+fn nodeport_part() -> Result<()> {
+    use integration_tests::nodes::{node_v4, Cluster};
+    section("NodePort: three nodes, pods n1p0 n1p1 on n1, n2p0 on n2, none on n3");
+    let mut c = Cluster::new("demo-np", &[2, 1, 0])?;
+    c.serve_all()?;
+    for n in &c.nodes {
+        println!("  {} eth0 {} (netns {})", n.name, node_v4(n.index), n.netns);
+    }
+    for p in &c.pods {
+        println!("  pod {} {} on n{}", p.name, p.ipv4, p.node);
+    }
+    println!("  external client 192.168.77.100 (no default route)");
+    let pods: Vec<_> = c.pods.iter().cloned().collect();
+    let refs: Vec<_> = pods.iter().collect();
+    let local: Vec<_> = pods.iter().filter(|p| p.name != "n1p1").collect();
+    let mut docs = c.node_objects();
+    docs.extend([
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "demo"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.10",
+                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080}]}}),
+        c.slice("web", &refs, false, "TCP"),
+        json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "local", "namespace": "demo"},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.11", "externalTrafficPolicy": "Local",
+                "healthCheckNodePort": 32000,
+                "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30081}]}}),
+        c.slice("local", &local, false, "TCP"),
+    ]);
+    c.manifests.write("cluster.yaml", &docs)?;
+    println!("  Services: demo/web NodePort 30080 (Cluster), demo/local NodePort 30081 (Local, healthCheckNodePort 32000)");
+    c.start_agents(&[])?;
+    println!("  one lb-agent per node (nsenter --net), tc programs on each node's eth0");
+
+    section("60 connects from the client to each node's NodePort 30080 (externalTrafficPolicy: Cluster)");
+    for n in 1..=3u8 {
+        let a = c.from_client("tcp", &format!("{}:30080", node_v4(n)), 60);
+        let mut seen: std::collections::BTreeMap<(String, String), usize> = Default::default();
+        for at in a.iter().filter(|a| a.ok) {
+            *seen
+                .entry((
+                    at.backend.clone().unwrap_or_default(),
+                    at.seen_from.clone().unwrap_or_default(),
+                ))
+                .or_default() += 1;
+        }
+        let parts: Vec<String> = seen
+            .iter()
+            .map(|((b, f), k)| format!("{b} x{k} (saw {f})"))
+            .collect();
+        println!(
+            "  n{n}: {}/60 answered: {}",
+            a.iter().filter(|a| a.ok).count(),
+            parts.join(", ")
+        );
+    }
+    println!("  pods on the entry node see the client; the others see the node (masquerade)");
+
+    section("NodePort 30081 (externalTrafficPolicy: Local) and its health-check node port 32000");
+    for n in 1..=3u8 {
+        let a = c.from_client("tcp", &format!("{}:30081", node_v4(n)), 10);
+        let ok: Vec<_> = a.iter().filter(|a| a.ok).collect();
+        let hc = match c.health_check(n, 32000) {
+            Ok((code, body)) => format!("{code} {}", body.trim()),
+            Err(e) => format!("error: {e:#}"),
+        };
+        println!(
+            "  n{n}: {}/10 answered{}; GET :32000 -> {hc}",
+            ok.len(),
+            ok.first()
+                .map(|a| format!(
+                    " by {} (saw {})",
+                    a.backend.as_deref().unwrap_or("?"),
+                    a.seen_from.as_deref().unwrap_or("?")
+                ))
+                .unwrap_or_else(|| " (dropped: no local endpoint)".into())
+        );
+    }
+
+    section("lb-agent inspect conntrack (n1, first lines)");
+    let out = cmd::run(
+        Command::new(integration_tests::agent_bin()?)
+            .args(["inspect", "conntrack", "--bpffs"])
+            .arg(c.agents[0].pin_dir()),
+    )?;
+    println!("{}", indent(&head(out.trim_end(), 8)));
+
+    section("Tearing down the nodes");
+    drop(c);
+    println!("  agents stopped, namespaces deleted, cgroups and pins removed");
     Ok(())
 }
 
