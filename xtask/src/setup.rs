@@ -17,6 +17,8 @@ const COMMANDS: &[(&str, &str)] = &[
     ("bridge", "iproute2"),
     ("ps", "procps"),
     ("sysctl", "procps"),
+    // Agents inside node namespaces (tests/tests/nodeport.rs).
+    ("nsenter", "util-linux"),
 ];
 
 pub fn setup() -> Result<()> {
