@@ -530,6 +530,19 @@ fn drops_and_pass_throughs() {
     let mut arp = Frame::tcp(client, 1, NODE4, 2, 0).bytes();
     arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
     assert_eq!(fx.run_bytes("tc_ingress", &arp).0, UNSPEC);
+    // ICMP (an error about a flow, say) and IPv6 with an extension header
+    // in front of TCP are passed on untouched, never translated.
+    let mut icmp = Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN).bytes();
+    icmp[14 + 9] = 1;
+    let mut hop_by_hop = Frame::tcp("fd00:77::100", 40000, NODE6, 30080, TCP_SYN).bytes();
+    hop_by_hop[14 + 6] = 0;
+    for (what, input) in [("ICMP", icmp), ("IPv6 extension header", hop_by_hop)] {
+        let (rc, out) = fx.run_bytes("tc_ingress", &input);
+        assert_eq!(rc, UNSPEC, "{what}");
+        assert_eq!(out, input, "{what}: untouched");
+        let (rc, out) = fx.run_bytes("tc_egress", &input);
+        assert_eq!((rc, &out), (UNSPEC, &input), "{what} on egress");
+    }
 }
 
 /// An IPv4 UDP datagram without a checksum keeps none.

@@ -637,3 +637,37 @@ fn tc_path_survives_agent_restarts() {
     assert_eq!(ok_count(&a), 30, "restarted: {}", show(&a));
     assert_eq!(backends(&a).len(), 3);
 }
+
+/// Conntrack lifetimes are the agent's settings: with a 1 s UDP timeout the
+/// periodic sweep empties the table, and the next datagram starts afresh.
+#[test]
+fn conntrack_entries_expire_with_the_configured_timeout() {
+    require_root!();
+    let mut c = Cluster::new("ctexp", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let pod = c.pod("n1p0").clone();
+    let mut docs = c.node_objects();
+    docs.extend([
+        service(
+            "dns",
+            &["10.96.0.53"],
+            json!({"ports": port(UDP_NODEPORT, "UDP")}),
+            json!({}),
+        ),
+        c.slice("dns", &[&pod], false, "UDP"),
+    ]);
+    c.manifests.write("dns.yaml", &docs).unwrap();
+    c.start_agents(&["--conntrack-udp-timeout", "1s"]).unwrap();
+    let target = format!("{}:{UDP_NODEPORT}", node_v4(1));
+    let a = c.from_client("udp", &target, 5);
+    assert_eq!(ok_count(&a), 5, "{}", show(&a));
+    let flows = c.agents[0].inspect_conntrack().unwrap();
+    assert_eq!(flows.len(), 10, "5 flows, both directions: {flows:?}");
+    // The sweep runs every 5 s.
+    let gone = Cluster::eventually(Duration::from_secs(12), || {
+        c.agents[0].inspect_conntrack().unwrap().is_empty()
+    });
+    assert!(gone, "{:?}", c.agents[0].inspect_conntrack().unwrap());
+    let a = c.from_client("udp", &target, 2);
+    assert_eq!(ok_count(&a), 2, "{}", show(&a));
+}
