@@ -302,6 +302,13 @@ pub struct Adopted {
 
 pub type KernelLogger = aya_log::EbpfLogger<&'static dyn log::Log>;
 
+fn sock_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut CgroupSockAddr> {
+    ebpf.program_mut(name)
+        .with_context(|| format!("program {name} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("program {name} is not a cgroup sock_addr program"))
+}
+
 /// Forwards the programs' aya-log records to the agent's log (they arrive
 /// at debug level and rarely: only on paths that indicate a problem).
 pub fn forward_kernel_logs(logger: KernelLogger) -> anyhow::Result<()> {
@@ -334,6 +341,17 @@ impl Datapath {
         cgroup: &Path,
         capacity: &Capacity,
     ) -> anyhow::Result<(Self, Adopted)> {
+        let (mut datapath, mut adopted) = Self::load_detached(pin_dir, capacity)?;
+        adopted.replaced_links = datapath.attach(cgroup)?;
+        Ok((datapath, adopted))
+    }
+
+    /// [`load`](Self::load) without attaching: the programs are verified
+    /// and the maps pinned, and an earlier run's programs keep serving from
+    /// their own maps until [`attach`](Self::attach) replaces them. The
+    /// agent attaches after its first sync when maps were recreated (they
+    /// start empty), so that a layout change costs no failed connect.
+    pub fn load_detached(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<(Self, Adopted)> {
         ensure_bpffs(pin_dir)?;
         let links_dir = pin_dir.join("links");
         fs::create_dir_all(&links_dir)
@@ -365,37 +383,10 @@ impl Datapath {
             Err(e) => tracing::warn!(error = %e, "kernel-side logs unavailable"),
         }
 
-        let cgroup_dir = fs::File::open(cgroup)
-            .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
         for name in SOCK_PROGRAMS {
-            let program: &mut CgroupSockAddr = ebpf
-                .program_mut(name)
-                .with_context(|| format!("program {name} missing from the object"))?
-                .try_into()
-                .with_context(|| format!("program {name} is not a cgroup sock_addr program"))?;
-            program
+            sock_program(&mut ebpf, name)?
                 .load()
                 .with_context(|| format!("verifying program {name}"))?;
-            // bpf_link attachments coexist with other programs of the cgroup
-            // whatever the mode; `Single` is the one that passes no flags,
-            // which is all BPF_LINK_CREATE accepts.
-            let link_id = program
-                .attach(&cgroup_dir, CgroupAttachMode::Single)
-                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
-            let link = FdLink::try_from(program.take_link(link_id)?)
-                .with_context(|| format!("link of {name}"))?;
-            let pin = links_dir.join(name);
-            // bpffs refuses names with a dot.
-            let fresh = links_dir.join(format!("{name}_new"));
-            let _ = fs::remove_file(&fresh);
-            link.pin(&fresh)
-                .with_context(|| format!("pinning the link of {name}"))?;
-            // Only now, with the new program attached, let the old one go.
-            if pin.exists() {
-                fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
-                adopted.replaced_links += 1;
-            }
-            fs::rename(&fresh, &pin).with_context(|| format!("renaming {}", fresh.display()))?;
         }
 
         let take = |ebpf: &mut Ebpf, name: &str| {
@@ -420,6 +411,40 @@ impl Datapath {
             },
             adopted,
         ))
+    }
+
+    /// Attaches the socket programs to `cgroup` through links pinned in
+    /// `pin_dir/links`; an earlier run's link is unpinned (detached) only
+    /// once its replacement is attached. Returns how many were replaced.
+    pub fn attach(&mut self, cgroup: &Path) -> anyhow::Result<usize> {
+        let links_dir = self.pin_dir.join("links");
+        let cgroup_dir = fs::File::open(cgroup)
+            .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
+        let mut replaced = 0;
+        for name in SOCK_PROGRAMS {
+            let program = sock_program(&mut self._ebpf, name)?;
+            // bpf_link attachments coexist with other programs of the cgroup
+            // whatever the mode; `Single` is the one that passes no flags,
+            // which is all BPF_LINK_CREATE accepts.
+            let link_id = program
+                .attach(&cgroup_dir, CgroupAttachMode::Single)
+                .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
+            let link = FdLink::try_from(program.take_link(link_id)?)
+                .with_context(|| format!("link of {name}"))?;
+            let pin = links_dir.join(name);
+            // bpffs refuses names with a dot.
+            let fresh = links_dir.join(format!("{name}_new"));
+            let _ = fs::remove_file(&fresh);
+            link.pin(&fresh)
+                .with_context(|| format!("pinning the link of {name}"))?;
+            // Only now, with the new program attached, let the old one go.
+            if pin.exists() {
+                fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
+                replaced += 1;
+            }
+            fs::rename(&fresh, &pin).with_context(|| format!("renaming {}", fresh.display()))?;
+        }
+        Ok(replaced)
     }
 
     pub fn maps(&mut self) -> &mut PinnedMaps {

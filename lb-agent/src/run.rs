@@ -425,6 +425,22 @@ fn watch_dir(dir: &std::path::Path, tx: mpsc::Sender<()>) -> anyhow::Result<Reco
     Ok(watcher)
 }
 
+/// Attaches the socket programs if that waited for the first sync.
+fn attach_after_sync(
+    datapath: &mut Datapath,
+    cgroup: &std::path::Path,
+    pending: &mut bool,
+) -> anyhow::Result<()> {
+    if std::mem::take(pending) {
+        let replaced = datapath.attach(cgroup)?;
+        tracing::info!(
+            replaced_links = replaced,
+            "programs attached after the first sync into recreated maps"
+        );
+    }
+    Ok(())
+}
+
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let node_name = match args.node_name.clone() {
         Some(n) => n,
@@ -469,12 +485,19 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
 
-    let (datapath, mut adopted) = Datapath::load(&args.bpffs, &cgroup, &args.capacity)?;
+    let (mut datapath, mut adopted) = Datapath::load_detached(&args.bpffs, &args.capacity)?;
     if let Some(logger) = adopted.logger.take() {
         datapath::forward_kernel_logs(logger)?;
     }
     for r in &adopted.recreated {
         tracing::warn!("map layout changed since the last run, recreated: {r}");
+    }
+    // Recreated maps start empty: programs attached now would replace the
+    // earlier run's, which still serve from the old maps, with programs that
+    // find nothing until the first sync. Attach right after it instead.
+    let mut attach_pending = !adopted.recreated.is_empty();
+    if !attach_pending {
+        adopted.replaced_links = datapath.attach(&cgroup)?;
     }
     tracing::info!(
         cgroup = %cgroup.display(),
@@ -482,7 +505,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         node = %node_name,
         adopted_frontends = adopted.services.len(),
         replaced_links = adopted.replaced_links,
-        "programs attached"
+        "{}",
+        if attach_pending {
+            "programs loaded, attached after the first sync"
+        } else {
+            "programs attached"
+        }
     );
     let reconciler = Reconciler::adopt(
         args.maglev_table_size,
@@ -515,6 +543,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // they are: an early sync would delete what is not listed yet.
     if syncer.source.complete() {
         syncer.sync();
+        attach_after_sync(&mut syncer.datapath, &cgroup, &mut attach_pending)?;
         ready.set_ready();
     }
 
@@ -558,6 +587,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         };
         if sync_now && syncer.source.complete() {
             syncer.sync();
+            attach_after_sync(&mut syncer.datapath, &cgroup, &mut attach_pending)?;
             ready.set_ready();
         }
     }

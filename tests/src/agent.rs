@@ -353,6 +353,12 @@ impl Agent {
             .with_context(|| format!("`{line}` (restarted)"))
     }
 
+    /// Adds arguments for the next [`restart`](Self::restart) (an upgrade
+    /// with other flags, say).
+    pub fn add_args(&mut self, args: &[&str]) {
+        self.args.extend(args.iter().map(OsString::from));
+    }
+
     /// Like [`restart`](Self::restart), without waiting for `/readyz`; the
     /// command line.
     pub fn respawn(&mut self) -> Result<String> {

@@ -261,3 +261,51 @@ fn udp_sockets_of_backends_that_left_while_the_agent_was_down_are_destroyed() {
     assert!(a.ok, "{a:?}");
     assert!(rest.contains(&a.backend.as_deref().unwrap()), "{a:?}");
 }
+
+#[test]
+fn a_restart_that_recreates_the_maps_fails_no_connect() {
+    require_root!();
+    // A new version whose maps differ (here: another --max-services) must
+    // recreate them, and they start empty: the old programs have to keep
+    // serving from the old maps until the new ones are filled.
+    let api = ApiServer::start();
+    let mut env = Env::new("restart-layout", 2).unwrap();
+    for o in [
+        web_service().to_value(),
+        slice(
+            &env,
+            "web",
+            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
+            &["b1", "b2"],
+        ),
+    ] {
+        api.apply(&o).unwrap();
+    }
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    assert_all_ok("before", &env.tcp("10.96.0.10:80", 5));
+    let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", 1500, 1000).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // A slow API server makes the first sync come late.
+    api.set_delay(Duration::from_millis(400));
+    let agent = env.agent.as_mut().unwrap();
+    let offset = agent.log().len();
+    agent.kill().unwrap();
+    agent.add_args(&["--max-services", "4096"]);
+    let t = Instant::now();
+    agent.restart(Duration::from_secs(20)).unwrap();
+    eprintln!("upgraded agent ready after {:?}", t.elapsed());
+    let attempts = client.join().expect("client");
+    eprintln!("connects across the upgrade:\n{}", Spread::of(&attempts));
+    let log = env.agent().log_since(offset);
+    assert!(
+        log.contains("recreated"),
+        "the layout change was not reported:\n{log}"
+    );
+    assert_all_ok(
+        "connects across a restart that recreated the maps",
+        &attempts,
+    );
+    api.set_delay(Duration::ZERO);
+    assert_all_ok("after", &env.tcp("10.96.0.10:80", 10));
+}
