@@ -56,6 +56,9 @@ pub struct Opts {
     /// Give up loading one ruleset after this long (seconds).
     #[arg(long, default_value_t = 240)]
     pub load_timeout: u64,
+    /// Only rewrite BENCHMARKS.md and the chart from target/bench/results.json.
+    #[arg(long)]
+    pub report_only: bool,
     /// Endpoints of the target Service (addresses 10.244.1.1..=N of the backend).
     #[arg(long, default_value_t = 4)]
     pub target_endpoints: u8,
@@ -269,6 +272,16 @@ fn say(msg: impl AsRef<str>) {
 }
 
 fn run(opts: &Opts) -> Result<()> {
+    if opts.report_only {
+        let root = fs::canonicalize(&opts.root).context("--root")?;
+        let path = root.join("target/bench/results.json");
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let results: Results = serde_json::from_str(&text)?;
+        report::write(&root, &results)?;
+        say("rewrote BENCHMARKS.md and docs/bench.png from the saved results");
+        return Ok(());
+    }
     if !integration_tests::is_root() {
         bail!("the benchmark needs root (network namespaces, cgroups, eBPF)");
     }
