@@ -601,3 +601,88 @@ fn source_ranges() {
     );
     assert_eq!(rc, OK);
 }
+
+/// An IPv4 ICMP error from `src` to `dst` quoting the first 28 bytes of the
+/// IP packet in `quoted` (a frame).
+fn icmp4_error(src: &str, dst: &str, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {
+    let (IpAddr::V4(s), IpAddr::V4(d)) = (ip(src), ip(dst)) else {
+        panic!("IPv4 only")
+    };
+    let mut icmp = vec![kind, code, 0, 0, 0, 0, 0x05, 0xdc];
+    icmp.extend(&quoted[14..14 + 28]);
+    let c = fold(sum16(&icmp));
+    icmp[2..4].copy_from_slice(&c.to_be_bytes());
+    let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
+    let mut h = vec![0x45, 0];
+    h.extend(((20 + icmp.len()) as u16).to_be_bytes());
+    h.extend([0, 1, 0, 0, 64, 1, 0, 0]);
+    h.extend(s.octets());
+    h.extend(d.octets());
+    let c = fold(sum16(&h));
+    h[10..12].copy_from_slice(&c.to_be_bytes());
+    f.extend(h);
+    f.extend(icmp);
+    f
+}
+
+/// The outer destination and the quoted tuple of an ICMP error, with the
+/// outer, ICMP and quoted IP checksums verified.
+fn parse_icmp4(f: &[u8]) -> (IpAddr, (IpAddr, u16), (IpAddr, u16)) {
+    assert_eq!(fold(sum16(&f[14..34])), 0, "outer IP checksum");
+    let icmp = &f[34..];
+    assert_eq!(fold(sum16(icmp)), 0, "ICMP checksum of {f:02x?}");
+    let inner = &icmp[8..];
+    assert_eq!(fold(sum16(&inner[..20])), 0, "quoted IP checksum");
+    let addr = |b: &[u8]| IpAddr::from(<[u8; 4]>::try_from(b).unwrap());
+    let port = |b: &[u8]| u16::from_be_bytes([b[0], b[1]]);
+    (
+        addr(&f[30..34]),
+        (addr(&inner[12..16]), port(&inner[20..22])),
+        (addr(&inner[16..20]), port(&inner[22..24])),
+    )
+}
+
+/// ICMP errors about a translated flow's replies (fragmentation needed from
+/// the client or a router) reach the backend, quoting the packet as the
+/// backend sent it; errors about nothing we translated pass untouched.
+#[test]
+fn icmp_errors_of_tracked_flows_reach_the_backend() {
+    if skip() {
+        return;
+    }
+    let client = "192.168.77.100";
+    let router = "192.168.77.254";
+    // (backend local?, what the backend's reply looked like before NAT)
+    for local in [true, false] {
+        let mut fx = Fixture::new();
+        let pod = if local { "10.244.1.10" } else { "10.244.2.10" };
+        fx.backend(1, pod, 8080, proto::TCP, local);
+        fx.frontend(NODE4, 30080, proto::TCP, 3, &[1]);
+        let (_, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+        );
+        let fwd = parse(&out);
+        // The reply the client saw: frontend -> client.
+        let seen = Frame::tcp(NODE4, 30080, client, 40000, TCP_SYN | TCP_ACK).bytes();
+        for from in [client, router] {
+            let err = icmp4_error(from, NODE4, 3, 4, &seen);
+            let (rc, out) = fx.run_bytes("tc_ingress", &err);
+            assert_eq!(rc, OK, "local={local} from {from}");
+            let (outer_dst, q_src, q_dst) = parse_icmp4(&out);
+            assert_eq!(outer_dst, ip(pod), "to the backend");
+            assert_eq!(q_src, (ip(pod), 8080), "quoted as the backend sent it");
+            assert_eq!(
+                q_dst,
+                (fwd.src, fwd.sport),
+                "to the client or the SNAT port"
+            );
+            assert_eq!(&out[26..30], &err[26..30], "outer source kept");
+        }
+        // An error quoting an unknown flow is not ours.
+        let other = Frame::tcp(NODE4, 30080, client, 40999, TCP_ACK).bytes();
+        let err = icmp4_error(client, NODE4, 3, 4, &other);
+        let (rc, out) = fx.run_bytes("tc_ingress", &err);
+        assert_eq!((rc, &out), (UNSPEC, &err));
+    }
+}

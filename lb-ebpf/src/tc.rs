@@ -15,9 +15,12 @@
 //! `egress`: replies of local backends leaving towards the client get their
 //! frontend back as source.
 //!
-//! Not translated, passed untouched: IPv4 fragments (no ports to go by),
-//! IPv6 with extension headers, ICMP (errors about a translated flow reach
-//! the node's own stack, which drops them: never mis-delivered).
+//! IPv4 ICMP errors about a flow's replies (fragmentation needed, from the
+//! client or a router) are translated to the backend, quoted header
+//! included. Not translated, passed untouched: IPv4 fragments (no ports to
+//! go by), IPv6 with extension headers, ICMPv6 errors and ICMP errors from
+//! the backend side (they reach the node's own stack, which finds no socket:
+//! never mis-delivered).
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
     btf_maps::PerCpuArray,
@@ -530,11 +533,117 @@ fn key_of(p: &Pkt) -> CtKey {
     }
 }
 
+const IPPROTO_ICMP: u8 = 1;
+const ICMP_DEST_UNREACH: u8 = 3;
+const ICMP_TIME_EXCEEDED: u8 = 11;
+const ICMP_PARAMETERPROB: u8 = 12;
+
+/// An IPv4 ICMP error about a reply of a translated flow (the client, or a
+/// router on the way to it, answering the frontend; "fragmentation needed"
+/// is the one that matters): the quoted packet is frontend -> client, the
+/// flow's forward entry says where it really came from. The error goes to
+/// the backend with the quoted header as the backend sent it. Anything
+/// else is passed on untouched.
+#[inline(always)]
+fn icmp4_error(ctx: &TcContext) -> i32 {
+    let Some(v) = icmp4_error_inner(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    v
+}
+
+#[inline(always)]
+fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
+    if u16::from_be(ctx.load::<u16>(12).ok()?) != ETH_P_IP {
+        return None;
+    }
+    let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
+    let ihl = (vihl & 0x0f) as usize * 4;
+    let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+    if ihl < 20 || frag & 0x3fff != 0 || ctx.load::<u8>(ETH_HLEN + 9).ok()? != IPPROTO_ICMP {
+        return None;
+    }
+    let icmp = ETH_HLEN + ihl;
+    let kind: u8 = ctx.load(icmp).ok()?;
+    if kind != ICMP_DEST_UNREACH && kind != ICMP_TIME_EXCEEDED && kind != ICMP_PARAMETERPROB {
+        return None;
+    }
+    let inner = icmp + 8;
+    let ivihl: u8 = ctx.load(inner).ok()?;
+    let iihl = (ivihl & 0x0f) as usize * 4;
+    let iproto: u8 = ctx.load(inner + 9).ok()?;
+    if iihl < 20 || (iproto != proto::TCP && iproto != proto::UDP) {
+        return None;
+    }
+    let isrc: [u8; 4] = ctx.load(inner + 12).ok()?;
+    let idst: [u8; 4] = ctx.load(inner + 16).ok()?;
+    let ports = inner + iihl;
+    let isport = u16::from_be(ctx.load::<u16>(ports).ok()?);
+    let idport = u16::from_be(ctx.load::<u16>(ports + 2).ok()?);
+    let outer_dst: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
+    // The quoted packet left as frontend -> client: the forward key is
+    // client -> frontend. The error must be addressed to the frontend.
+    if outer_dst != isrc {
+        return None;
+    }
+    let key = CtKey {
+        src: lb_common::ipv4_mapped(idst),
+        dst: lb_common::ipv4_mapped(isrc),
+        sport: idport,
+        dport: isport,
+        proto: iproto,
+        _pad: [0; 3],
+    };
+    let e = LB_CONNTRACK.get_ptr(&key)?;
+    // SAFETY: valid for this run; read in place.
+    let e = unsafe { &*e };
+    if e.flags & ct_flags::REPLY != 0 {
+        return None;
+    }
+    let backend = u32::from_ne_bytes([e.nat_dst[12], e.nat_dst[13], e.nat_dst[14], e.nat_dst[15]]);
+    let peer = u32::from_ne_bytes([e.nat_src[12], e.nat_src[13], e.nat_src[14], e.nat_src[15]]);
+    let (old_src, old_dst) = (u32::from_ne_bytes(isrc), u32::from_ne_bytes(idst));
+    let icmp_csum = icmp + 2;
+    let old_icsum: u16 = ctx.load(inner + 10).ok()?;
+    // The quoted header: frontend -> client becomes backend -> client (or
+    // node address and SNAT port); its IP checksum, then the ICMP checksum
+    // over every changed quoted byte.
+    let ok = ctx
+        .l3_csum_replace(inner + 10, old_src as u64, backend as u64, 4)
+        .is_ok()
+        && ctx
+            .l3_csum_replace(inner + 10, old_dst as u64, peer as u64, 4)
+            .is_ok()
+        && ctx.store(inner + 12, &backend, 0).is_ok()
+        && ctx.store(inner + 16, &peer, 0).is_ok()
+        && ctx.store(ports, &e.nat_dport.to_be(), 0).is_ok()
+        && ctx.store(ports + 2, &e.nat_sport.to_be(), 0).is_ok();
+    if !ok {
+        count(stat::TC_DROPPED);
+        return Some(TC_ACT_SHOT);
+    }
+    let new_icsum: u16 = ctx.load(inner + 10).ok()?;
+    let ok = ctx.l4_csum_replace(icmp_csum, old_src as u64, backend as u64, 4).is_ok()
+        && ctx.l4_csum_replace(icmp_csum, old_dst as u64, peer as u64, 4).is_ok()
+        && ctx.l4_csum_replace(icmp_csum, old_icsum as u64, new_icsum as u64, 2).is_ok()
+        && ctx.l4_csum_replace(icmp_csum, isport.to_be() as u64, e.nat_dport.to_be() as u64, 2).is_ok()
+        && ctx.l4_csum_replace(icmp_csum, idport.to_be() as u64, e.nat_sport.to_be() as u64, 2).is_ok()
+        // The outer destination: the backend (ICMP has no pseudo-header).
+        && ctx.l3_csum_replace(ETH_HLEN + 10, old_src as u64, backend as u64, 4).is_ok()
+        && ctx.store(ETH_HLEN + 16, &backend, 0).is_ok();
+    if !ok {
+        count(stat::TC_DROPPED);
+        return Some(TC_ACT_SHOT);
+    }
+    count(stat::TC_TRANSLATED);
+    Some(TC_ACT_OK)
+}
+
 /// tc ingress of an external device.
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
     let Some(p) = parse(ctx) else {
-        return TC_ACT_UNSPEC;
+        return icmp4_error(ctx);
     };
     // CVE-2020-8558: nothing from the wire is served on a loopback address.
     if is_loopback(&p) {
