@@ -481,6 +481,26 @@ impl Cluster {
         Ok(())
     }
 
+    /// Like [`start_agents`](Self::start_agents), in cluster mode against
+    /// the API server at `url` (reachable from the node namespaces).
+    pub fn start_agents_cluster(&mut self, url: &str, extra: &[&str]) -> Result<()> {
+        for n in self.nodes.clone() {
+            let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
+            let opts = AgentOpts {
+                node_name: n.name.clone(),
+                netns: Some(n.netns.clone()),
+                log_file: Some(self.dir.path().join(format!("agent-{}.log", n.name))),
+                extra_args: extra.iter().map(|s| s.to_string()).collect(),
+                ..Default::default()
+            };
+            let agent = Agent::start_cluster(crate::agent::Source::ApiServer(url), cg.path(), opts)
+                .with_context(|| format!("agent of {}", n.name))?;
+            self.cgroups.push(cg);
+            self.agents.push(agent);
+        }
+        Ok(())
+    }
+
     /// The child cgroup of node `node`'s agent (after `start_agents`).
     pub fn cgroup(&self, node: u8) -> &Path {
         self.cgroups[node as usize - 1].path()

@@ -671,3 +671,58 @@ fn conntrack_entries_expire_with_the_configured_timeout() {
     let a = c.from_client("udp", &target, 2);
     assert_eq!(ok_count(&a), 2, "{}", show(&a));
 }
+
+/// Cluster mode: the node's addresses (and so the devices and NodePorts)
+/// come from the watched Node object. The fake API server listens inside
+/// the node's namespace.
+#[test]
+fn cluster_mode_learns_node_addresses_from_the_node_object() {
+    require_root!();
+    let mut c = Cluster::new("clnp", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let ns = c.nodes[0].netns.clone();
+    let api = std::thread::spawn(move || {
+        use std::os::fd::AsRawFd as _;
+        let f = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
+        // SAFETY: setns on an open descriptor, this thread only.
+        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+        integration_tests::apiserver::ApiServer::start()
+    })
+    .join()
+    .unwrap();
+    let pod = c.pod("n1p0").clone();
+    let mut objs = c.node_objects();
+    objs.push(service(
+        "web",
+        &["10.96.0.10"],
+        json!({"ports": port(WEB_NODEPORT, "TCP")}),
+        json!({}),
+    ));
+    objs.push(c.slice("web", &[&pod], false, "TCP"));
+    for o in &objs {
+        let mut o = o.clone();
+        o["metadata"]["resourceVersion"] = json!(null);
+        if let Some(m) = o["metadata"].as_object_mut() {
+            m.remove("resourceVersion");
+        }
+        api.apply(&o).unwrap_or_else(|e| panic!("apply: {e:#}"));
+    }
+    c.start_agents_cluster(&api.url(), &[]).unwrap();
+    let target = format!("{}:{WEB_NODEPORT}", node_v4(1));
+    let ok = Cluster::eventually(Duration::from_secs(10), || {
+        ok_count(&c.from_client("tcp", &target, 3)) == 3
+    });
+    assert!(ok, "{}", c.agent_logs());
+    let a = c.from_client("tcp", &target, 10);
+    assert_eq!(ok_count(&a), 10, "{}", show(&a));
+    assert!(a
+        .iter()
+        .all(|a| a.seen_from.as_deref() == Some("192.168.77.100")));
+    assert!(
+        c.agents[0].log().contains("devices=[\"eth0\"]"),
+        "{}",
+        c.agents[0].log()
+    );
+    drop(c);
+    drop(api);
+}
