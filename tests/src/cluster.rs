@@ -102,7 +102,7 @@ pub fn frontend_backends(
     let found = list.iter().find(|f| {
         f["addr"].as_str() == Some(addr)
             && f["port"].as_u64() == Some(port as u64)
-            && protocol.map_or(true, |p| {
+            && protocol.is_none_or(|p| {
                 f["protocol"]
                     .as_str()
                     .is_some_and(|x| x.eq_ignore_ascii_case(p))

@@ -192,8 +192,10 @@ fn random_selection_moves_flows_and_the_global_flag_selects_maglev() {
     assert!(changed as f64 > 0.5 * SOCKETS as f64);
 
     // `--algorithm maglev` makes every Service Maglev without the annotation.
-    let mut opts = AgentOpts::default();
-    opts.extra_args = vec!["--algorithm".into(), "maglev".into()];
+    let opts = AgentOpts {
+        extra_args: vec!["--algorithm".into(), "maglev".into()],
+        ..Default::default()
+    };
     drop(env.agent.take());
     env.start_agent_with(opts).unwrap();
     let mut inspect = String::new();
