@@ -161,6 +161,9 @@ pub struct Capacity {
     pub max_reverse_sockets: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
     pub max_affinity: u32,
+    /// Flows of the tc path (two entries each: forward and reply).
+    #[arg(long, default_value_t = lb_common::capacity::CONNTRACK)]
+    pub max_conntrack: u32,
 }
 
 impl Default for Capacity {
@@ -171,6 +174,7 @@ impl Default for Capacity {
             max_slots: lb_common::capacity::SLOTS,
             max_reverse_sockets: lb_common::capacity::REV_SOCK,
             max_affinity: lb_common::capacity::AFFINITY,
+            max_conntrack: lb_common::capacity::CONNTRACK,
         }
     }
 }

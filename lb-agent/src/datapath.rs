@@ -223,7 +223,7 @@ fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u
             9,
             size_of::<lb_common::CtKey>(),
             size_of::<lb_common::CtEntry>(),
-            lb_common::capacity::CONNTRACK,
+            capacity.max_conntrack,
         ),
         (
             map_names::SOURCE_RANGES,
@@ -371,7 +371,8 @@ impl Datapath {
             .map_max_entries(map_names::SLOTS, capacity.max_slots)
             .map_max_entries(map_names::BACKENDS, capacity.max_backends)
             .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
-            .map_max_entries(map_names::AFFINITY, capacity.max_affinity);
+            .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
+            .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack);
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
         }
@@ -609,6 +610,7 @@ mod tests {
             max_slots: 128,
             max_reverse_sockets: 64,
             max_affinity: 64,
+            max_conntrack: 64,
         };
         let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
         assert!(adopted.services.is_empty() && adopted.recreated.is_empty());
