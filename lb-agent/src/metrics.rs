@@ -65,6 +65,9 @@ pub struct Metrics {
     pub affinity_expired: Counter,
     pub affinity_swept: Counter,
     pub udp_sockets_destroyed: Counter,
+    pub conntrack_entries: Gauge,
+    pub conntrack_expired: Counter,
+    pub conntrack_udp_purged: Counter,
 }
 
 impl Default for Metrics {
@@ -92,6 +95,9 @@ impl Metrics {
             affinity_expired: Counter::default(),
             affinity_swept: Counter::default(),
             udp_sockets_destroyed: Counter::default(),
+            conntrack_entries: Gauge::default(),
+            conntrack_expired: Counter::default(),
+            conntrack_udp_purged: Counter::default(),
         };
         registry.register(
             "sync_duration_seconds",
@@ -157,6 +163,21 @@ impl Metrics {
             "udp_sockets_destroyed",
             "Connected UDP sockets destroyed because their backend left the Service",
             m.udp_sockets_destroyed.clone(),
+        );
+        registry.register(
+            "conntrack_entries",
+            "tc path conntrack entries (two per flow) after the last sweep",
+            m.conntrack_entries.clone(),
+        );
+        registry.register(
+            "conntrack_expired",
+            "tc path conntrack entries deleted because their timeout passed",
+            m.conntrack_expired.clone(),
+        );
+        registry.register(
+            "conntrack_udp_purged",
+            "tc path UDP conntrack entries deleted because their backend left",
+            m.conntrack_udp_purged.clone(),
         );
         Self {
             registry: Arc::new(registry),

@@ -345,6 +345,7 @@ impl Syncer {
             }
             if !departed.is_empty() {
                 let n = tc.purge_udp(departed);
+                self.metrics.conntrack_udp_purged.inc_by(n as u64);
                 if n > 0 {
                     tracing::info!(
                         entries = n,
@@ -373,7 +374,9 @@ impl Syncer {
     fn sweep_conntrack(&mut self) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
-            let n = tc.sweep(&timeouts);
+            let (left, n) = tc.sweep(&timeouts);
+            self.metrics.conntrack_entries.set(left as i64);
+            self.metrics.conntrack_expired.inc_by(n as u64);
             if n > 0 {
                 tracing::debug!(entries = n, "expired conntrack entries removed");
             }

@@ -248,20 +248,16 @@ impl TcMaps {
         Ok(())
     }
 
-    /// Deletes expired entries; the count deleted.
-    pub fn sweep(&mut self, t: &Timeouts) -> usize {
+    /// Deletes expired entries: (entries left, entries deleted).
+    pub fn sweep(&mut self, t: &Timeouts) -> (usize, usize) {
         let now = monotonic_now_ns();
-        let stale: Vec<CtKey> = self
-            .conntrack
+        let all: Vec<(CtKey, CtEntry)> = self.conntrack.iter().filter_map(Result::ok).collect();
+        let deleted = all
             .iter()
-            .filter_map(Result::ok)
             .filter(|(k, e)| !entry_live(k, e, now, t))
-            .map(|(k, _)| k)
-            .collect();
-        stale
-            .iter()
-            .filter(|k| self.conntrack.remove(k).is_ok())
-            .count()
+            .filter(|(k, _)| self.conntrack.remove(k).is_ok())
+            .count();
+        (all.len() - deleted, deleted)
     }
 
     /// Deletes the UDP flows (both directions) to backends that left their

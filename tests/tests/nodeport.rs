@@ -668,6 +668,13 @@ fn conntrack_entries_expire_with_the_configured_timeout() {
         c.agents[0].inspect_conntrack().unwrap().is_empty()
     });
     assert!(gone, "{:?}", c.agents[0].inspect_conntrack().unwrap());
+    let (_, metrics) = c.agents[0].get("/metrics").unwrap();
+    let expired: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("lb_conntrack_expired_total "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{metrics}"));
+    assert!(expired >= 10.0, "{metrics}");
     let a = c.from_client("udp", &target, 2);
     assert_eq!(ok_count(&a), 2, "{}", show(&a));
 }
