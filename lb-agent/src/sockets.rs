@@ -625,7 +625,11 @@ def rx(name, s):
         r = "timeout"
     except OSError as e:
         r = errno.errorcode.get(e.errno, str(e.errno))
-    print("RECV", name, r, flush=True)
+    # One write under a lock: print() from threads interleaves its pieces.
+    with out_lock:
+        sys.stdout.write(f"RECV {name} {r}\n")
+        sys.stdout.flush()
+out_lock = threading.Lock()
 threads = [threading.Thread(target=rx, args=(n, s)) for n, s in socks.items()]
 for t in threads:
     t.start()
