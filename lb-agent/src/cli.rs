@@ -19,7 +19,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Load the programs, attach them, and keep the maps in sync.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Read the pinned maps and show what the datapath does.
     Inspect {
         #[command(subcommand)]

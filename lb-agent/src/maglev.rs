@@ -88,7 +88,7 @@ mod tests {
             let size = size as u32;
             assert!((2..size)
                 .take_while(|d| d * d <= size)
-                .all(|d| size % d != 0));
+                .all(|d| !size.is_multiple_of(d)));
         }
         let t = build(&names(5), 251);
         assert_eq!(t.len(), 251);

@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
             .enable_all()
             .build()
             .context("starting the runtime")?
-            .block_on(run::run(args)),
+            .block_on(run::run(*args)),
         Command::Inspect { what } => match what {
             InspectWhat::Services { bpffs, json } => {
                 let views = inspect::read_services(&bpffs)?;
