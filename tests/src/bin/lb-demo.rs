@@ -294,7 +294,7 @@ fn nodeport_part() -> Result<()> {
         println!("  pod {} {} on n{}", p.name, p.ipv4, p.node);
     }
     println!("  external client 192.168.77.100 (no default route)");
-    let pods: Vec<_> = c.pods.iter().cloned().collect();
+    let pods: Vec<_> = c.pods.to_vec();
     let refs: Vec<_> = pods.iter().collect();
     let local: Vec<_> = pods.iter().filter(|p| p.name != "n1p1").collect();
     let mut docs = c.node_objects();
