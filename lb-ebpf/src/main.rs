@@ -10,6 +10,7 @@
 #![no_std]
 #![no_main]
 
+mod lb;
 mod maps;
 mod sock;
 mod tc;

@@ -6,20 +6,19 @@
 //! `lb-common` (IPv4 mapped), so both families share one path.
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
-    helpers::{
-        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_ns,
-        bpf_set_retval,
-    },
+    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
     programs::SockAddrContext,
     EbpfContext,
 };
 use lb_common::{
-    ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, stat, AffinityEntry,
-    AffinityKey, Backend, BackendId, BackendSlotKey, ReverseSockKey, ReverseSockValue, ServiceKey,
-    ServiceValue,
+    ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, stat, AffinityKey, Backend,
+    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
 };
 
-use crate::maps::{count, LB_AFFINITY, LB_BACKENDS, LB_REV_SOCK, LB_SERVICES, LB_SLOTS};
+use crate::{
+    lb,
+    maps::{count, LB_REV_SOCK, LB_SERVICES},
+};
 
 /// Let the syscall proceed (with whatever address the program left).
 const PROCEED: i32 = 1;
@@ -118,39 +117,11 @@ fn refuse(_ctx: &SockAddrContext) -> i32 {
     REJECT
 }
 
-#[inline(always)]
-fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
-    // SAFETY: the value is copied out at once; the agent replaces values
-    // whole, so a copy is either the old or the new one.
-    LB_SERVICES
-        .get_ptr(key)
-        .map(|p| unsafe { core::ptr::read(p) })
-}
-
-#[inline(always)]
-pub(crate) fn backend_by_id(id: u32) -> Option<Backend> {
-    // SAFETY: copied out at once, as in `lookup_service`.
-    LB_BACKENDS
-        .get_ptr(&BackendId { id })
-        .map(|p| unsafe { core::ptr::read(p) })
-}
-
-#[inline(always)]
-pub(crate) fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
-    let key = BackendSlotKey {
-        backend_set: svc.backend_set,
-        slot,
-    };
-    // SAFETY: copied out at once, as in `lookup_service`.
-    let id = unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id;
-    Some((id, backend_by_id(id)?))
-}
-
-/// A backend for a new flow: through the Maglev table when the frontend
-/// has one, else uniformly at random.
+/// A backend for a new flow. The socket path's flow is the socket (see
+/// `lb_common::select::flow_hash`); its client is the pod's netns.
 #[inline(always)]
 fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    let slot = if select::uses_maglev(svc) {
+    let hash = || {
         // SAFETY: plain helper calls on the program's own context.
         let (sock, netns) = unsafe {
             (
@@ -158,44 +129,15 @@ fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
                 bpf_get_netns_cookie(ctx.as_ptr()),
             )
         };
-        select::maglev_slot(svc, select::flow_hash(sock, netns, svc.id))
-    } else {
-        // SAFETY: plain helper call.
-        select::slot(svc, unsafe { bpf_get_prandom_u32() })?
+        select::flow_hash(sock, netns, svc.id)
     };
-    backend_of(svc, slot)
-}
-
-/// sessionAffinity ClientIP: the client's pod (its netns) keeps its backend
-/// while it keeps using it within the timeout. The agent deletes entries
-/// whose backend left the Service, so a live entry is always a valid choice.
-#[inline(always)]
-fn choose_with_affinity(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
+    if svc.flags & service_flags::AFFINITY == 0 {
+        return lb::choose(svc, hash);
+    }
     // SAFETY: plain helper calls on the program's own context.
     let (netns, now) = unsafe { (bpf_get_netns_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
     let key = AffinityKey::for_netns(netns, svc.id);
-    if let Some(entry) = LB_AFFINITY.get_ptr_mut(&key) {
-        // SAFETY: the pointer is valid for this program run; a concurrent
-        // update of the same 8-byte timestamp is harmless.
-        let e = unsafe { core::ptr::read(entry) };
-        if select::affinity_live(&e, now, svc.affinity_timeout) {
-            if let Some(b) = backend_by_id(e.backend_id) {
-                unsafe { (*entry).last_used_ns = now };
-                count(stat::AFFINITY_HIT);
-                return Some((e.backend_id, b));
-            }
-        }
-    }
-    let (id, backend) = choose(ctx, svc)?;
-    let entry = AffinityEntry {
-        backend_id: id,
-        _pad: 0,
-        last_used_ns: now,
-    };
-    // A full LRU map evicts its oldest entry; failing to record only costs
-    // this client its stickiness for one connection.
-    let _ = LB_AFFINITY.insert(&key, &entry, BPF_ANY as u64);
-    Some((id, backend))
+    lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
 }
 
 /// connect and sendmsg: rewrite a frontend to one of its backends.
@@ -212,7 +154,7 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
-    let Some(svc) = lookup_service(&key) else {
+    let Some(svc) = lb::lookup_service(&key) else {
         // A live VIP on a port it does not serve: refuse, as kube-proxy does.
         if LB_SERVICES
             .get_ptr(&ServiceKey::wildcard(dst.addr, scope::INTERNAL))
@@ -222,12 +164,7 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
         }
         return PROCEED;
     };
-    let chosen = if svc.flags & service_flags::AFFINITY != 0 {
-        choose_with_affinity(ctx, &svc)
-    } else {
-        choose(ctx, &svc)
-    };
-    let Some((_id, backend)) = chosen else {
+    let Some((_id, backend)) = choose(ctx, &svc) else {
         if svc.active > 0 || svc.terminating > 0 {
             // The agent publishes whole sets, so this means the maps were
             // edited by hand or are full; say so instead of refusing quietly.

@@ -33,14 +33,13 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    ct_flags, is_ipv4_mapped, proto, scope, select, service_flags, source_range, stat,
-    AffinityEntry, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue, SourceRangeData,
-    TcConfig,
+    ct_flags, is_ipv4_mapped, proto, scope, select, service_flags, source_range, stat, AffinityKey,
+    Backend, CtEntry, CtKey, ServiceKey, ServiceValue, SourceRangeData, TcConfig,
 };
 
 use crate::{
-    maps::{count, LB_AFFINITY, LB_CONNTRACK, LB_SERVICES, LB_SOURCE_RANGES, LB_TC_CONFIG},
-    sock::{backend_by_id, backend_of},
+    lb,
+    maps::{count, LB_CONNTRACK, LB_SOURCE_RANGES, LB_TC_CONFIG},
 };
 
 /// Not ours: let the next program (or the stack) decide.
@@ -310,14 +309,6 @@ fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) {
     }
 }
 
-#[inline(always)]
-fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
-    // SAFETY: copied out at once; the agent replaces values whole.
-    LB_SERVICES
-        .get_ptr(key)
-        .map(|p| unsafe { core::ptr::read(p) })
-}
-
 /// `loadBalancerSourceRanges`: the longest match of (frontend, source).
 #[inline(always)]
 fn source_allowed(p: &Pkt) -> bool {
@@ -337,46 +328,21 @@ fn source_allowed(p: &Pkt) -> bool {
     }
 }
 
+/// A backend for a new flow: the tc path hashes the 5-tuple, and its client
+/// is the packet's source address.
 #[inline(always)]
-fn choose(p: &Pkt, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    let slot = if select::uses_maglev(svc) {
-        let h = select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto);
-        select::maglev_slot(svc, h)
-    } else {
-        // SAFETY: plain helper call.
-        select::slot(svc, unsafe { bpf_get_prandom_u32() })?
-    };
-    backend_of(svc, slot)
-}
-
-/// sessionAffinity ClientIP on the tc path: keyed by the source address.
-#[inline(always)]
-fn choose_with_affinity(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+    let hash = || select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto);
+    if svc.flags & service_flags::AFFINITY == 0 {
+        return lb::choose(svc, hash);
+    }
     let key = AffinityKey {
         client: p.src,
         service_id: svc.id,
         kind: lb_common::affinity_client::SOURCE_IP,
         _pad: [0; 3],
     };
-    if let Some(entry) = LB_AFFINITY.get_ptr_mut(&key) {
-        // SAFETY: valid for this run; see the socket path.
-        let e = unsafe { core::ptr::read(entry) };
-        if select::affinity_live(&e, now, svc.affinity_timeout) {
-            if let Some(b) = backend_by_id(e.backend_id) {
-                unsafe { (*entry).last_used_ns = now };
-                count(stat::AFFINITY_HIT);
-                return Some((e.backend_id, b));
-            }
-        }
-    }
-    let (id, backend) = choose(p, svc)?;
-    let entry = AffinityEntry {
-        backend_id: id,
-        _pad: 0,
-        last_used_ns: now,
-    };
-    let _ = LB_AFFINITY.insert(&key, &entry, BPF_ANY as u64);
-    Some((id, backend))
+    lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
 }
 
 /// A source port on the masquerade address that no live flow to this
@@ -421,7 +387,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         proto: p.proto,
         scope: scope::EXTERNAL,
     };
-    let Some(svc) = lookup_service(&skey) else {
+    let Some(svc) = lb::lookup_service(&skey) else {
         return TC_ACT_UNSPEC;
     };
     if svc.flags & service_flags::WILDCARD != 0 {
@@ -431,11 +397,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         count(stat::TC_DROPPED);
         return TC_ACT_SHOT;
     }
-    let chosen = if svc.flags & service_flags::AFFINITY != 0 {
-        choose_with_affinity(p, &svc, now)
-    } else {
-        choose(p, &svc)
-    };
+    let chosen = choose(p, &svc, now);
     // No backend (externalTrafficPolicy Local without local endpoints):
     // dropped, as kube-proxy does.
     let Some((backend_id, b)) = chosen else {
