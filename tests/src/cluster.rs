@@ -12,9 +12,35 @@ use std::{
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde_json::{json, Value};
 
-use crate::{cmd, probe::Attempt, Env, Spread};
+use crate::{
+    cmd,
+    manifests::{Endpoint, EndpointSlice},
+    probe::Attempt,
+    Env, Spread,
+};
 
 /// Adds `metadata.labels[key] = value` to an object.
+/// An EndpointSlice `name` of `service` (namespace `demo`) with `ports`
+/// (name, port, protocol) and the ready IPv4 endpoints of `hosts`.
+pub fn ready_slice(
+    env: &Env,
+    service: &str,
+    name: &str,
+    ports: &[(&str, u16, &str)],
+    hosts: &[&str],
+) -> Value {
+    let mut s = EndpointSlice::new("demo", name, service);
+    for (n, p, proto) in ports {
+        s = s.port(n, *p, proto);
+    }
+    s.endpoints(
+        hosts
+            .iter()
+            .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
+    )
+    .to_value()
+}
+
 pub fn with_label(mut obj: Value, key: &str, value: &str) -> Value {
     obj["metadata"]["labels"][key] = json!(value);
     obj

@@ -8,7 +8,7 @@ use std::time::Duration;
 use common::*;
 use integration_tests::{
     apiserver::{ApiServer, Kind},
-    cluster::{metric, metric_sum, poll_tcp, with_conditions, with_label},
+    cluster::{metric, metric_sum, poll_tcp, ready_slice, with_conditions, with_label},
     manifests::{Endpoint, EndpointSlice, Service},
     require_root, wait_until, AgentOpts, Env, Proto, Spread,
 };
@@ -17,25 +17,6 @@ use serde_json::{json, Value};
 const POLL: Duration = Duration::from_secs(10);
 
 /// Slice `name` of Service `service` with the named backends ready.
-fn slice(
-    env: &Env,
-    service: &str,
-    name: &str,
-    ports: &[(&str, u16, &str)],
-    hosts: &[&str],
-) -> Value {
-    let mut s = EndpointSlice::new("demo", name, service);
-    for (n, p, proto) in ports {
-        s = s.port(n, *p, proto);
-    }
-    s.endpoints(
-        hosts
-            .iter()
-            .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
-    )
-    .to_value()
-}
-
 fn apply(api: &ApiServer, objs: &[Value]) {
     for o in objs {
         api.apply(o)
@@ -86,7 +67,7 @@ fn services_and_slices_follow_the_api() {
         &api,
         &[
             web().to_value(),
-            slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
+            ready_slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
             // Another proxy's Service: never ours.
             with_label(
                 Service::new("demo", "theirs")
@@ -96,7 +77,7 @@ fn services_and_slices_follow_the_api() {
                 "service.kubernetes.io/service-proxy-name",
                 "other-proxy",
             ),
-            slice(
+            ready_slice(
                 &env,
                 "theirs",
                 "theirs-1",
@@ -125,13 +106,19 @@ fn services_and_slices_follow_the_api() {
     // Scaled up, then down.
     apply(
         &api,
-        &[slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"])],
+        &[ready_slice(
+            &env,
+            "web",
+            "web-1",
+            &ports,
+            &["b1", "b2", "b3"],
+        )],
     );
     until_backends(&env, "scaled up", "10.96.0.10:80", &["b1", "b2", "b3"]);
-    apply(&api, &[slice(&env, "web", "web-1", &ports, &["b3"])]);
+    apply(&api, &[ready_slice(&env, "web", "web-1", &ports, &["b3"])]);
     until_backends(&env, "scaled down", "10.96.0.10:80", &["b3"]);
     // A second slice of the same Service is merged in.
-    apply(&api, &[slice(&env, "web", "web-2", &ports, &["b1"])]);
+    apply(&api, &[ready_slice(&env, "web", "web-2", &ports, &["b1"])]);
     until_backends(&env, "second slice", "10.96.0.10:80", &["b1", "b3"]);
 
     // The named target port moves to 9090 in the slices.
@@ -139,8 +126,8 @@ fn services_and_slices_follow_the_api() {
     apply(
         &api,
         &[
-            slice(&env, "web", "web-1", &ports9090, &["b3"]),
-            slice(&env, "web", "web-2", &ports9090, &["b1"]),
+            ready_slice(&env, "web", "web-1", &ports9090, &["b3"]),
+            ready_slice(&env, "web", "web-2", &ports9090, &["b1"]),
         ],
     );
     assert!(
@@ -194,7 +181,7 @@ fn metrics_of_a_cluster_mode_agent() {
         &api,
         &[
             web_service().to_value(),
-            slice(
+            ready_slice(
                 &env,
                 "web",
                 "web-1",
@@ -281,9 +268,9 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
         &api,
         &[
             svc("a", "10.96.0.10"),
-            slice(&env, "a", "a-1", &ports, &["b1", "b2"]),
+            ready_slice(&env, "a", "a-1", &ports, &["b1", "b2"]),
             svc("b", "10.96.0.11"),
-            slice(&env, "b", "b-1", &ports, &["b3"]),
+            ready_slice(&env, "b", "b-1", &ports, &["b3"]),
         ],
     );
     env.start_cluster_agent(&api.url(), AgentOpts::default())
@@ -334,7 +321,7 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
     api.expire_watches();
     apply(
         &api,
-        &[slice(&env, "a", "a-1", &ports, &["b1", "b2", "b3"])],
+        &[ready_slice(&env, "a", "a-1", &ports, &["b1", "b2", "b3"])],
     );
     until_backends(&env, "after 410", "10.96.0.10:80", &["b1", "b2", "b3"]);
     assert!(
@@ -348,7 +335,7 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
     // 2. Connections dropped mid-stream: a re-watch from the last version
     // replays what happened meanwhile.
     api.drop_connections();
-    apply(&api, &[slice(&env, "a", "a-1", &ports, &["b1"])]);
+    apply(&api, &[ready_slice(&env, "a", "a-1", &ports, &["b1"])]);
     until_backends(&env, "after dropped connections", "10.96.0.10:80", &["b1"]);
 
     // 3. Broken watch, history compacted, objects deleted meanwhile, slow
@@ -358,7 +345,7 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
     api.drop_connections();
     api.delete(Kind::Service, "demo", "b").unwrap();
     api.delete(Kind::EndpointSlice, "demo", "b-1").unwrap();
-    apply(&api, &[slice(&env, "a", "a-1", &ports, &["b2"])]);
+    apply(&api, &[ready_slice(&env, "a", "a-1", &ports, &["b2"])]);
     api.compact();
     // Meanwhile, the last good state keeps serving.
     assert_all_ok("a while the watch is broken", &env.tcp("10.96.0.10:80", 5));
@@ -398,12 +385,12 @@ fn api_server_outage_loses_nothing() {
         &api,
         &[
             web_service().to_value(),
-            slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
+            ready_slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
             Service::new("demo", "old")
                 .cluster_ip("10.96.0.11")
                 .port("http", 80, "TCP", json!(8080))
                 .to_value(),
-            slice(&env, "old", "old-1", &ports, &["b1"]),
+            ready_slice(&env, "old", "old-1", &ports, &["b1"]),
         ],
     );
     env.start_cluster_agent(&api.url(), AgentOpts::default())
@@ -416,12 +403,12 @@ fn api_server_outage_loses_nothing() {
     apply(
         &api,
         &[
-            slice(&env, "web", "web-1", &ports, &["b3"]),
+            ready_slice(&env, "web", "web-1", &ports, &["b3"]),
             Service::new("demo", "new")
                 .cluster_ip("10.96.0.12")
                 .port("http", 80, "TCP", json!(8080))
                 .to_value(),
-            slice(&env, "new", "new-1", &ports, &["b2"]),
+            ready_slice(&env, "new", "new-1", &ports, &["b2"]),
         ],
     );
     api.delete(Kind::Service, "demo", "old").unwrap();
@@ -470,7 +457,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears() {
         integration_tests::netns::pod_v4(h[1..].parse().unwrap()).into()
     };
     // b1 and b2 serving and terminating; b3 neither ready nor serving.
-    let s = slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
+    let s = ready_slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
     let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
     let s = with_conditions(s, &[b("b3")], false, false, true);
     apply(&api, &[web_service().to_value(), s]);
@@ -486,7 +473,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears() {
     );
 
     // A ready endpoint appears: only it gets new connections.
-    let s = slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
+    let s = ready_slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
     let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
     apply(&api, &[web_service().to_value(), s]);
     until_backends(&env, "a ready endpoint", "10.96.0.10:80", &["b3"]);
@@ -495,7 +482,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears() {
     assert_eq!(Spread::of(&a).count("b3"), 60);
 
     // It goes away: back to the terminating ones.
-    let s = slice(&env, "web", "web-1", &ports, &["b1", "b2"]);
+    let s = ready_slice(&env, "web", "web-1", &ports, &["b1", "b2"]);
     let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
     apply(&api, &[s]);
     until_backends(&env, "ready one gone", "10.96.0.10:80", &["b1", "b2"]);
@@ -515,7 +502,7 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
         &api,
         &[
             dns.to_value(),
-            slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
+            ready_slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
         ],
     );
     env.start_cluster_agent(&api.url(), AgentOpts::default())
@@ -544,7 +531,7 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
     // The backend leaves the Service (its pod still answers, as a
     // terminating pod would: without the destroy the socket would keep
     // talking to it).
-    apply(&api, &[slice(&env, "dns", "dns-1", &ports, &rest)]);
+    apply(&api, &[ready_slice(&env, "dns", "dns-1", &ports, &rest)]);
     let mut events = Vec::new();
     let aborted = loop {
         let a = next();
@@ -631,9 +618,9 @@ fn backend_sets_change_atomically_under_load() {
         &api,
         &[
             svc("rand", "10.96.0.10"),
-            slice(&env, "rand", "rand-1", &ports, sets[0]),
+            ready_slice(&env, "rand", "rand-1", &ports, sets[0]),
             integration_tests::cluster::with_maglev(svc("mag", "10.96.0.11")),
-            slice(&env, "mag", "mag-1", &ports, sets[0]),
+            ready_slice(&env, "mag", "mag-1", &ports, sets[0]),
         ],
     );
     env.start_cluster_agent(&api.url(), AgentOpts::default())
@@ -653,8 +640,8 @@ fn backend_sets_change_atomically_under_load() {
         apply(
             &api,
             &[
-                slice(&env, "rand", "rand-1", &ports, set),
-                slice(&env, "mag", "mag-1", &ports, set),
+                ready_slice(&env, "rand", "rand-1", &ports, set),
+                ready_slice(&env, "mag", "mag-1", &ports, set),
             ],
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -748,7 +735,7 @@ fn a_large_list_is_programmed_whole_and_relisted_without_rewrites() {
                     .cluster_ip(&vip(i))
                     .port("http", 80, "TCP", json!(8080))
                     .to_value(),
-                slice(
+                ready_slice(
                     &env,
                     &name,
                     &format!("{name}-1"),

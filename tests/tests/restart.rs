@@ -9,23 +9,14 @@ use std::time::{Duration, Instant};
 use common::*;
 use integration_tests::{
     apiserver::ApiServer,
-    cluster::{paced_client, poll_tcp},
-    manifests::{Endpoint, EndpointSlice, Service},
+    cluster::{paced_client, poll_tcp, ready_slice},
+    manifests::Service,
     require_root, AgentOpts, Env, Proto, Spread,
 };
 use serde_json::{json, Value};
 
 fn slice(env: &Env, service: &str, ports: &[(&str, u16, &str)], hosts: &[&str]) -> Value {
-    let mut s = EndpointSlice::new("demo", &format!("{service}-1"), service);
-    for (n, p, proto) in ports {
-        s = s.port(n, *p, proto);
-    }
-    s.endpoints(
-        hosts
-            .iter()
-            .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
-    )
-    .to_value()
+    ready_slice(env, service, &format!("{service}-1"), ports, hosts)
 }
 
 /// The `key=N` fields of the first "synced" line in `log`.
