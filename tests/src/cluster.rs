@@ -243,6 +243,20 @@ impl ProbeChild {
         serde_json::from_str(&l).with_context(|| format!("bad line {l:?}"))
     }
 
+    /// Reads attempts until the first failed one; returns it with the
+    /// successful ones before it. Fails after `limit` attempts without error.
+    pub fn until_error(&self, limit: usize) -> Result<(Attempt, Vec<Attempt>)> {
+        let mut ok = Vec::new();
+        while ok.len() < limit {
+            let a = self.next_attempt(Duration::from_secs(5))?;
+            if !a.ok {
+                return Ok((a, ok));
+            }
+            ok.push(a);
+        }
+        bail!("no failed attempt among {limit}: {ok:?}")
+    }
+
     /// Writes one line to the child's stdin.
     pub fn send_line(&mut self, text: &str) -> Result<()> {
         let Some(stdin) = self.stdin.as_mut() else {

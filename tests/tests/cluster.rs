@@ -532,21 +532,12 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
     // terminating pod would: without the destroy the socket would keep
     // talking to it).
     apply(&api, &[ready_slice(&env, "dns", "dns-1", &ports, &rest)]);
-    let mut events = Vec::new();
-    let aborted = loop {
-        let a = next();
-        events.push(a.clone());
-        if !a.ok {
-            break a;
-        }
-        assert!(
-            events.len() < 100,
-            "no error on the socket 10 s after its backend left: {events:?}"
-        );
-    };
+    let (aborted, replies) = probe
+        .until_error(100)
+        .unwrap_or_else(|e| panic!("the socket was not destroyed after its backend left: {e:#}"));
     eprintln!(
         "after {} more replies from {gone}: {aborted:?}",
-        events.len() - 1
+        replies.len()
     );
     assert_eq!(
         aborted.error.as_deref(),
@@ -567,18 +558,9 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
     // The whole Service goes: its connected sockets are destroyed too, and
     // a new connect finds no Service behind the address.
     api.delete(Kind::Service, "demo", "dns").unwrap();
-    let mut events = Vec::new();
-    let aborted = loop {
-        let a = next();
-        events.push(a.clone());
-        if !a.ok {
-            break a;
-        }
-        assert!(
-            events.len() < 100,
-            "no error on the socket 10 s after its Service was deleted: {events:?}"
-        );
-    };
+    let (aborted, _) = probe
+        .until_error(100)
+        .unwrap_or_else(|e| panic!("the socket was not destroyed with its Service: {e:#}"));
     assert_eq!(
         (aborted.stage.as_deref(), aborted.error.as_deref()),
         (Some("recv"), Some("ECONNABORTED")),
@@ -701,18 +683,9 @@ fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
     let gone = a.backend.clone().unwrap();
     let stay = if gone == "b1" { "b2" } else { "b1" };
     apply(&api, &[slice6(&env, &[stay])]);
-    let mut seen = Vec::new();
-    let err = loop {
-        let a = next();
-        seen.push(a.clone());
-        if !a.ok {
-            break a;
-        }
-        assert!(
-            seen.len() < 100,
-            "the IPv6 socket was not destroyed: {seen:?}"
-        );
-    };
+    let (err, _) = probe
+        .until_error(100)
+        .unwrap_or_else(|e| panic!("the IPv6 socket was not destroyed: {e:#}"));
     eprintln!("IPv6: {gone} left: {err:?}");
     assert_eq!(err.error.as_deref(), Some("ECONNABORTED"), "{err:?}");
     let a = next();

@@ -233,19 +233,12 @@ fn udp_sockets_of_backends_that_left_while_the_agent_was_down_are_destroyed() {
         .unwrap()
         .restart(Duration::from_secs(20))
         .unwrap();
-    let mut seen = Vec::new();
-    let err = loop {
-        let a = next();
-        seen.push(a.clone());
-        if !a.ok {
-            break a;
-        }
-        assert!(
-            seen.len() < 100,
-            "the socket to {gone} survived the restart: {seen:?}\n{}",
+    let (err, _) = probe.until_error(100).unwrap_or_else(|e| {
+        panic!(
+            "the socket to {gone} survived the restart: {e:#}\n{}",
             env.agent().log()
-        );
-    };
+        )
+    });
     eprintln!("{gone} left while the agent was down; after the restart: {err:?}");
     assert_eq!(err.error.as_deref(), Some("ECONNABORTED"), "{err:?}");
     let a = next();
