@@ -173,7 +173,7 @@ impl PinnedMaps {
 /// What a map must look like to be adopted: (type, key size, value size,
 /// max entries). `bpf_map_type` numbers: hash 1, array 2, per-CPU array 6,
 /// LRU hash 9, LPM trie 11.
-fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u32); 9] {
+fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u32); 10] {
     use std::mem::size_of;
     [
         (
@@ -203,6 +203,13 @@ fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u
             size_of::<lb_common::ReverseSockKey>(),
             size_of::<lb_common::ReverseSockValue>(),
             capacity.max_reverse_sockets,
+        ),
+        (
+            map_names::SOCK_PEER,
+            24,
+            size_of::<i32>(),
+            size_of::<lb_common::SockPeer>(),
+            0,
         ),
         (
             map_names::AFFINITY,

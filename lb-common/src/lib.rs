@@ -180,6 +180,30 @@ pub struct ReverseSockValue {
     pub service_id: u32,
 }
 
+/// What a TCP socket's connect was rewritten to: value of `LB_SOCK_PEER`,
+/// socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`, key: the socket). A TCP
+/// socket has one peer, so its reverse view lives with the socket and is
+/// freed with it: no shared LRU insert, no evictions under connect churn.
+/// UDP keeps `LB_REV_SOCK`, since one unconnected socket may address many
+/// frontends and the agent looks its sockets up by cookie.
+///
+/// | offset | field           | meaning                              |
+/// |--------|-----------------|--------------------------------------|
+/// | 0      | `backend_addr`  | the address connect went to; mapped  |
+/// | 16     | `frontend_addr` | the address the socket asked for     |
+/// | 32     | `backend_port`  | host order                           |
+/// | 34     | `frontend_port` | host order                           |
+/// | 36     | `service_id`    | `ServiceValue::id` of the frontend   |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockPeer {
+    pub backend_addr: [u8; 16],
+    pub frontend_addr: [u8; 16],
+    pub backend_port: u16,
+    pub frontend_port: u16,
+    pub service_id: u32,
+}
+
 /// `AffinityKey::kind`: what identifies the client.
 pub mod affinity_client {
     /// Socket path: the client's network namespace cookie in `client[..8]`
@@ -380,16 +404,18 @@ pub mod map_names {
     pub const SLOTS: &str = "LB_SLOTS";
     pub const BACKENDS: &str = "LB_BACKENDS";
     pub const REV_SOCK: &str = "LB_REV_SOCK";
+    pub const SOCK_PEER: &str = "LB_SOCK_PEER";
     pub const AFFINITY: &str = "LB_AFFINITY";
     pub const STATS: &str = "LB_STATS";
     pub const CONNTRACK: &str = "LB_CONNTRACK";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
     pub const TC_CONFIG: &str = "LB_TC_CONFIG";
-    pub const ALL: [&str; 9] = [
+    pub const ALL: [&str; 10] = [
         SERVICES,
         SLOTS,
         BACKENDS,
         REV_SOCK,
+        SOCK_PEER,
         AFFINITY,
         STATS,
         CONNTRACK,
@@ -419,6 +445,7 @@ const _: () = {
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<ReverseSockKey>() == 32);
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
+    assert!(core::mem::size_of::<SockPeer>() == 40);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);
@@ -440,6 +467,7 @@ mod pod {
     unsafe impl aya::Pod for Backend {}
     unsafe impl aya::Pod for ReverseSockKey {}
     unsafe impl aya::Pod for ReverseSockValue {}
+    unsafe impl aya::Pod for SockPeer {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
     unsafe impl aya::Pod for CtKey {}

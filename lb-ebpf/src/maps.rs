@@ -1,13 +1,13 @@
 //! The maps every hook shares. Layouts live in `lb-common`; the capacities
 //! here are defaults the agent overrides at load time.
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SourceRangeData,
-    TcConfig,
+    CtEntry, CtKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
+    SourceRangeData, TcConfig,
 };
 
 #[btf_map]
@@ -28,6 +28,10 @@ pub static LB_REV_SOCK: LruHashMap<
     ReverseSockValue,
     { capacity::REV_SOCK as usize },
 > = LruHashMap::new();
+
+/// The reverse view of connected TCP sockets, stored with the socket.
+#[btf_map]
+pub static LB_SOCK_PEER: SkStorage<SockPeer> = SkStorage::new();
 
 #[btf_map]
 pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityEntry, { capacity::AFFINITY as usize }> =

@@ -1,8 +1,9 @@
 //! Socket-layer translation at the cgroup sock_addr hooks.
 //!
 //! `forward` (connect, sendmsg): frontend -> backend, remembering the pair per
-//! socket in `LB_REV_SOCK`. `reverse` (recvmsg, getpeername): backend ->
-//! frontend, from that memory. Addresses are handled as the 16-byte form of
+//! socket: with the socket itself for TCP (`LB_SOCK_PEER`), in `LB_REV_SOCK`
+//! for UDP. `reverse` (recvmsg, getpeername): backend -> frontend, from that
+//! memory. Addresses are handled as the 16-byte form of
 //! `lb-common` (IPv4 mapped), so both families share one path.
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
@@ -12,12 +13,12 @@ use aya_ebpf::{
 };
 use lb_common::{
     ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, stat, AffinityKey, Backend,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
+    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
 };
 
 use crate::{
     lb,
-    maps::{count, LB_REV_SOCK, LB_SERVICES},
+    maps::{count, LB_REV_SOCK, LB_SERVICES, LB_SOCK_PEER},
 };
 
 /// Let the syscall proceed (with whatever address the program left).
@@ -180,31 +181,96 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
     if !write_addr(ctx, family, &backend.addr, backend.port) {
         return refuse(ctx);
     }
+    if proto == proto::TCP {
+        remember_peer(ctx, &dst, &backend, svc.id);
+    } else {
+        remember_datagram_peer(ctx, &dst, &backend, svc.id);
+    }
+    count(stat::TRANSLATED);
+    PROCEED
+}
+
+/// A TCP socket's one peer, kept with the socket and freed with it.
+#[inline(always)]
+fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend, service_id: u32) {
+    let peer = SockPeer {
+        backend_addr: backend.addr,
+        frontend_addr: frontend.addr,
+        backend_port: backend.port,
+        frontend_port: frontend.port,
+        service_id,
+    };
+    // SAFETY: the helper takes the context's own socket; a null result
+    // (allocation failed) only loses the reverse view, never the connection.
+    let slot = unsafe { LB_SOCK_PEER.get_or_insert_ptr_mut(ctx, None) };
+    if !slot.is_null() {
+        // SAFETY: non-null storage of this socket, sized for a SockPeer. A
+        // second connect of the same socket overwrites the first's peer.
+        unsafe { *slot = peer };
+    }
+}
+
+/// A UDP socket may address many frontends: one entry per (socket, backend).
+#[inline(always)]
+fn remember_datagram_peer(
+    ctx: &SockAddrContext,
+    frontend: &SockAddr,
+    backend: &Backend,
+    service_id: u32,
+) {
     // SAFETY: plain helper call on the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let rev_key = ReverseSockKey {
+    let key = ReverseSockKey {
         cookie,
         addr: backend.addr,
         port: backend.port,
         _pad: [0; 6],
     };
-    let rev = ReverseSockValue {
-        addr: dst.addr,
-        port: dst.port,
+    let value = ReverseSockValue {
+        addr: frontend.addr,
+        port: frontend.port,
         _pad: 0,
-        service_id: svc.id,
+        service_id,
     };
     // A full LRU map evicts the oldest entry; failure only loses the reverse
     // view of this socket, never the connection, so it is not fatal.
-    let _ = LB_REV_SOCK.insert(&rev_key, &rev, BPF_ANY as u64);
-    count(stat::TRANSLATED);
-    PROCEED
+    let _ = LB_REV_SOCK.insert(&key, &value, BPF_ANY as u64);
 }
 
 /// recvmsg and getpeername: show the frontend the socket addressed.
 #[inline(always)]
 pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
     let src = read_addr(ctx, family);
+    let frontend = if protocol(ctx) == proto::TCP {
+        tcp_frontend(ctx, &src)
+    } else {
+        datagram_frontend(ctx, &src)
+    };
+    if let Some((addr, port)) = frontend {
+        if write_addr(ctx, family, &addr, port) {
+            count(stat::REVERSED);
+        }
+    }
+    PROCEED
+}
+
+#[inline(always)]
+fn tcp_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)> {
+    // SAFETY: lookup only (no create) on the context's own socket.
+    let slot = unsafe { LB_SOCK_PEER.get_ptr_mut(ctx) };
+    if slot.is_null() {
+        return None;
+    }
+    // SAFETY: non-null storage of this socket; copied out at once.
+    let peer = unsafe { core::ptr::read(slot) };
+    // Only the peer we connected it to: a socket connected directly (or
+    // reconnected past us) keeps its real peer.
+    (peer.backend_addr == src.addr && peer.backend_port == src.port)
+        .then_some((peer.frontend_addr, peer.frontend_port))
+}
+
+#[inline(always)]
+fn datagram_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)> {
     // SAFETY: plain helper call on the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let key = ReverseSockKey {
@@ -213,13 +279,8 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
         port: src.port,
         _pad: [0; 6],
     };
-    let Some(rev) = LB_REV_SOCK.get_ptr(&key) else {
-        return PROCEED;
-    };
+    let rev = LB_REV_SOCK.get_ptr(&key)?;
     // SAFETY: copied out at once.
     let rev = unsafe { core::ptr::read(rev) };
-    if write_addr(ctx, family, &rev.addr, rev.port) {
-        count(stat::REVERSED);
-    }
-    PROCEED
+    Some((rev.addr, rev.port))
 }
