@@ -3,15 +3,29 @@
 //! Bad input never aborts a load: each problem becomes a [`Rejection`] and
 //! only the offending object (or file, when it does not parse) is skipped,
 //! so one typo cannot take every other Service down with it.
+//!
+//! [`ManifestDir`] keeps what each file decoded to, keyed by the file's
+//! length, times and inode: a change re-reads only the files that changed
+//! and replaces only their objects in the [`Store`], which is what keeps a
+//! one-endpoint change cheap next to a large file of other Services.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, BTreeSet, HashMap},
+    ffi::OsString,
     fs,
     path::{Path, PathBuf},
+    time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use k8s_openapi::{api::core::v1::Node, apimachinery::pkg::apis::meta::v1::ObjectMeta, Metadata};
+use k8s_openapi::{
+    api::{
+        core::v1::{Endpoints, Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    Metadata,
+};
 use serde::{de::DeserializeOwned, Deserialize};
-use serde_json::Value;
+use serde_json::{value::RawValue, Value};
 
 use crate::store::{ObjectKey, Rejection, Store};
 
@@ -49,33 +63,178 @@ impl Format {
 /// Loads every manifest file directly in `dir` (not recursively), in file
 /// name order so that "first wins" on duplicates is deterministic.
 pub fn load_dir(dir: &Path) -> (Store, Vec<Rejection>) {
-    let mut loader = Loader::default();
-    match manifest_files(dir) {
-        Ok(files) => {
-            for (path, format) in files {
-                loader.load_file(&path, format);
-            }
-        }
-        Err(err) => loader.reject(
-            dir.display().to_string(),
-            "",
-            "",
-            format!("cannot read the manifests directory: {err}"),
-        ),
-    }
-    (loader.store, loader.rejections)
+    let mut manifests = ManifestDir::new(dir);
+    manifests.refresh();
+    let rejections = manifests.rejections();
+    (manifests.objects.store, rejections)
 }
 
 /// Loads the manifests in `text`, reporting problems against `source`.
 pub fn load_str(source: &str, text: &str, format: Format) -> (Store, Vec<Rejection>) {
-    let mut loader = Loader::default();
-    loader.load_text(source, text, format);
-    (loader.store, loader.rejections)
+    let mut objects = Objects::default();
+    let mut changes = Changes::default();
+    objects.replace_file(
+        OsString::from(source),
+        Some(parse_file(source, text, format)),
+        &mut changes,
+    );
+    let rejections = objects.rejections();
+    (objects.store, rejections)
 }
 
-/// The manifest files of `dir`, sorted by name. Symlinks are followed, so a
-/// ConfigMap volume (whose files are links into a hidden `..data`) works.
-fn manifest_files(dir: &Path) -> std::io::Result<Vec<(PathBuf, Format)>> {
+/// Which stored objects a refresh added, replaced or removed. Translation
+/// uses it to redo only the Services these touch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub services: BTreeSet<ObjectKey>,
+    pub slices: BTreeSet<ObjectKey>,
+    pub endpoints: BTreeSet<ObjectKey>,
+    pub nodes: BTreeSet<String>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty()
+            && self.slices.is_empty()
+            && self.endpoints.is_empty()
+            && self.nodes.is_empty()
+    }
+}
+
+/// What identifies a version of a file without reading it. A rename into
+/// place brings a new inode; an edit in place moves the change time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Stamp {
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+    ino: u64,
+    dev: u64,
+}
+
+/// File times move in clock ticks (at most 10 ms, HZ=100), so two writes of
+/// the same length within one tick leave the same stamp. A file changed
+/// that close to when it was read is read again (git's "racy" entries);
+/// the margin is several ticks, and short enough that a large file copied
+/// in just before the agent started is not read twice.
+const RACY_MARGIN: Duration = Duration::from_millis(100);
+
+impl Stamp {
+    /// Whether the file may have changed since `read_at` without its stamp
+    /// showing it.
+    fn racy(&self, read_at: SystemTime) -> bool {
+        let read_at = read_at
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .saturating_sub(RACY_MARGIN);
+        let as_duration = |(s, ns): (i64, i64)| {
+            Duration::new(
+                u64::try_from(s).unwrap_or(0),
+                u32::try_from(ns).unwrap_or(0),
+            )
+        };
+        as_duration(self.ctime) >= read_at || as_duration(self.mtime) >= read_at
+    }
+
+    fn of(meta: &fs::Metadata) -> Self {
+        use std::os::unix::fs::MetadataExt;
+        Stamp {
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+            ino: meta.ino(),
+            dev: meta.dev(),
+        }
+    }
+}
+
+/// A manifests directory and what its files decoded to.
+pub struct ManifestDir {
+    dir: PathBuf,
+    /// The stamp each cached file had, and when it was read.
+    stamps: BTreeMap<OsString, (Stamp, SystemTime)>,
+    /// The directory itself could not be listed.
+    dir_error: Option<Rejection>,
+    objects: Objects,
+}
+
+impl ManifestDir {
+    pub fn new(dir: &Path) -> Self {
+        ManifestDir {
+            dir: dir.to_owned(),
+            stamps: BTreeMap::new(),
+            dir_error: None,
+            objects: Objects::default(),
+        }
+    }
+
+    /// The objects as of the last [`refresh`](Self::refresh).
+    pub fn store(&self) -> &Store {
+        &self.objects.store
+    }
+
+    /// Every problem found, in file name order, then document order.
+    pub fn rejections(&self) -> Vec<Rejection> {
+        let mut out: Vec<Rejection> = self.dir_error.iter().cloned().collect();
+        out.extend(self.objects.rejections());
+        out
+    }
+
+    /// Re-reads the files that appeared, changed or went away since the last
+    /// call, and updates the store with their objects only.
+    pub fn refresh(&mut self) -> Changes {
+        let mut changes = Changes::default();
+        let listed = match manifest_files(&self.dir) {
+            Ok(files) => {
+                self.dir_error = None;
+                files
+            }
+            Err(err) => {
+                self.dir_error = Some(Rejection::new(
+                    self.dir.display().to_string(),
+                    "",
+                    "",
+                    format!("cannot read the manifests directory: {err}"),
+                ));
+                Vec::new()
+            }
+        };
+        let names: BTreeSet<&OsString> = listed.iter().map(|(name, ..)| name).collect();
+        let gone: Vec<OsString> = self
+            .stamps
+            .keys()
+            .filter(|name| !names.contains(name))
+            .cloned()
+            .collect();
+        for name in gone {
+            self.stamps.remove(&name);
+            self.objects.replace_file(name, None, &mut changes);
+        }
+        for (name, path, format, stamp) in listed {
+            if let Some((cached, read_at)) = self.stamps.get(&name) {
+                if *cached == stamp && !stamp.racy(*read_at) {
+                    continue;
+                }
+            }
+            let read_at = SystemTime::now();
+            let source = path.display().to_string();
+            let parsed = match fs::read_to_string(&path) {
+                Ok(text) => parse_file(&source, &text, format),
+                Err(err) => ParsedFile::unreadable(&source, err),
+            };
+            // Stamped as listed: a write after the listing shows up as a
+            // change on the next refresh instead of being missed.
+            self.stamps.insert(name.clone(), (stamp, read_at));
+            self.objects.replace_file(name, Some(parsed), &mut changes);
+        }
+        changes
+    }
+}
+
+/// The manifest files of `dir`, sorted by name, with their stamps. Symlinks
+/// are followed, so a ConfigMap volume (whose files are links into a hidden
+/// `..data`) works.
+fn manifest_files(dir: &Path) -> std::io::Result<Vec<(OsString, PathBuf, Format, Stamp)>> {
     let mut files = Vec::new();
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
@@ -83,11 +242,15 @@ fn manifest_files(dir: &Path) -> std::io::Result<Vec<(PathBuf, Format)>> {
             continue;
         };
         // A dangling link is not a file: skipped like a directory would be.
-        if fs::metadata(&path).is_ok_and(|m| m.is_file()) {
-            files.push((path, format));
+        match fs::metadata(&path) {
+            Ok(meta) if meta.is_file() => {
+                let name = path.file_name().unwrap_or_default().to_owned();
+                files.push((name, path, format, Stamp::of(&meta)));
+            }
+            _ => {}
         }
     }
-    files.sort_by(|(a, _), (b, _)| a.file_name().cmp(&b.file_name()));
+    files.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(files)
 }
 
@@ -99,137 +262,596 @@ const ACCEPTED: [(&str, &str); 4] = [
     ("v1", "Node"),
 ];
 
-#[derive(Default)]
-struct Loader {
-    store: Store,
-    rejections: Vec<Rejection>,
-    /// Where each stored object came from, by its label ("Service ns/name"),
-    /// to name both files when a duplicate shows up.
-    origins: BTreeMap<String, String>,
+/// The kinds of object the store holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Service,
+    Slice,
+    Endpoints,
+    Node,
 }
 
-impl Loader {
+/// One decoded object, with its key in the store (a Node's namespace is "").
+#[derive(Clone, Debug, PartialEq)]
+enum Object {
+    Service(Box<Service>),
+    Slice(Box<EndpointSlice>),
+    Endpoints(Box<Endpoints>),
+    Node(Box<Node>),
+}
+
+impl Object {
+    fn put(self, store: &mut Store, key: &ObjectKey) {
+        let key = key.clone();
+        match self {
+            Object::Service(o) => {
+                store.services.insert(key, *o);
+            }
+            Object::Slice(o) => {
+                store.slices.insert(key, *o);
+            }
+            Object::Endpoints(o) => {
+                store.endpoints.insert(key, *o);
+            }
+            Object::Node(o) => {
+                store.nodes.insert(key.name, *o);
+            }
+        }
+    }
+
+    fn take(store: &mut Store, kind: Kind, key: &ObjectKey) -> Option<Object> {
+        Some(match kind {
+            Kind::Service => Object::Service(Box::new(store.services.remove(key)?)),
+            Kind::Slice => Object::Slice(Box::new(store.slices.remove(key)?)),
+            Kind::Endpoints => Object::Endpoints(Box::new(store.endpoints.remove(key)?)),
+            Kind::Node => Object::Node(Box::new(store.nodes.remove(&key.name)?)),
+        })
+    }
+}
+
+impl Changes {
+    fn note(&mut self, kind: Kind, key: &ObjectKey) {
+        match kind {
+            Kind::Service => self.services.insert(key.clone()),
+            Kind::Slice => self.slices.insert(key.clone()),
+            Kind::Endpoints => self.endpoints.insert(key.clone()),
+            Kind::Node => self.nodes.insert(key.name.clone()),
+        };
+    }
+}
+
+/// One entry of a file's outcome, in document order.
+#[derive(Debug)]
+enum Item {
+    /// Reported as it is (syntax, unknown kind, no name).
+    Rejected(Rejection),
+    /// An object named `label` ("Service ns/name"): `Ok` when it decoded
+    /// (the object went to the store or waits as a duplicate), else the
+    /// field and reason. Whether it is a duplicate depends on the other
+    /// files, so its rejection is worked out in [`Objects::rejections`].
+    Object {
+        label: String,
+        kind: Kind,
+        key: ObjectKey,
+        decoded: Result<(), (String, String)>,
+    },
+}
+
+/// What one file decoded to.
+#[derive(Debug, Default)]
+struct ParsedFile {
+    source: String,
+    items: Vec<Item>,
+    /// The decoded objects, by their index in `items`.
+    objects: Vec<(usize, Object)>,
+}
+
+impl ParsedFile {
+    fn unreadable(source: &str, err: std::io::Error) -> Self {
+        let mut file = ParsedFile {
+            source: source.to_owned(),
+            ..Default::default()
+        };
+        file.reject("", "", format!("cannot read: {err}"));
+        file
+    }
+
     fn reject(
         &mut self,
-        source: impl Into<String>,
         object: impl Into<String>,
         field: impl Into<String>,
         reason: impl Into<String>,
     ) {
-        self.rejections
-            .push(Rejection::new(source, object, field, reason));
+        let rejection = Rejection::new(self.source.clone(), object, field, reason);
+        self.items.push(Item::Rejected(rejection));
     }
+}
 
-    fn load_file(&mut self, path: &Path, format: Format) {
-        let source = path.display().to_string();
-        match fs::read_to_string(path) {
-            Ok(text) => self.load_text(&source, &text, format),
-            Err(err) => self.reject(source, "", "", format!("cannot read: {err}")),
+/// Where a definition is: file name, then index among the file's items.
+type Position = (OsString, usize);
+
+/// The objects of every file, and which definition of each wins.
+#[derive(Default)]
+struct Objects {
+    store: Store,
+    /// Per file, in name order: its source (path) and items.
+    files: BTreeMap<OsString, (String, Vec<Item>)>,
+    /// The definition each stored object came from, by label.
+    winners: HashMap<String, Position>,
+    /// Decoded definitions that lost to an earlier one, kept so that one
+    /// takes over when the winner goes away without re-reading its file.
+    shadowed: HashMap<String, BTreeMap<Position, Object>>,
+}
+
+impl Objects {
+    /// Replaces the objects of file `name` by `parsed` (`None`: the file is
+    /// gone), keeping "the first definition in file name order wins".
+    fn replace_file(&mut self, name: OsString, parsed: Option<ParsedFile>, changes: &mut Changes) {
+        // Every label this file defined or defines now, to elect again.
+        let mut contested: BTreeMap<String, (Kind, ObjectKey)> = BTreeMap::new();
+        if let Some((_, items)) = self.files.remove(&name) {
+            for (i, item) in items.into_iter().enumerate() {
+                let Item::Object {
+                    label,
+                    kind,
+                    key,
+                    decoded: Ok(()),
+                } = item
+                else {
+                    continue;
+                };
+                let pos = (name.clone(), i);
+                if self.winners.get(&label) == Some(&pos) {
+                    // Its object stays in the store until `elect` knows
+                    // what replaces it: unchanged objects are no change.
+                    self.winners.remove(&label);
+                } else if let Some(defs) = self.shadowed.get_mut(&label) {
+                    defs.remove(&pos);
+                    if defs.is_empty() {
+                        self.shadowed.remove(&label);
+                    }
+                }
+                contested.insert(label, (kind, key));
+            }
+        }
+        if let Some(parsed) = parsed {
+            let ParsedFile {
+                source,
+                items,
+                objects,
+            } = parsed;
+            for (i, object) in objects {
+                let Item::Object {
+                    label, kind, key, ..
+                } = &items[i]
+                else {
+                    continue;
+                };
+                self.shadowed
+                    .entry(label.clone())
+                    .or_default()
+                    .insert((name.clone(), i), object);
+                contested.insert(label.clone(), (*kind, key.clone()));
+            }
+            self.files.insert(name, (source, items));
+        }
+        for (label, (kind, key)) in contested {
+            self.elect(&label, kind, &key, changes);
         }
     }
 
-    fn load_text(&mut self, source: &str, text: &str, format: Format) {
-        match format {
-            Format::Json => {
-                // An editor may leave the file empty for a moment: that is
-                // "no objects", not a syntax error.
-                if text.trim().is_empty() {
-                    return;
-                }
-                match serde_json::from_str::<Value>(text) {
-                    Ok(value) => self.load_document(source, "document 1", value),
-                    Err(err) => self.reject(source, "", "", format!("invalid JSON: {err}")),
+    /// Puts the earliest definition of `label` into the store. A winner
+    /// whose file changed was unregistered but is still in the store.
+    fn elect(&mut self, label: &str, kind: Kind, key: &ObjectKey, changes: &mut Changes) {
+        let best = self
+            .shadowed
+            .get(label)
+            .and_then(|defs| defs.keys().next().cloned());
+        let current = self.winners.get(label).cloned();
+        match (current, best) {
+            (Some(cur), Some(best)) if cur < best => {}
+            (Some(_), None) => {}
+            (None, None) => {
+                if Object::take(&mut self.store, kind, key).is_some() {
+                    changes.note(kind, key);
                 }
             }
-            Format::Yaml => {
-                for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
-                    let label = format!("document {}", i + 1);
-                    // Two steps: the YAML value only fails on syntax errors,
-                    // after which the parser cannot go on; the conversion to
-                    // JSON fails on YAML-only shapes (e.g. non-string keys),
-                    // which only spoil this document.
-                    let yaml = match serde_yaml::Value::deserialize(document) {
-                        Ok(yaml) => yaml,
-                        Err(err) => {
-                            self.reject(source, label, "", format!("invalid YAML: {err}"));
-                            break;
+            (current, Some(best)) => {
+                let defs = self.shadowed.get_mut(label).expect("has a best");
+                let object = defs.remove(&best).expect("listed");
+                if defs.is_empty() {
+                    self.shadowed.remove(label);
+                }
+                let previous = Object::take(&mut self.store, kind, key);
+                if previous.as_ref() != Some(&object) {
+                    changes.note(kind, key);
+                }
+                // Still defined, now after `best`: shadowed from now on.
+                // (Without a current winner, its file changed: the old
+                // object is gone.)
+                if let (Some(cur), Some(previous)) = (current, previous) {
+                    self.shadowed
+                        .entry(label.to_owned())
+                        .or_default()
+                        .insert(cur, previous);
+                }
+                object.put(&mut self.store, key);
+                self.winners.insert(label.to_owned(), best);
+            }
+        }
+    }
+
+    /// Every problem, in file name order, then item order.
+    fn rejections(&self) -> Vec<Rejection> {
+        let mut out = Vec::new();
+        for (name, (source, items)) in &self.files {
+            for (i, item) in items.iter().enumerate() {
+                match item {
+                    Item::Rejected(r) => out.push(r.clone()),
+                    Item::Object { label, decoded, .. } => {
+                        let winner = self.winners.get(label);
+                        let here = (name.clone(), i);
+                        match winner {
+                            Some(w) if *w == here => {}
+                            // The first definition wins; a rejected one
+                            // never counts as a definition.
+                            Some(w) if *w < here => {
+                                let first = &self.files[&w.0].0;
+                                let reason =
+                                    format!("duplicate: already defined in {first}, which wins");
+                                out.push(Rejection::new(
+                                    source.clone(),
+                                    label.clone(),
+                                    "metadata.name",
+                                    reason,
+                                ));
+                            }
+                            _ => {
+                                if let Err((field, reason)) = decoded {
+                                    out.push(Rejection::new(
+                                        source.clone(),
+                                        label.clone(),
+                                        field.clone(),
+                                        reason.clone(),
+                                    ));
+                                }
+                            }
                         }
-                    };
-                    match serde_json::to_value(yaml) {
-                        Ok(value) => self.load_document(source, &label, value),
-                        Err(err) => self.reject(
-                            source,
-                            label,
-                            "",
-                            format!("not a JSON-compatible document: {err}"),
-                        ),
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Decodes one file. Pure: the directory side is in [`ManifestDir`].
+fn parse_file(source: &str, text: &str, format: Format) -> ParsedFile {
+    let mut file = ParsedFile {
+        source: source.to_owned(),
+        ..Default::default()
+    };
+    match format {
+        Format::Json => {
+            // An editor may leave the file empty for a moment: that is
+            // "no objects", not a syntax error.
+            if text.trim().is_empty() {
+                return file;
+            }
+            // Straight from the text into the typed objects: a Value tree
+            // of a large file would cost several times its size. A
+            // document that is an object (the usual case) is read once for
+            // its header and List items, then each item once more when it
+            // is decoded.
+            let trimmed = text.trim_start();
+            if trimmed.starts_with('{') {
+                if let Ok(top) = serde_json::from_str::<RawTop<'_>>(trimmed) {
+                    file.raw_top("document 1", trimmed, top);
+                    return file;
+                }
+            }
+            // Not an object, or not valid: let the generic path say which.
+            match serde_json::from_str::<&RawValue>(text) {
+                Ok(raw) => file.raw_document("document 1", raw),
+                Err(err) => file.reject("", "", format!("invalid JSON: {err}")),
+            }
+        }
+        Format::Yaml => {
+            for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
+                let label = format!("document {}", i + 1);
+                // Two steps: the YAML value only fails on syntax errors,
+                // after which the parser cannot go on; the conversion to
+                // JSON fails on YAML-only shapes (e.g. non-string keys),
+                // which only spoil this document.
+                let yaml = match serde_yaml::Value::deserialize(document) {
+                    Ok(yaml) => yaml,
+                    Err(err) => {
+                        file.reject(label, "", format!("invalid YAML: {err}"));
+                        break;
+                    }
+                };
+                match serde_json::to_value(yaml) {
+                    Ok(value) => file.value_document(&label, value),
+                    Err(err) => {
+                        file.reject(label, "", format!("not a JSON-compatible document: {err}"))
                     }
                 }
             }
         }
     }
+    file
+}
 
-    /// One document: empty, a `List`, or a single object.
-    fn load_document(&mut self, source: &str, label: &str, value: Value) {
+/// What decides where an object goes, read before its typed decoding.
+/// Fields that are not strings count as missing, as with a Value tree.
+#[derive(Default)]
+struct Header {
+    api_version: String,
+    kind: String,
+    name: String,
+    namespace: String,
+}
+
+/// The top of a JSON object, borrowed from the text.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RawTop<'a> {
+    #[serde(borrow, default)]
+    api_version: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    kind: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    metadata: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    items: Option<Items<'a>>,
+}
+
+/// The `items` of a `List`: each element kept as text, or what stood there
+/// instead of a list. Read in the same pass as the rest of the header.
+enum Items<'a> {
+    List(Vec<&'a RawValue>),
+    Null,
+    Other(&'static str),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Items<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        struct Visitor<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Visitor<'a> {
+            type Value = Items<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("anything")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<&'a RawValue>()? {
+                    items.push(item);
+                }
+                Ok(Items::List(items))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Items::Null)
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(Items::Null)
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Items::Other("a boolean"))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Items::Other("a number"))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(Items::Other("a number"))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Items::Other("a number"))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(Items::Other("a string"))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                while map
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(Items::Other("a mapping"))
+            }
+        }
+        de.deserialize_any(Visitor(std::marker::PhantomData))
+    }
+}
+
+#[derive(Deserialize)]
+struct RawMeta<'a> {
+    #[serde(borrow, default)]
+    name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    namespace: Option<&'a RawValue>,
+}
+
+/// The string a raw JSON value holds, "" for anything else.
+fn raw_str(raw: Option<&RawValue>) -> String {
+    raw.filter(|r| r.get().starts_with('"'))
+        .and_then(|r| serde_json::from_str::<String>(r.get()).ok())
+        .unwrap_or_default()
+}
+
+/// What a raw JSON value is, for messages (see [`describe`]).
+fn describe_raw(raw: &RawValue) -> &'static str {
+    match raw.get().as_bytes().first() {
+        Some(b'n') => "nothing",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'"') => "a string",
+        Some(b'[') => "a list",
+        Some(b'{') => "a mapping",
+        _ => "a number",
+    }
+}
+
+impl Header {
+    fn of_value(value: &Value) -> Self {
+        let text = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("").to_owned();
+        let metadata = value.get("metadata");
+        Header {
+            api_version: text(value.get("apiVersion")),
+            kind: text(value.get("kind")),
+            name: text(metadata.and_then(|m| m.get("name"))),
+            namespace: text(metadata.and_then(|m| m.get("namespace"))),
+        }
+    }
+
+    fn of_raw(top: &RawTop<'_>) -> Self {
+        let meta = top
+            .metadata
+            .filter(|m| m.get().starts_with('{'))
+            .and_then(|m| serde_json::from_str::<RawMeta<'_>>(m.get()).ok());
+        Header {
+            api_version: raw_str(top.api_version),
+            kind: raw_str(top.kind),
+            name: raw_str(meta.as_ref().and_then(|m| m.name)),
+            namespace: raw_str(meta.as_ref().and_then(|m| m.namespace)),
+        }
+    }
+
+    /// `apiVersion: v1, kind: List`, what `kubectl get -o yaml` writes.
+    fn is_list(&self) -> bool {
+        self.api_version == "v1" && self.kind == "List"
+    }
+}
+
+impl ParsedFile {
+    /// One JSON document: empty, a `List`, or a single object.
+    fn raw_document(&mut self, label: &str, raw: &RawValue) {
+        if raw.get() == "null" {
+            return;
+        }
+        let top = match raw.get().starts_with('{') {
+            true => serde_json::from_str::<RawTop<'_>>(raw.get()).ok(),
+            false => None,
+        };
+        let Some(top) = top else {
+            return self.raw_object(label, raw, None);
+        };
+        self.raw_top(label, raw.get(), top);
+    }
+
+    /// A JSON object whose header was read: a `List` or a single object.
+    fn raw_top(&mut self, label: &str, text: &str, top: RawTop<'_>) {
+        let header = Header::of_raw(&top);
+        if !header.is_list() {
+            let object = |kind| decode_text(kind, text);
+            return self.object(label, header, object);
+        }
+        match top.items {
+            None | Some(Items::Null) => {}
+            Some(Items::List(items)) => {
+                for (i, item) in items.into_iter().enumerate() {
+                    self.raw_object(&format!("{label} items[{i}]"), item, None);
+                }
+            }
+            Some(Items::Other(found)) => self.reject(
+                label,
+                "items",
+                format!("expected a list of objects, found {found}"),
+            ),
+        }
+    }
+
+    fn raw_object(&mut self, label: &str, raw: &RawValue, header: Option<Header>) {
+        let header = match header {
+            Some(h) => h,
+            None => {
+                let top = match raw.get().starts_with('{') {
+                    true => serde_json::from_str::<RawTop<'_>>(raw.get()).ok(),
+                    false => None,
+                };
+                match top {
+                    Some(top) => Header::of_raw(&top),
+                    None => {
+                        let reason = format!(
+                            "expected a Kubernetes object (a mapping), found {}",
+                            describe_raw(raw)
+                        );
+                        return self.reject(label, "", reason);
+                    }
+                }
+            }
+        };
+        self.object(label, header, |kind| decode_text(kind, raw.get()));
+    }
+
+    /// One YAML document: empty, a `List`, or a single object.
+    fn value_document(&mut self, label: &str, value: Value) {
         match value {
             Value::Null => {}
             Value::Object(mut list) if is_list(&list) => match list.remove("items") {
                 None | Some(Value::Null) => {}
                 Some(Value::Array(items)) => {
                     for (i, item) in items.into_iter().enumerate() {
-                        self.load_object(source, &format!("{label} items[{i}]"), item);
+                        self.value_object(&format!("{label} items[{i}]"), item);
                     }
                 }
                 Some(other) => self.reject(
-                    source,
                     label,
                     "items",
                     format!("expected a list of objects, found {}", describe(&other)),
                 ),
             },
-            value => self.load_object(source, label, value),
+            value => self.value_object(label, value),
         }
     }
 
-    fn load_object(&mut self, source: &str, label: &str, value: Value) {
+    fn value_object(&mut self, label: &str, value: Value) {
         if !value.is_object() {
             let reason = format!(
                 "expected a Kubernetes object (a mapping), found {}",
                 describe(&value)
             );
-            return self.reject(source, label, "", reason);
+            return self.reject(label, "", reason);
         }
-        // Owned: `value` is consumed by the typed decoding below.
-        let text = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or("").to_owned();
-        let api_version = text(value.get("apiVersion"));
-        let kind = text(value.get("kind"));
-        let metadata = value.get("metadata");
-        let name = text(metadata.and_then(|m| m.get("name")));
-        let namespace = match text(metadata.and_then(|m| m.get("namespace"))) {
-            ns if ns.is_empty() => DEFAULT_NAMESPACE.to_owned(),
-            ns => ns,
-        };
-        let (api_version, kind, name, namespace) = (
-            api_version.as_str(),
-            kind.as_str(),
-            name.as_str(),
-            namespace.as_str(),
-        );
+        let header = Header::of_value(&value);
+        self.object(label, header, |kind| decode_value(kind, value));
+    }
 
-        if !ACCEPTED.contains(&(api_version, kind)) {
+    /// Checks the kind and name, then decodes the typed object.
+    fn object(
+        &mut self,
+        label: &str,
+        header: Header,
+        decode: impl FnOnce(Kind) -> Result<Object, (String, String)>,
+    ) {
+        let Header {
+            api_version,
+            kind,
+            name,
+            namespace,
+        } = header;
+        let namespace = if namespace.is_empty() {
+            DEFAULT_NAMESPACE.to_owned()
+        } else {
+            namespace
+        };
+        let (api_version, kind_str) = (api_version.as_str(), kind.as_str());
+        if !ACCEPTED.contains(&(api_version, kind_str)) {
             // Name the object as precisely as the document allows.
-            let object = match (kind.is_empty(), name.is_empty()) {
-                (false, false) => format!("{kind} {namespace}/{name}"),
+            let object = match (kind_str.is_empty(), name.is_empty()) {
+                (false, false) => format!("{kind_str} {namespace}/{name}"),
                 _ => label.to_owned(),
             };
             let accepted = ACCEPTED.map(|(v, k)| format!("{v} {k}")).join(", ");
-            let found = match (api_version, kind) {
+            let found = match (api_version, kind_str) {
                 (_, "") => "no kind".to_owned(),
                 ("", kind) => format!("kind {kind} without apiVersion"),
                 (api_version, kind) => format!("{api_version} {kind}"),
             };
             return self.reject(
-                source,
                 object,
                 "kind",
                 format!("unsupported object: {found} (accepted: {accepted})"),
@@ -237,60 +859,113 @@ impl Loader {
         }
         if name.is_empty() {
             return self.reject(
-                source,
                 label,
                 "metadata.name",
-                format!("a {kind} needs a metadata.name"),
+                format!("a {kind_str} needs a metadata.name"),
             );
         }
-
-        let object_label = if kind == "Node" {
-            format!("Node {name}")
-        } else {
-            format!("{kind} {namespace}/{name}")
+        let (kind, label, key) = match kind_str {
+            "Service" => (
+                Kind::Service,
+                format!("Service {namespace}/{name}"),
+                ObjectKey::new(namespace, name),
+            ),
+            "EndpointSlice" => (
+                Kind::Slice,
+                format!("EndpointSlice {namespace}/{name}"),
+                ObjectKey::new(namespace, name),
+            ),
+            "Endpoints" => (
+                Kind::Endpoints,
+                format!("Endpoints {namespace}/{name}"),
+                ObjectKey::new(namespace, name),
+            ),
+            _ => (Kind::Node, format!("Node {name}"), ObjectKey::new("", name)),
         };
-        // The first definition wins; a rejected one never got here.
-        if let Some(first) = self.origins.get(&object_label) {
-            let reason = format!("duplicate: already defined in {first}, which wins");
-            return self.reject(source, object_label, "metadata.name", reason);
-        }
-
-        let key = ObjectKey::new(namespace, name);
-        let store = &mut self.store;
-        let stored = match kind {
-            "Service" => decode(value).map(|o| {
-                store.services.insert(key, with_namespace(o, namespace));
-            }),
-            "EndpointSlice" => decode(value).map(|o| {
-                store.slices.insert(key, with_namespace(o, namespace));
-            }),
-            "Endpoints" => decode(value).map(|o| {
-                store.endpoints.insert(key, with_namespace(o, namespace));
-            }),
-            _ => decode(value).map(|mut o: Node| {
+        let decoded = decode(kind).map(|object| match object {
+            Object::Service(o) => Object::Service(Box::new(with_namespace(*o, &key.namespace))),
+            Object::Slice(o) => Object::Slice(Box::new(with_namespace(*o, &key.namespace))),
+            Object::Endpoints(o) => Object::Endpoints(Box::new(with_namespace(*o, &key.namespace))),
+            Object::Node(mut o) => {
                 // Cluster-scoped: a namespace in the manifest means nothing.
                 o.metadata.namespace = None;
-                store.nodes.insert(key.name, o);
-            }),
-        };
-        match stored {
-            Ok(()) => {
-                self.origins.insert(object_label, source.to_owned());
+                Object::Node(o)
             }
-            Err((field, reason)) => self.reject(source, object_label, field, reason),
-        }
+        });
+        let index = self.items.len();
+        let decoded = match decoded {
+            Ok(object) => {
+                self.objects.push((index, object));
+                Ok(())
+            }
+            Err(e) => Err(e),
+        };
+        self.items.push(Item::Object {
+            label,
+            kind,
+            key,
+            decoded,
+        });
     }
+}
+
+fn decode_value(kind: Kind, value: Value) -> Result<Object, (String, String)> {
+    Ok(match kind {
+        Kind::Service => Object::Service(decode(value)?),
+        Kind::Slice => Object::Slice(decode(value)?),
+        Kind::Endpoints => Object::Endpoints(decode(value)?),
+        Kind::Node => Object::Node(decode(value)?),
+    })
+}
+
+fn decode_text(kind: Kind, text: &str) -> Result<Object, (String, String)> {
+    Ok(match kind {
+        Kind::Service => Object::Service(decode_str(text)?),
+        Kind::Slice => Object::Slice(decode_str(text)?),
+        Kind::Endpoints => Object::Endpoints(decode_str(text)?),
+        Kind::Node => Object::Node(decode_str(text)?),
+    })
 }
 
 /// Decodes a typed object, naming the field path of a mismatch
 /// (`spec.ports[0].port`) instead of serde's bare "invalid type".
-fn decode<T: DeserializeOwned>(value: Value) -> Result<T, (String, String)> {
-    serde_path_to_error::deserialize(value).map_err(|err| {
-        let path = err.path().to_string();
-        // The root path prints as "."; a missing top-level field lands there.
-        let field = if path == "." { String::new() } else { path };
-        (field, err.into_inner().to_string())
-    })
+fn decode<T: DeserializeOwned>(value: Value) -> Result<Box<T>, (String, String)> {
+    serde_path_to_error::deserialize(value)
+        .map(Box::new)
+        .map_err(|err| {
+            let path = err.path().to_string();
+            (field_of(path), err.into_inner().to_string())
+        })
+}
+
+/// Like [`decode`], from the object's own text.
+fn decode_str<T: DeserializeOwned>(text: &str) -> Result<Box<T>, (String, String)> {
+    let mut de = serde_json::Deserializer::from_str(text);
+    serde_path_to_error::deserialize(&mut de)
+        .map(Box::new)
+        .map_err(|err| {
+            let path = err.path().to_string();
+            let inner = err.into_inner();
+            // The position is within this one object's text, which for a
+            // List item would point at the wrong line of the file; the
+            // field path says where.
+            let message = inner.to_string();
+            let suffix = format!(" at line {} column {}", inner.line(), inner.column());
+            let message = match message.strip_suffix(&suffix) {
+                Some(m) => m.to_owned(),
+                None => message,
+            };
+            (field_of(path), message)
+        })
+}
+
+/// The root path prints as "."; a missing top-level field lands there.
+fn field_of(path: String) -> String {
+    if path == "." {
+        String::new()
+    } else {
+        path
+    }
 }
 
 /// What the API server would have filled in: objects in the store always
@@ -578,6 +1253,133 @@ mod tests {
         for (path, want) in cases {
             assert_eq!(Format::of_path(Path::new(path)), want, "{path}");
         }
+    }
+
+    /// The changes as sorted "Kind key" labels.
+    fn changed(changes: &Changes) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        out.extend(changes.services.iter().map(|k| format!("Service {k}")));
+        out.extend(changes.slices.iter().map(|k| format!("EndpointSlice {k}")));
+        out.extend(changes.endpoints.iter().map(|k| format!("Endpoints {k}")));
+        out.extend(changes.nodes.iter().map(|k| format!("Node {k}")));
+        out.sort();
+        out
+    }
+
+    enum Step {
+        Write(&'static str, &'static str),
+        Remove(&'static str),
+        /// Written under a hidden name, then renamed into place.
+        RenameIn(&'static str, &'static str),
+    }
+
+    const SERVICE_WEB_2: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.20, ports: [{port: 80}]}\n";
+    const LIST_API: &str = r#"{"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"}, "spec": {"clusterIP": "10.96.0.30"}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": {"name": "api-1"}, "addressType": "IPv4"}]}"#;
+    const LIST_API_RESPACED: &str = r#"{"apiVersion":"v1","kind":"List","items":[
+        {"apiVersion":"v1","kind":"Service","metadata":{"name":"api"},"spec":{"clusterIP":"10.96.0.30"}},
+        {"apiVersion":"discovery.k8s.io/v1","kind":"EndpointSlice","metadata":{"name":"api-1"},"addressType":"IPv4"}]}"#;
+    const LIST_API_MOVED: &str = r#"{"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"}, "spec": {"clusterIP": "10.96.0.30"}},
+        {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "metadata": {"name": "api-1"}, "addressType": "IPv6"}]}"#;
+
+    /// After every step the cached directory must equal a fresh load of it,
+    /// and report as changed exactly the objects whose content changed.
+    #[test]
+    fn cache_follows_changes_like_a_fresh_load() {
+        use Step::*;
+        let steps: &[(Step, &[&str])] = &[
+            (Write("b.yaml", SERVICE_WEB_2), &["Service default/web"]),
+            // An earlier file takes over.
+            (Write("a.yaml", SERVICE_WEB), &["Service default/web"]),
+            // The loser's file changes: no change to what is stored.
+            (
+                Write("b.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.21}\n---\napiVersion: v1\nkind: Endpoints\nmetadata: {name: web}\n"),
+                &["Endpoints default/web"],
+            ),
+            // The winner's file goes: the shadowed definition takes over.
+            (Remove("a.yaml"), &["Service default/web"]),
+            (RenameIn("c.json", LIST_API), &["EndpointSlice default/api-1", "Service default/api"]),
+            // Same objects, other text: read again, nothing changed.
+            (RenameIn("c.json", LIST_API_RESPACED), &[]),
+            (RenameIn("c.json", LIST_API_MOVED), &["EndpointSlice default/api-1"]),
+            // A broken file keeps nothing; its objects go.
+            (Write("c.json", "{\"apiVersion\": "), &["EndpointSlice default/api-1", "Service default/api"]),
+            (Write("d.yaml", "apiVersion: v1\nkind: Node\nmetadata: {name: n1}\n"), &["Node n1"]),
+            // Within one file the first definition wins, also after edits.
+            (
+                Write("b.yaml", "apiVersion: v1\nkind: Endpoints\nmetadata: {name: web}\n---\napiVersion: v1\nkind: Endpoints\nmetadata: {name: web, labels: {a: b}}\n"),
+                &["Service default/web"],
+            ),
+            (Remove("b.yaml"), &["Endpoints default/web"]),
+            (Remove("c.json"), &[]),
+            (Remove("d.yaml"), &["Node n1"]),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let mut cached = ManifestDir::new(dir.path());
+        assert!(cached.refresh().is_empty());
+        for (i, (step, want)) in steps.iter().enumerate() {
+            match step {
+                Write(name, text) => fs::write(dir.path().join(name), text).unwrap(),
+                Remove(name) => fs::remove_file(dir.path().join(name)).unwrap(),
+                RenameIn(name, text) => {
+                    let tmp = dir.path().join(format!(".{name}.tmp"));
+                    fs::write(&tmp, text).unwrap();
+                    fs::rename(&tmp, dir.path().join(name)).unwrap();
+                }
+            }
+            let changes = cached.refresh();
+            assert_eq!(changed(&changes), *want, "step {i}: changes");
+            let (store, rejections) = load_dir(dir.path());
+            assert_eq!(cached.store(), &store, "step {i}: store");
+            assert_eq!(cached.rejections(), rejections, "step {i}: rejections");
+            // Nothing new: nothing read again but racy files, nothing changed.
+            assert!(cached.refresh().is_empty(), "step {i}: second refresh");
+        }
+    }
+
+    #[test]
+    fn racy_stamps() {
+        // A file time in milliseconds.
+        let at = |ms: i64| Stamp {
+            len: 1,
+            mtime: (ms / 1000, ms % 1000 * 1_000_000),
+            ctime: (ms / 1000, ms % 1000 * 1_000_000),
+            ino: 1,
+            dev: 1,
+        };
+        let read_at = UNIX_EPOCH + Duration::from_secs(100);
+        // (file time, racy)
+        let cases = [
+            (50_000, false),
+            (99_899, false),
+            (99_900, true),
+            (100_000, true),
+            (101_000, true),
+        ];
+        for (time, want) in cases {
+            assert_eq!(at(time).racy(read_at), want, "time {time}");
+        }
+    }
+
+    #[test]
+    fn json_messages_match_yaml() {
+        // The same broken Service as JSON and as YAML: one message.
+        let json = r#"{"apiVersion": "v1", "kind": "List", "items": [{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "api"}, "spec": {"ports": [{"port": 80}, {"port": "eighty"}]}}, 5, {"kind": 5, "metadata": "x"}]}"#;
+        let yaml = "apiVersion: v1\nkind: List\nitems:\n- {apiVersion: v1, kind: Service, metadata: {name: api}, spec: {ports: [{port: 80}, {port: eighty}]}}\n- 5\n- {kind: 5, metadata: x}\n";
+        let (_, from_json) = load_str("f", json, Format::Json);
+        let (_, from_yaml) = load_str("f", yaml, Format::Yaml);
+        let render = |r: Vec<Rejection>| r.iter().map(ToString::to_string).collect::<Vec<_>>();
+        assert_eq!(
+            render(from_json),
+            [
+                "f: Service default/api: spec.ports[1].port: invalid type: string \"eighty\", expected i32",
+                "f: document 1 items[1]: expected a Kubernetes object (a mapping), found a number",
+                "f: document 1 items[2]: kind: unsupported object: no kind (accepted: v1 Service, discovery.k8s.io/v1 EndpointSlice, v1 Endpoints, v1 Node)",
+            ]
+        );
+        assert_eq!(render(from_yaml).len(), 3);
     }
 
     #[test]

@@ -63,7 +63,8 @@ impl ProblemLog {
 /// Where the objects come from. Both feed the same translation.
 enum Source {
     Manifests {
-        dir: PathBuf,
+        /// The files as last read; a sync re-reads only those that changed.
+        dir: Box<manifest::ManifestDir>,
         /// Kept alive for its events.
         _watcher: RecommendedWatcher,
     },
@@ -72,11 +73,11 @@ enum Source {
 
 impl Source {
     /// Runs `f` on the current objects and the problems found reading them.
-    fn with_store<R>(&self, f: impl FnOnce(&Store, Vec<Rejection>) -> R) -> R {
+    fn with_store<R>(&mut self, f: impl FnOnce(&Store, Vec<Rejection>) -> R) -> R {
         match self {
             Source::Manifests { dir, .. } => {
-                let (store, rejections) = manifest::load_dir(dir);
-                f(&store, rejections)
+                dir.refresh();
+                f(dir.store(), dir.rejections())
             }
             Source::Cluster(state) => {
                 let state = state.lock().expect("cluster state lock");
@@ -466,7 +467,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             // Watch before the first read, so no change between the two is lost.
             Source::Manifests {
-                dir: dir.clone(),
+                dir: Box::new(manifest::ManifestDir::new(dir)),
                 _watcher: watch_dir(dir, wake.clone())?,
             }
         }
