@@ -481,6 +481,54 @@ impl Cluster {
         Ok(())
     }
 
+    /// One agent, on node `node` only (the others run none), waiting up to
+    /// `ready_timeout` for `/readyz`. For a topology where only the entry
+    /// node balances (the benchmark). [`cgroup`](Self::cgroup) indexes the
+    /// agents by start order, so it is right here only for node 1.
+    pub fn start_agent_on(
+        &mut self,
+        node: u8,
+        extra: &[String],
+        ready_timeout: Duration,
+    ) -> Result<()> {
+        let n = self.nodes[node as usize - 1].clone();
+        let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
+        let opts = AgentOpts {
+            node_name: n.name.clone(),
+            netns: Some(n.netns.clone()),
+            log_file: Some(self.dir.path().join(format!("agent-{}.log", n.name))),
+            extra_args: extra.to_vec(),
+            ready_timeout,
+            ..Default::default()
+        };
+        let agent = Agent::start(self.manifests.path(), cg.path(), opts)
+            .with_context(|| format!("agent of {}", n.name))?;
+        self.cgroups.push(cg);
+        self.agents.push(agent);
+        Ok(())
+    }
+
+    /// Adds `addr/24` to pod `pod`'s `eth0` (a pod namespace that answers
+    /// on several addresses).
+    pub fn add_pod_address(&self, pod: &str, addr: Ipv4Addr) -> Result<()> {
+        let ns = self.pod(pod).netns.clone();
+        ip(&[
+            "-n",
+            &ns,
+            "addr",
+            "add",
+            &format!("{addr}/24"),
+            "dev",
+            "eth0",
+        ])
+        .map(|_| ())
+    }
+
+    /// `sysctl -w` settings inside network namespace `netns`.
+    pub fn sysctl(&self, netns: &str, settings: &[&str]) -> Result<()> {
+        sysctl(netns, settings)
+    }
+
     /// Like [`start_agents`](Self::start_agents), in cluster mode against
     /// the API server at `url` (reachable from the node namespaces).
     pub fn start_agents_cluster(&mut self, url: &str, extra: &[&str]) -> Result<()> {

@@ -12,6 +12,7 @@
 //! order, so drift of the machine hits all arms alike.
 //!
 //! Writes `BENCHMARKS.md`, the chart and `target/bench/results.json`.
+mod nodeport;
 mod report;
 mod rules;
 
@@ -53,6 +54,12 @@ pub struct Opts {
     /// Skip the datapath experiment.
     #[arg(long)]
     pub no_datapath: bool,
+    /// Skip the NodePort (tc path) experiment.
+    #[arg(long)]
+    pub no_nodeport: bool,
+    /// Override the NodePort experiment's scale points (Services).
+    #[arg(long, value_delimiter = ',')]
+    pub nodeport_points: Option<Vec<usize>>,
     /// Give up loading one ruleset after this long (seconds).
     #[arg(long, default_value_t = 240)]
     pub load_timeout: u64,
@@ -244,6 +251,9 @@ pub struct Results {
     pub samples: Vec<Sample>,
     pub costs: Vec<Cost>,
     pub control: Option<ControlPlane>,
+    /// The NodePort (tc path) experiment.
+    #[serde(default)]
+    pub nodeport: Option<nodeport::NodePortResults>,
     pub elapsed_s: f64,
 }
 
@@ -326,6 +336,7 @@ fn run(opts: &Opts) -> Result<()> {
         samples: Vec::new(),
         costs: Vec::new(),
         control: None,
+        nodeport: None,
         elapsed_s: 0.0,
     };
     let json_path = out_dir.join("results.json");
@@ -345,6 +356,27 @@ fn run(opts: &Opts) -> Result<()> {
             )?;
             fs::write(&json_path, serde_json::to_string_pretty(&results)?)?;
         }
+    }
+    if !opts.no_nodeport {
+        let mut np = nodeport::NodePortResults {
+            points: nodeport::points(opts),
+            rounds,
+            durations_ms: nodeport::durations(opts.quick).to_vec(),
+            node_port: nodeport::NODE_PORT,
+            setups: Vec::new(),
+            samples: Vec::new(),
+            costs: Vec::new(),
+            ours_stats: Vec::new(),
+            notes: Vec::new(),
+        };
+        let mut seed = seed();
+        let mut save = |np: &nodeport::NodePortResults| -> Result<()> {
+            results.nodeport = Some(np.clone());
+            fs::write(&json_path, serde_json::to_string_pretty(&results)?)?;
+            Ok(())
+        };
+        nodeport::run(opts, &bench_bin, &cache, &mut seed, &mut np, &mut save)?;
+        results.nodeport = Some(np);
     }
     if !opts.no_control_plane {
         let n = if opts.quick { 1000 } else { 10_000 };
@@ -800,11 +832,41 @@ fn client_cmd(
 
 fn run_client(bench_bin: &Path, arm: &Arm, mode: Mode, duration_ms: u64) -> Result<Run> {
     let target = if mode == Mode::Udp { arm.udp } else { arm.tcp };
-    let mut c = client_cmd(bench_bin, arm, mode.as_str(), target, duration_ms);
+    let mut targets = vec![target];
     if matches!(mode, Mode::Cc | Mode::Crr) {
-        for t in arm.direct.iter().skip(1) {
-            c.args(["--target", &t.to_string()]);
-        }
+        targets.extend(arm.direct.iter().skip(1));
+    }
+    run_bench_client(
+        bench_bin,
+        arm.client_ns(),
+        arm.cgroup.as_ref().map(|c| c.path()),
+        &targets,
+        mode,
+        duration_ms,
+    )
+}
+
+/// One `lb-bench client` run in `netns` (in `cgroup` if given) at
+/// `targets` (cc and crr pick one per connection; the others use the
+/// first), pinned to core 0.
+fn run_bench_client(
+    bench_bin: &Path,
+    netns: &str,
+    cgroup: Option<&Path>,
+    targets: &[SocketAddrV4],
+    mode: Mode,
+    duration_ms: u64,
+) -> Result<Run> {
+    let mut c = Command::new(bench_bin);
+    c.args(["client", "--netns", netns, "--cpu", "0"])
+        .args(["--mode", mode.as_str()])
+        .args(["--duration-ms", &duration_ms.to_string()])
+        .args(["--timeout-ms", "1000"]);
+    for t in targets {
+        c.args(["--target", &t.to_string()]);
+    }
+    if let Some(cg) = cgroup {
+        c.arg("--cgroup").arg(cg);
     }
     let line = cmd::display(&c);
     let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)

@@ -189,7 +189,7 @@ fn thousands(n: usize) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push('\u{202f}');
         }
         out.push(c);
@@ -340,7 +340,251 @@ fn goals(r: &Results) -> Vec<Goal> {
             limit: "Peak while decoding the manifests: the whole file as a serde_json::Value tree, then typed objects, the Store, the desired state and the programmed state side by side.".into(),
         });
     }
+    if let Some(v) = nodeport_view(r) {
+        g.push(nodeport_goal(&v, r));
+    }
     g
+}
+
+/// The NodePort experiment's samples and points in a `Results` of their
+/// own, so that the ClusterIP tables' helpers read them.
+fn nodeport_view(r: &Results) -> Option<Results> {
+    let np = r.nodeport.as_ref()?;
+    if np.samples.is_empty() {
+        return None;
+    }
+    let mut v = r.clone();
+    v.points = np.points.clone();
+    v.samples = np.samples.clone();
+    v.rounds = np.rounds;
+    v.durations_ms = np.durations_ms.clone();
+    v.nodeport = None;
+    Some(v)
+}
+
+/// Not one of the issue's goals (those are about ClusterIP): whether ours
+/// beats every rule-based arm through the NodePort, per round.
+fn nodeport_goal(v: &Results, r: &Results) -> Goal {
+    let others = [
+        ArmKind::IptablesNft,
+        ArmKind::IptablesLegacy,
+        ArmKind::Nftables,
+    ];
+    let mut parts = Vec::new();
+    let mut worst = f64::INFINITY;
+    for mode in [Mode::Cc, Mode::Crr] {
+        for &n in &v.points {
+            let mut cells = Vec::new();
+            for o in others {
+                if let Some(s) = ratio(v, n, ArmKind::Ours, o, mode) {
+                    worst = worst.min(s.med);
+                    cells.push(format!("{:.2}× {}", s.med, o.label()));
+                }
+            }
+            if !cells.is_empty() {
+                parts.push(format!(
+                    "{} {}: {}",
+                    mode.as_str(),
+                    thousands(n),
+                    cells.join(", ")
+                ));
+            }
+        }
+    }
+    Goal {
+        what: "NodePort (tc path; not an issue goal): ours faster than iptables (nft, legacy) and nftables at every NodePort scale point, connect+close and TCP_CRR",
+        met: worst.is_finite().then_some(worst > 1.0),
+        measured: parts.join(" ; "),
+        limit: {
+            let dropped: u64 = r
+                .nodeport
+                .as_ref()
+                .map_or(0, |np| np.ours_stats.iter().map(|s| s.2).sum());
+            let mut l = String::from(
+                "Ratios of our rate to each arm's in the same round (median). Every arm forwards \
+                 twice (n1, n2); the rule-based arms add conntrack and NAT on n1 for a flow's first \
+                 packet and a conntrack lookup on every packet, ours a conntrack-map lookup and \
+                 rewrite in tc_ingress plus a pass through tc_egress.",
+            );
+            if dropped > 0 {
+                l.push_str(&format!(
+                    " Ours ran out of SNAT ports: {dropped} new flows dropped (each a 1 s stall): \
+                     4 536 ports per backend, held 10 s after close, cap it at ~450 new \
+                     connections/s per backend. See the NodePort section."
+                ));
+            } else {
+                l.push_str(" See the NodePort section.");
+            }
+            l
+        },
+    }
+}
+
+fn tc_cost(
+    np: &crate::nodeport::NodePortResults,
+    services: usize,
+    prog: &str,
+) -> Option<(Stat, Stat)> {
+    let c: Vec<&crate::nodeport::TcCost> = np
+        .costs
+        .iter()
+        .filter(|c| c.services == services && c.prog == prog && c.run_cnt > 0 && c.conns > 0)
+        .collect();
+    Some((
+        Stat::of(
+            c.iter()
+                .map(|c| c.run_time_ns as f64 / c.run_cnt as f64)
+                .collect(),
+        )?,
+        Stat::of(
+            c.iter()
+                .map(|c| c.run_cnt as f64 / c.conns as f64)
+                .collect(),
+        )?,
+    ))
+}
+
+fn nodeport_section(o: &mut String, r: &Results) {
+    let (Some(np), Some(v)) = (r.nodeport.as_ref(), nodeport_view(r)) else {
+        return;
+    };
+    let durs: Vec<String> = np
+        .durations_ms
+        .iter()
+        .map(|(m, ms)| format!("{} {ms} ms", m.as_str()))
+        .collect();
+    let pts: Vec<String> = np.points.iter().map(|n| thousands(*n)).collect();
+    let _ = writeln!(
+        o,
+        "## NodePort through the tc path\n\n\
+         ### Method\n\n\
+         An external client reaches a NodePort of a node; the Service's endpoints are on another \
+         node, so the entry node must DNAT and masquerade (`externalTrafficPolicy: Cluster`, the \
+         default). Namespaces, one set per arm: the client (192.168.77.100, no default route) and \
+         two nodes on a bridge in a switch namespace; the node under test, n1 (192.168.77.1), has \
+         no pods; n2 routes to its pod namespace, which holds the {} endpoint addresses \
+         10.244.2.10… and runs `lb-bench server` pinned to core 1 (the client is pinned to core 0). \
+         n1 forwards with a route to n2's pod CIDR, back out of the device it received on (ICMP \
+         redirects off); n2 routes replies to the client via n1, so every arm's packets cross n1 in \
+         both directions.\n\n\
+         - **direct**: the client has a route for the pod CIDR via n1 and connects to the pod \
+         addresses; n1 and n2 only forward. The limit.\n\
+         - **lb (ours)**: `lb-agent run` in n1 (`nsenter --net`, its own pins and child cgroup), \
+         `--devices eth0`, a manifests directory with a `v1 Node` for n1, the fillers and the \
+         target as a NodePort Service (node port {}) whose endpoints carry `nodeName: n2`. \
+         `tc_ingress` on n1's `eth0` DNATs and SNATs a flow's first packet and records both \
+         directions in `LB_CONNTRACK`; later packets and the replies are rewritten from there and \
+         redirected out again; `tc_egress` runs on every packet leaving `eth0`. The agent is paused \
+         (SIGSTOP) during the rounds, as in the ClusterIP experiment.\n\
+         - **iptables (nft)** / **iptables (legacy)**: kube-proxy's iptables-mode rules loaded into \
+         n1: the ClusterIP experiment's shape plus `PREROUTING` → `KUBE-SERVICES`, walked to its \
+         last rule (`-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS`) → `KUBE-NODEPORTS` \
+         (`-p tcp --dport {}`) → `KUBE-EXT-*` (`KUBE-MARK-MASQ`, then the Service's `KUBE-SVC-*`) → \
+         `statistic` → `KUBE-SEP-*` DNAT, `KUBE-POSTROUTING` masquerading marked packets, and the \
+         filter table's `INPUT`/`FORWARD` jumps with `KUBE-FORWARD` (drop `INVALID`, accept marked \
+         and established).\n\
+         - **nftables**: kube-proxy's nftables shape in n1 with the default `--nodeport-addresses`: \
+         `nat-prerouting` → `services`: `ip daddr . meta l4proto . th dport vmap @service-ips`, \
+         then `fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap \
+         @service-nodeports` → `external-*` (mark for masquerade, `goto` the Service chain) → \
+         `numgen random` → endpoint chain DNAT; `masquerading` in `nat-postrouting`; the \
+         `filter-prerouting-pre-dnat`, `filter-input` and `filter-forward` checks on new \
+         connections.\n\n\
+         Scale points: {} Services (fewer than the ClusterIP experiment, to keep the run short), \
+         the same filler ClusterIP Services as there, the target last. Because the fillers are \
+         ClusterIP Services, with iptables the NodePort packet walks every filler's \
+         `KUBE-SERVICES` rule before reaching `KUBE-NODEPORTS`, which holds only the target \
+         (filler NodePorts would lengthen it too). Tests ({}), {} rounds, each arm once per round \
+         in a shuffled order, ratios to direct per round as above. The tc programs' cost comes \
+         from `BPF_ENABLE_STATS` in a separate connect+close run per round.\n",
+        r.target_endpoints,
+        np.node_port,
+        np.node_port,
+        pts.join(" and "),
+        durs.join(", "),
+        np.rounds
+    );
+    o.push_str("### NodePort connect+close (connections per second)\n\n");
+    mode_table(o, &v, Mode::Cc, "conn/s", true);
+    o.push_str("### NodePort TCP_CRR (transactions per second)\n\n");
+    mode_table(o, &v, Mode::Crr, "trans/s", true);
+    o.push_str("### NodePort request/response on one connection (control)\n\n");
+    mode_table(o, &v, Mode::Rr, "trans/s", false);
+    o.push_str(
+        "### Our tc programs' cost\n\n\
+         Per run (one packet), and runs per connect+close connection (SYN, SYN-ACK, ACK and RST, \
+         each arriving on n1's `eth0` and leaving by it again).\n\n\
+         | Services | program | ns per run (median) | min–max | runs per connection | ns per connection |\n\
+         |---:|---|---:|---:|---:|---:|\n",
+    );
+    let mut progs: Vec<&str> = np.costs.iter().map(|c| c.prog.as_str()).collect();
+    progs.sort();
+    progs.dedup();
+    for &n in &np.points {
+        for prog in &progs {
+            if let Some((ns, runs)) = tc_cost(np, n, prog) {
+                let _ = writeln!(
+                    o,
+                    "| {} | `{prog}` | {:.0} | {:.0}–{:.0} | {:.2} | {:.0} |",
+                    thousands(n),
+                    ns.med,
+                    ns.min,
+                    ns.max,
+                    runs.med,
+                    ns.med * runs.med
+                );
+            }
+        }
+    }
+    for (n, translated, failed) in &np.ours_stats {
+        let _ = writeln!(
+            o,
+            "\nlb (ours) at {} Services, over all rounds: {translated} packets translated, **{failed} \
+             new flows dropped for want of a free SNAT port** (`LB_STATS` `TC_SNAT_FAILED`).",
+            thousands(*n)
+        );
+    }
+    if np.ours_stats.iter().any(|s| s.2 > 0) {
+        o.push_str(
+            "\nWhy: a masqueraded flow takes a source port from 61000–65535 (4 536 ports) per \
+             backend address and port, and keeps it until its `LB_CONNTRACK` entry expires; a \
+             closed TCP flow's entry lives `--conntrack-tcp-close-timeout` (10 s). One node can \
+             therefore open about 4 536 / 10 s ≈ 450 new connections per second to one backend \
+             (≈ 1 800/s to these 4) before `snat_port`'s four random tries all collide and the new \
+             flow's SYN is dropped; the client's SYN retransmission comes after its 1 s timeout, so \
+             each such drop is an error and a 1 s stall in the runs above. kube-proxy's \
+             `MASQUERADE --random-fully` picks from the whole 1024–65535 range. A wider range, more \
+             tries, or letting a new flow take the port of a flow that has already closed would \
+             lift this limit.\n",
+        );
+    }
+    o.push_str(
+        "\n### Loading (NodePort)\n\n\
+         | Services | arm | load time | note |\n|---:|---|---:|---|\n",
+    );
+    for s in &np.setups {
+        if s.arm == ArmKind::Direct {
+            continue;
+        }
+        let load = s.load_s.map_or("–".into(), |x| format!("{x:.2} s"));
+        let mut note = s.skipped.clone().unwrap_or_default();
+        if let Some(m) = s.rss_mib {
+            note = format!("agent start to /readyz; peak RSS {m:.1} MiB");
+        }
+        let _ = writeln!(
+            o,
+            "| {} | {} | {load} | {note} |",
+            thousands(s.services),
+            s.arm.label()
+        );
+    }
+    o.push('\n');
+    for n in &np.notes {
+        let _ = writeln!(o, "- {n}");
+    }
+    if !np.notes.is_empty() {
+        o.push('\n');
+    }
 }
 
 pub fn write(root: &Path, r: &Results) -> Result<()> {
@@ -493,6 +737,7 @@ fn markdown(r: &Results) -> String {
         );
     }
     o.push('\n');
+    nodeport_section(&mut o, r);
     if let Some(cp) = &r.control {
         let _ = writeln!(
             o,

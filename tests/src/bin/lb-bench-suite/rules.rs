@@ -72,6 +72,8 @@ struct Port {
     port: u16,
     proto: &'static str,
     endpoints: Vec<(Ipv4Addr, u16)>,
+    /// The target's node port, in the NodePort shapes.
+    node_port: Option<u16>,
 }
 
 impl Scenario {
@@ -99,7 +101,7 @@ impl Scenario {
 
     /// Every Service port, fillers first and the target's last (as
     /// kube-proxy would order a Service that sorts last).
-    fn ports(&self) -> impl Iterator<Item = Port> + '_ {
+    fn ports(&self, node_port: Option<u16>) -> impl Iterator<Item = Port> + '_ {
         let fillers = (0..self.services.saturating_sub(1)).map(move |i| Port {
             name: format!("bench/svc-{i}:http"),
             vip: filler_vip(i),
@@ -108,6 +110,7 @@ impl Scenario {
             endpoints: (0..self.endpoints)
                 .map(|j| (filler_endpoint(i, j, self.endpoints), 8080))
                 .collect(),
+            node_port: None,
         });
         let target = ["tcp", "udp"].into_iter().map(move |proto| Port {
             name: format!("bench/target:{proto}"),
@@ -115,6 +118,7 @@ impl Scenario {
             port: TARGET_PORT,
             proto,
             endpoints: self.target.iter().map(|a| (*a, BACKEND_PORT)).collect(),
+            node_port,
         });
         fillers.chain(target)
     }
@@ -171,6 +175,35 @@ impl Scenario {
         ]})
     }
 
+    /// The target as a NodePort Service (`externalTrafficPolicy: Cluster`,
+    /// node port `node_port` on both ports) and its slice, every endpoint
+    /// on node `node_name`.
+    pub fn target_nodeport_manifests(
+        target: &[Ipv4Addr],
+        node_port: u16,
+        node_name: &str,
+    ) -> Value {
+        let eps: Vec<Value> = target
+            .iter()
+            .map(|a| json!({"addresses": [a.to_string()], "nodeName": node_name, "conditions": {"ready": true}}))
+            .collect();
+        json!({"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Service",
+             "metadata": {"name": "target", "namespace": "bench"},
+             "spec": {"type": "NodePort", "externalTrafficPolicy": "Cluster",
+                      "clusterIP": TARGET_VIP.to_string(), "clusterIPs": [TARGET_VIP.to_string()],
+                      "ports": [{"name": "tcp", "port": TARGET_PORT, "protocol": "TCP", "targetPort": BACKEND_PORT, "nodePort": node_port},
+                                {"name": "udp", "port": TARGET_PORT, "protocol": "UDP", "targetPort": BACKEND_PORT, "nodePort": node_port}]}},
+            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+             "metadata": {"name": "target-abcde", "namespace": "bench",
+                          "labels": {"kubernetes.io/service-name": "target"}},
+             "addressType": "IPv4",
+             "ports": [{"name": "tcp", "port": BACKEND_PORT, "protocol": "TCP"},
+                       {"name": "udp", "port": BACKEND_PORT, "protocol": "UDP"}],
+             "endpoints": eps}
+        ]})
+    }
+
     /// `iptables-restore` input in the shape kube-proxy's iptables mode
     /// writes (pkg/proxy/iptables/proxier.go): filter and nat tables,
     /// `KUBE-SERVICES` → `KUBE-SVC-*` (masquerade mark for off-cluster
@@ -178,13 +211,45 @@ impl Scenario {
     /// `KUBE-SEP-*` (hairpin mark, DNAT), `KUBE-POSTROUTING` masquerading
     /// marked packets, and the nodeports rule last in `KUBE-SERVICES`.
     pub fn iptables(&self) -> String {
+        self.iptables_with(None)
+    }
+
+    /// The same in the NodePort experiment's shape, for the node namespace:
+    /// the target's ports also have node port `node_port`. Adds what
+    /// kube-proxy adds for traffic arriving at a node: `PREROUTING` →
+    /// `KUBE-SERVICES`, whose last rule (`-m addrtype --dst-type LOCAL`)
+    /// jumps to `KUBE-NODEPORTS` → `KUBE-EXT-*` (masquerade mark, then the
+    /// Service's `KUBE-SVC-*`), and the filter table's `INPUT`/`FORWARD`
+    /// jumps with `KUBE-FORWARD` (drop invalid, accept marked and
+    /// established).
+    pub fn iptables_nodeport(&self, node_port: u16) -> String {
+        self.iptables_with(Some(node_port))
+    }
+
+    fn iptables_with(&self, node_port: Option<u16>) -> String {
         let mut chains = String::new();
         let mut services = String::new();
         let mut rules = String::new();
-        for p in self.ports() {
+        let mut nodeports = String::new();
+        for p in self.ports(node_port) {
             let key = format!("{}{}", p.name, p.proto);
             let svc = format!("KUBE-SVC-{}", hash16(&key));
             let _ = writeln!(chains, ":{svc} - [0:0]");
+            if let Some(np) = p.node_port {
+                let ext = format!("KUBE-EXT-{}", hash16(&key));
+                let _ = writeln!(chains, ":{ext} - [0:0]");
+                let _ = writeln!(
+                    nodeports,
+                    "-A KUBE-NODEPORTS -p {} -m comment --comment \"{}\" -m {} --dport {np} -j {ext}",
+                    p.proto, p.name, p.proto
+                );
+                let _ = writeln!(
+                    rules,
+                    "-A {ext} -m comment --comment \"masquerade traffic for {} external destinations\" -j KUBE-MARK-MASQ",
+                    p.name
+                );
+                let _ = writeln!(rules, "-A {ext} -j {svc}");
+            }
             let _ = writeln!(
                 services,
                 "-A KUBE-SERVICES -d {}/32 -p {} -m comment --comment \"{} cluster IP\" -m {} --dport {} -j {svc}",
@@ -233,8 +298,27 @@ impl Scenario {
              :KUBE-SERVICES - [0:0]\n\
              :KUBE-EXTERNAL-SERVICES - [0:0]\n\
              :KUBE-FIREWALL - [0:0]\n\
-             :KUBE-PROXY-FIREWALL - [0:0]\n\
-             -A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n\
+             :KUBE-PROXY-FIREWALL - [0:0]\n",
+        );
+        if node_port.is_some() {
+            out.push_str(
+                ":KUBE-NODEPORTS - [0:0]\n\
+                 :KUBE-FORWARD - [0:0]\n\
+                 -A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n\
+                 -A INPUT -m comment --comment \"kubernetes health check service ports\" -j KUBE-NODEPORTS\n\
+                 -A INPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES\n\
+                 -A INPUT -j KUBE-FIREWALL\n\
+                 -A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n\
+                 -A FORWARD -m comment --comment \"kubernetes forwarding rules\" -j KUBE-FORWARD\n\
+                 -A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
+                 -A FORWARD -m conntrack --ctstate NEW -m comment --comment \"kubernetes externally-visible service portals\" -j KUBE-EXTERNAL-SERVICES\n\
+                 -A KUBE-FORWARD -m conntrack --ctstate INVALID -j DROP\n\
+                 -A KUBE-FORWARD -m comment --comment \"kubernetes forwarding rules\" -m mark --mark 0x4000/0x4000 -j ACCEPT\n\
+                 -A KUBE-FORWARD -m comment --comment \"kubernetes forwarding conntrack rule\" -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT\n",
+            );
+        }
+        out.push_str(
+            "-A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes load balancer firewall\" -j KUBE-PROXY-FIREWALL\n\
              -A OUTPUT -m conntrack --ctstate NEW -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
              -A OUTPUT -j KUBE-FIREWALL\n\
              -A KUBE-FIREWALL ! -s 127.0.0.0/8 -d 127.0.0.0/8 -m comment --comment \"block incoming localnet connections\" -m conntrack ! --ctstate RELATED,ESTABLISHED,DNAT -j DROP\n\
@@ -246,6 +330,11 @@ impl Scenario {
              :KUBE-MARK-MASQ - [0:0]\n",
         );
         out.push_str(&chains);
+        if node_port.is_some() {
+            out.push_str(
+                "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n",
+            );
+        }
         out.push_str(
             "-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n\
              -A POSTROUTING -m comment --comment \"kubernetes postrouting rules\" -j KUBE-POSTROUTING\n\
@@ -258,6 +347,7 @@ impl Scenario {
         out.push_str(
             "-A KUBE-SERVICES -m comment --comment \"kubernetes service nodeports; NOTE: this must be the last rule in this chain\" -m addrtype --dst-type LOCAL -j KUBE-NODEPORTS\n",
         );
+        out.push_str(&nodeports);
         out.push_str(&rules);
         out.push_str("COMMIT\n");
         out
@@ -270,6 +360,27 @@ impl Scenario {
     /// chains that DNAT, masquerade marks, and the filter-side lookups of
     /// `no-endpoint-services` and `firewall-ips`.
     pub fn nft(&self) -> String {
+        self.nft_with(None)
+    }
+
+    /// The same in the NodePort experiment's shape, for the node namespace:
+    /// the target's ports also have node port `node_port`. As kube-proxy
+    /// with the default `--nodeport-addresses`: `nat-prerouting` → `services`,
+    /// whose second rule sends `fib daddr type local` traffic through the
+    /// `service-nodeports` verdict map to an `external-*` chain (masquerade
+    /// mark, then the Service's chain); `filter-prerouting-pre-dnat`,
+    /// `filter-input` and `filter-forward` run the firewall and
+    /// no-endpoint checks on new connections.
+    pub fn nft_nodeport(&self, node_port: u16) -> String {
+        self.nft_with(Some(node_port))
+    }
+
+    fn nft_with(&self, node_port: Option<u16>) -> String {
+        let nodeport_rule = if node_port.is_some() {
+            "\t\tfib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports\n"
+        } else {
+            "\t\tip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports\n"
+        };
         let mut out = String::new();
         out.push_str(
             "table ip kube-proxy {\n\
@@ -282,8 +393,11 @@ impl Scenario {
              \tchain mark-for-masquerade {\n\t\tmark set mark or 0x4000\n\t}\n\
              \tchain masquerading {\n\t\tmark and 0x4000 == 0 return\n\t\tmark set mark xor 0x4000\n\t\tmasquerade fully-random\n\t}\n\
              \tchain services {\n\
-             \t\tip daddr . meta l4proto . th dport vmap @service-ips\n\
-             \t\tip daddr @nodeport-ips meta l4proto . th dport vmap @service-nodeports\n\t}\n\
+             \t\tip daddr . meta l4proto . th dport vmap @service-ips\n",
+        );
+        out.push_str(nodeport_rule);
+        out.push_str(
+            "\t}\n\
              \tchain service-endpoints-check {\n\t\tip daddr . meta l4proto . th dport vmap @no-endpoint-services\n\t}\n\
              \tchain firewall-check {\n\t\tip daddr . meta l4proto . th dport vmap @firewall-ips\n\t}\n\
              \tchain filter-output {\n\t\ttype filter hook output priority -110 ; policy accept ;\n\
@@ -291,8 +405,20 @@ impl Scenario {
              \tchain nat-output {\n\t\ttype nat hook output priority -100 ; policy accept ;\n\t\tjump services\n\t}\n\
              \tchain nat-postrouting {\n\t\ttype nat hook postrouting priority 100 ; policy accept ;\n\t\tjump masquerading\n\t}\n",
         );
+        if node_port.is_some() {
+            out.push_str(
+                "\tmap no-endpoint-nodeports { type inet_proto . inet_service : verdict ; }\n\
+                 \tchain nodeport-endpoints-check {\n\t\tfib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @no-endpoint-nodeports\n\t}\n\
+                 \tchain nat-prerouting {\n\t\ttype nat hook prerouting priority -100 ; policy accept ;\n\t\tjump services\n\t}\n\
+                 \tchain filter-prerouting-pre-dnat {\n\t\ttype filter hook prerouting priority -110 ; policy accept ;\n\t\tct state new jump firewall-check\n\t}\n\
+                 \tchain filter-input {\n\t\ttype filter hook input priority 0 ; policy accept ;\n\
+                 \t\tct state new jump nodeport-endpoints-check\n\t\tct state new jump service-endpoints-check\n\t}\n\
+                 \tchain filter-forward {\n\t\ttype filter hook forward priority 0 ; policy accept ;\n\t\tct state new jump service-endpoints-check\n\t}\n",
+            );
+        }
         let mut elements = Vec::new();
-        for p in self.ports() {
+        let mut nodeport_elements = Vec::new();
+        for p in self.ports(node_port) {
             let id = p.name.replace(':', "/");
             let svc = format!(
                 "service-{}-{id}/{}/p{}",
@@ -330,6 +456,19 @@ impl Scenario {
                 vmap.join(", ")
             );
             elements.push(format!("{} . {} . {} : goto {svc}", p.vip, p.proto, p.port));
+            if let Some(np) = p.node_port {
+                let ext = format!(
+                    "external-{}-{id}/{}/p{}",
+                    &hash16(&p.name)[..8],
+                    p.proto,
+                    p.port
+                );
+                let _ = writeln!(
+                    out,
+                    "\tchain {ext} {{\n\t\tjump mark-for-masquerade\n\t\tgoto {svc}\n\t}}"
+                );
+                nodeport_elements.push(format!("{} . {np} : goto {ext}", p.proto));
+            }
         }
         out.push_str("}\n");
         // Elements in chunks, as kube-proxy's transactions add them.
@@ -338,6 +477,13 @@ impl Scenario {
                 out,
                 "add element ip kube-proxy service-ips {{ {} }}",
                 chunk.join(", ")
+            );
+        }
+        if !nodeport_elements.is_empty() {
+            let _ = writeln!(
+                out,
+                "add element ip kube-proxy service-nodeports {{ {} }}",
+                nodeport_elements.join(", ")
             );
         }
         out
@@ -381,5 +527,36 @@ mod tests {
         let nft = s.nft();
         assert!(nft.contains("numgen random mod 3 vmap"));
         assert!(nft.contains("10.96.0.10 . udp . 80 : goto"));
+        assert!(!ipt.contains("KUBE-EXT-") && !nft.contains("external-"));
+    }
+
+    #[test]
+    fn nodeport_shapes() {
+        let s = Scenario::new(3, 2, target_endpoints(2));
+        let ipt = s.iptables_nodeport(30080);
+        assert!(ipt.contains(
+            "-A PREROUTING -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES"
+        ));
+        let np: Vec<&str> = ipt
+            .lines()
+            .filter(|l| l.starts_with("-A KUBE-NODEPORTS"))
+            .collect();
+        assert_eq!(np.len(), 2);
+        assert!(np[0].contains("-p tcp") && np[0].contains("--dport 30080 -j KUBE-EXT-"));
+        let ext = np[0].rsplit(' ').next().unwrap();
+        assert!(ipt.contains(&format!(":{ext} - [0:0]")));
+        assert!(ipt.contains(&format!("-A {ext} -m comment")));
+        // The nodeports jump is still the last rule of KUBE-SERVICES.
+        let last = ipt
+            .lines()
+            .rfind(|l| l.starts_with("-A KUBE-SERVICES"))
+            .unwrap();
+        assert!(last.contains("--dst-type LOCAL -j KUBE-NODEPORTS"));
+        let nft = s.nft_nodeport(30080);
+        assert!(nft.contains("fib daddr type local ip daddr != 127.0.0.0/8 meta l4proto . th dport vmap @service-nodeports"));
+        assert!(nft.contains(
+            "add element ip kube-proxy service-nodeports { tcp . 30080 : goto external-"
+        ));
+        assert!(nft.contains("type nat hook prerouting"));
     }
 }

@@ -1,0 +1,515 @@
+//! The NodePort experiment: the tc path (issue 6, item 5).
+//!
+//! An external client reaches a NodePort on a node namespace, which
+//! forwards to a backend pod behind a second node (a remote endpoint:
+//! DNAT + SNAT, `externalTrafficPolicy: Cluster`), built with
+//! `integration_tests::nodes::Cluster`:
+//!
+//! ```text
+//!   client 192.168.77.100 (no default route)
+//!     |  bridge 192.168.77.0/24 (switch namespace)
+//!   n1 eth0 192.168.77.1  <- the node under test: agent, or rules
+//!   n2 eth0 192.168.77.2 -> cbr0 -> pod n2p0 10.244.2.10..13 (lb-bench server)
+//! ```
+//!
+//! Arms: direct (the client routes the pod addresses via n1: the same two
+//! forwarding hops, no load balancer), ours (`lb-agent run` in n1 with its
+//! tc programs on n1's `eth0`), kube-proxy's iptables NodePort shape
+//! through iptables-nft and iptables-legacy, its nftables shape; all rules
+//! go into n1 only. Every arm has its own namespaces, torn down with it.
+use std::{
+    fs,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use anyhow::{anyhow, Context as _, Result};
+use integration_tests::{
+    cmd,
+    nodes::{node_v4, Cluster},
+};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::{
+    capacity_args, enable_bpf_stats, filler_file, load_rules, prog_stats, rules,
+    rules::{Scenario, BACKEND_PORT},
+    run_bench_client, say, shuffle, spawn_server, vm_hwm_mib, ArmKind, KillOnDrop, Mode, Opts, Run,
+    Sample, Setup, FILLER_ENDPOINTS,
+};
+
+/// The target's node port.
+pub const NODE_PORT: u16 = 30080;
+
+/// Results of the NodePort experiment.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NodePortResults {
+    pub points: Vec<usize>,
+    pub rounds: usize,
+    pub durations_ms: Vec<(Mode, u64)>,
+    pub node_port: u16,
+    pub setups: Vec<Setup>,
+    pub samples: Vec<Sample>,
+    pub costs: Vec<TcCost>,
+    /// Ours, per point: `LB_STATS` counters summed over CPUs after the
+    /// rounds (and the sanity run): (services, packets translated, new
+    /// flows dropped for want of a free SNAT port).
+    #[serde(default)]
+    pub ours_stats: Vec<(usize, u64, u64)>,
+    pub notes: Vec<String>,
+}
+
+/// One tc program's run-time statistics over one connect+close run.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct TcCost {
+    pub services: usize,
+    pub round: usize,
+    /// The pinned link's name (`tc_ingress_eth0`, `tc_egress_eth0`).
+    pub prog: String,
+    pub run_cnt: u64,
+    pub run_time_ns: u64,
+    /// Connections made during the measurement.
+    pub conns: u64,
+}
+
+/// Test durations (ms): connect+close, TCP_CRR, and the rr control.
+pub fn durations(quick: bool) -> [(Mode, u64); 3] {
+    if quick {
+        [(Mode::Cc, 600), (Mode::Crr, 500), (Mode::Rr, 300)]
+    } else {
+        [(Mode::Cc, 2000), (Mode::Crr, 1500), (Mode::Rr, 1000)]
+    }
+}
+
+/// Scale points: 1 and 10 000 Services (`--quick`: 1 000).
+pub fn points(opts: &Opts) -> Vec<usize> {
+    opts.nodeport_points.clone().unwrap_or_else(|| {
+        if opts.quick {
+            vec![1000]
+        } else {
+            vec![1, 10_000]
+        }
+    })
+}
+
+/// The target's endpoints: addresses of pod `n2p0` on node n2.
+fn endpoints(n: u8) -> Vec<Ipv4Addr> {
+    (0..n.max(1))
+        .map(|i| Ipv4Addr::new(10, 244, 2, 10 + i))
+        .collect()
+}
+
+/// One arm: its cluster of namespaces, server, and agent or rules.
+struct NpArm {
+    kind: ArmKind,
+    // Drop order: server, then the cluster (its agents first, then the
+    // namespaces, then the agents' cgroups).
+    _server: KillOnDrop,
+    cluster: Cluster,
+    /// Connections go to the first; cc and crr pick among all of them.
+    targets: Vec<SocketAddrV4>,
+    /// Ours: (pinned link name, program id) of the tc programs.
+    tc_progs: Vec<(String, u32)>,
+}
+
+impl NpArm {
+    fn client_ns(&self) -> &str {
+        &self.cluster.client_netns
+    }
+
+    fn run(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run> {
+        let targets = if matches!(mode, Mode::Cc | Mode::Crr) {
+            &self.targets[..]
+        } else {
+            &self.targets[..1]
+        };
+        run_bench_client(bench_bin, self.client_ns(), None, targets, mode, ms)
+    }
+}
+
+fn ruleset_file(kind: ArmKind, scenario: &Scenario, cache: &Path) -> Result<PathBuf> {
+    match kind {
+        ArmKind::IptablesNft | ArmKind::IptablesLegacy => {
+            scenario.cached(cache, "npipt", |s| Ok(s.iptables_nodeport(NODE_PORT)))
+        }
+        ArmKind::Nftables => scenario.cached(cache, "npnft", |s| Ok(s.nft_nodeport(NODE_PORT))),
+        _ => Err(anyhow!("no ruleset for {kind:?}")),
+    }
+}
+
+/// `lb_common::stat` indices (this crate does not depend on lb-common).
+const STAT_TC_TRANSLATED: u32 = 4;
+const STAT_TC_SNAT_FAILED: u32 = 6;
+
+/// Counter `index` of the pinned per-CPU `LB_STATS`, summed over CPUs.
+fn lb_stat(pin_dir: &Path, index: u32) -> Result<u64> {
+    let text = cmd::run(
+        Command::new("bpftool")
+            .args(["map", "lookup", "pinned"])
+            .arg(pin_dir.join("LB_STATS"))
+            .arg("key")
+            .args(index.to_le_bytes().map(|b| b.to_string()))
+            .arg("-j"),
+    )?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    // With BTF: {"formatted": {"values": [{"cpu": 0, "value": N}, ...]}};
+    // without: {"values": [{"cpu": 0, "value": ["0x01", ...]}, ...]}.
+    let sum = |vals: &serde_json::Value| -> Option<u64> {
+        vals.as_array()?
+            .iter()
+            .map(|c| {
+                let x = &c["value"];
+                x.as_u64().or_else(|| {
+                    let bytes: Vec<u8> = x
+                        .as_array()?
+                        .iter()
+                        .filter_map(|b| {
+                            u8::from_str_radix(b.as_str()?.trim_start_matches("0x"), 16).ok()
+                        })
+                        .collect();
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(bytes.get(..8)?);
+                    Some(u64::from_le_bytes(a))
+                })
+            })
+            .sum()
+    };
+    sum(&v["formatted"]["values"])
+        .or_else(|| sum(&v["values"]))
+        .ok_or_else(|| anyhow!("LB_STATS[{index}]: unexpected {text}"))
+}
+
+/// `(link name, program id)` of the tc links pinned under `pin_dir/links`.
+fn tc_programs(pin_dir: &Path) -> Result<Vec<(String, u32)>> {
+    let mut out = Vec::new();
+    let dir = pin_dir.join("links");
+    for e in fs::read_dir(&dir).with_context(|| format!("reading {}", dir.display()))? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().to_string();
+        if !name.starts_with("tc_") {
+            continue;
+        }
+        let text = cmd::run(
+            Command::new("bpftool")
+                .args(["link", "show", "pinned"])
+                .arg(e.path())
+                .arg("-j"),
+        )?;
+        let v: serde_json::Value = serde_json::from_str(&text)?;
+        let id = v["prog_id"]
+            .as_u64()
+            .ok_or_else(|| anyhow!("no prog_id for link {name}: {text}"))?;
+        out.push((name, id as u32));
+    }
+    out.sort();
+    if out.is_empty() {
+        return Err(anyhow!("no tc links pinned in {}", dir.display()));
+    }
+    Ok(out)
+}
+
+fn setup_arm(
+    opts: &Opts,
+    kind: ArmKind,
+    scenario: &Scenario,
+    cache: &Path,
+    bench_bin: &Path,
+) -> Result<(NpArm, Setup)> {
+    let tag = format!("np{}-{}", scenario.services, kind.short());
+    // n1: the node under test, no pods; n2: one pod holding the endpoints.
+    let cluster = Cluster::new(&tag, &[0, 1])?;
+    for a in scenario.target.iter().skip(1) {
+        cluster.add_pod_address("n2p0", *a)?;
+    }
+    let n1 = cluster.nodes[0].netns.clone();
+    let n2 = cluster.nodes[1].netns.clone();
+    // n1 forwards back out of the device it received on: no ICMP
+    // redirects (the client or n2 would otherwise learn to bypass it).
+    cluster.sysctl(
+        &n1,
+        &[
+            "net.ipv4.conf.all.send_redirects=0",
+            "net.ipv4.conf.default.send_redirects=0",
+            "net.ipv4.conf.eth0.send_redirects=0",
+        ],
+    )?;
+    // Replies to the client go back through n1 too (direct arm; the
+    // others' replies go to n1's address anyway).
+    let client = node_v4(integration_tests::nodes::CLIENT_INDEX);
+    cmd::ip(&[
+        "-n",
+        &n2,
+        "route",
+        "add",
+        &format!("{client}/32"),
+        "via",
+        &node_v4(1).to_string(),
+    ])?;
+    let server = spawn_server(bench_bin, &cluster.pod("n2p0").netns.clone())?;
+    let mut setup = Setup {
+        services: scenario.services,
+        arm: kind,
+        load_s: None,
+        skipped: None,
+        rss_mib: None,
+    };
+    let node_port = SocketAddrV4::new(node_v4(1), NODE_PORT);
+    let mut arm = NpArm {
+        kind,
+        _server: server,
+        cluster,
+        targets: vec![node_port],
+        tc_progs: Vec::new(),
+    };
+    match kind {
+        ArmKind::Direct => {
+            let client_ns = arm.cluster.client_netns.clone();
+            arm.cluster.route_via(&client_ns, "10.244.2.0/24", 1)?;
+            arm.targets = scenario
+                .target
+                .iter()
+                .map(|a| SocketAddrV4::new(*a, BACKEND_PORT))
+                .collect();
+        }
+        ArmKind::Ours => {
+            // The same filler manifests as the ClusterIP experiment (cached
+            // under its scenario), a Node object for n1, the NodePort target.
+            let clusterip = Scenario::new(
+                scenario.services,
+                scenario.endpoints,
+                rules::target_endpoints(opts.target_endpoints),
+            );
+            let dir = arm.cluster.manifests_dir().to_path_buf();
+            if scenario.services > 1 {
+                fs::copy(filler_file(&clusterip, cache)?, dir.join("fillers.json"))?;
+            }
+            let nodes =
+                json!({"apiVersion": "v1", "kind": "List", "items": arm.cluster.node_objects()});
+            arm.cluster.manifests.write_json("nodes.json", &nodes)?;
+            arm.cluster.manifests.write_json(
+                "target.json",
+                &Scenario::target_nodeport_manifests(&scenario.target, NODE_PORT, "n2"),
+            )?;
+            let mut extra = capacity_args(scenario.services, scenario.endpoints);
+            extra.extend(["--devices".to_string(), "eth0".to_string()]);
+            let t0 = Instant::now();
+            arm.cluster
+                .start_agent_on(1, &extra, Duration::from_secs(opts.load_timeout))?;
+            setup.load_s = Some(t0.elapsed().as_secs_f64());
+            let agent = &arm.cluster.agents[0];
+            setup.rss_mib = vm_hwm_mib(agent.pid());
+            arm.tc_progs = tc_programs(agent.pin_dir())?;
+        }
+        _ => {
+            let file = ruleset_file(kind, scenario, cache)?;
+            match load_rules(kind, &n1, &file, Duration::from_secs(opts.load_timeout)) {
+                Ok(s) => setup.load_s = Some(s),
+                Err(e) => setup.skipped = Some(e),
+            }
+        }
+    }
+    Ok((arm, setup))
+}
+
+/// One CRR run must work without errors before an arm is measured.
+fn sanity(bench_bin: &Path, arm: &NpArm) -> Result<()> {
+    let r = arm.run(bench_bin, Mode::Crr, 200)?;
+    if r.ops == 0 || r.errors > 0 {
+        return Err(anyhow!(
+            "{} crr: {} ok, {} errors (first: {})",
+            arm.kind.label(),
+            r.ops,
+            r.errors,
+            r.first_error.unwrap_or_default()
+        ));
+    }
+    Ok(())
+}
+
+/// Runs the experiment at every point into `np`.
+pub fn run(
+    opts: &Opts,
+    bench_bin: &Path,
+    cache: &Path,
+    seed: &mut u64,
+    np: &mut NodePortResults,
+    save: &mut dyn FnMut(&NodePortResults) -> Result<()>,
+) -> Result<()> {
+    let mut skip: Vec<ArmKind> = Vec::new();
+    for n in np.points.clone() {
+        point(opts, bench_bin, cache, n, seed, &mut skip, np)?;
+        save(np)?;
+    }
+    Ok(())
+}
+
+fn point(
+    opts: &Opts,
+    bench_bin: &Path,
+    cache: &Path,
+    services: usize,
+    seed: &mut u64,
+    skip: &mut Vec<ArmKind>,
+    np: &mut NodePortResults,
+) -> Result<()> {
+    say(format!("=== NodePort: {services} Services ==="));
+    let scenario = Scenario::new(services, FILLER_ENDPOINTS, endpoints(opts.target_endpoints));
+    let mut arms = Vec::new();
+    for kind in ArmKind::ALL {
+        if skip.contains(&kind) {
+            let why = "skipped: did not load at the previous scale point within the time limit";
+            say(format!("NodePort {}: {why}", kind.label()));
+            np.setups.push(Setup {
+                services,
+                arm: kind,
+                load_s: None,
+                skipped: Some(why.into()),
+                rss_mib: None,
+            });
+            continue;
+        }
+        let t0 = Instant::now();
+        let (arm, setup) =
+            setup_arm(opts, kind, &scenario, cache, bench_bin).with_context(|| {
+                format!(
+                    "setting up NodePort {} at {services} Services",
+                    kind.label()
+                )
+            })?;
+        match (&setup.skipped, setup.load_s) {
+            (Some(why), _) => {
+                say(format!("NodePort {}: {why}", kind.label()));
+                skip.push(kind);
+            }
+            (None, Some(s)) => say(format!(
+                "NodePort {}: loaded in {s:.2} s (set-up {:.1} s)",
+                kind.label(),
+                t0.elapsed().as_secs_f64()
+            )),
+            _ => {}
+        }
+        let ok = setup.skipped.is_none();
+        np.setups.push(setup);
+        if ok {
+            sanity(bench_bin, &arm)
+                .with_context(|| format!("NodePort {} at {services} Services", kind.label()))?;
+            arms.push(arm);
+        }
+    }
+    // As in the ClusterIP experiment: the datapath needs no agent, and its
+    // periodic resync would take a core from whichever arm runs. Paused, it
+    // does not sweep conntrack either: LB_CONNTRACK is an LRU map.
+    let paused: Vec<u32> = arms
+        .iter()
+        .flat_map(|a| a.cluster.agents.iter().map(|ag| ag.pid()))
+        .collect();
+    for pid in &paused {
+        cmd::signal(*pid, libc::SIGSTOP);
+    }
+    let r = rounds(opts, bench_bin, services, seed, &mut arms, np);
+    for pid in &paused {
+        cmd::signal(*pid, libc::SIGCONT);
+    }
+    r?;
+    if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+        let pins = ours.cluster.agents[0].pin_dir();
+        match (
+            lb_stat(pins, STAT_TC_TRANSLATED),
+            lb_stat(pins, STAT_TC_SNAT_FAILED),
+        ) {
+            (Ok(t), Ok(f)) => {
+                say(format!(
+                    "NodePort lb (ours): {t} packets translated, {f} new flows dropped (no free SNAT port)"
+                ));
+                np.ours_stats.push((services, t, f));
+            }
+            (Err(e), _) | (_, Err(e)) => np
+                .notes
+                .push(format!("{services} Services: LB_STATS not read: {e}")),
+        }
+    }
+    say(format!("tearing down the {services}-Service NodePort arms"));
+    drop(arms);
+    Ok(())
+}
+
+fn rounds(
+    opts: &Opts,
+    bench_bin: &Path,
+    services: usize,
+    seed: &mut u64,
+    arms: &mut [NpArm],
+    np: &mut NodePortResults,
+) -> Result<()> {
+    for round in 0..np.rounds {
+        shuffle(arms, seed);
+        let order: Vec<&str> = arms.iter().map(|a| a.kind.short()).collect();
+        say(format!(
+            "NodePort round {}/{}: {}",
+            round + 1,
+            np.rounds,
+            order.join(" ")
+        ));
+        for arm in arms.iter() {
+            for (mode, ms) in durations(opts.quick) {
+                let run = arm.run(bench_bin, mode, ms)?;
+                if run.errors > 0 {
+                    say(format!(
+                        "  NodePort {} {}: {} errors (first: {})",
+                        arm.kind.label(),
+                        mode.as_str(),
+                        run.errors,
+                        run.first_error.clone().unwrap_or_default()
+                    ));
+                }
+                np.samples.push(Sample {
+                    services,
+                    round,
+                    arm: arm.kind,
+                    mode,
+                    run,
+                });
+            }
+        }
+        // The tc programs' cost, in a connect+close run of its own.
+        if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+            let stats = enable_bpf_stats()?;
+            let before: Vec<(u64, u64)> = ours
+                .tc_progs
+                .iter()
+                .map(|(_, id)| prog_stats(*id))
+                .collect::<Result<_>>()?;
+            let run = ours.run(bench_bin, Mode::Cc, if opts.quick { 300 } else { 500 })?;
+            let after: Vec<(u64, u64)> = ours
+                .tc_progs
+                .iter()
+                .map(|(_, id)| prog_stats(*id))
+                .collect::<Result<_>>()?;
+            drop(stats);
+            for (((name, _), b), a) in ours.tc_progs.iter().zip(&before).zip(&after) {
+                np.costs.push(TcCost {
+                    services,
+                    round,
+                    prog: name.clone(),
+                    run_cnt: a.1.saturating_sub(b.1),
+                    run_time_ns: a.0.saturating_sub(b.0),
+                    conns: run.ops,
+                });
+            }
+        }
+        let line: Vec<String> = arms
+            .iter()
+            .filter_map(|a| {
+                np.samples
+                    .iter()
+                    .rev()
+                    .find(|s| s.arm == a.kind && s.mode == Mode::Cc && s.services == services)
+                    .map(|s| format!("{} {:.0}/s", a.kind.short(), s.run.rate))
+            })
+            .collect();
+        say(format!("  NodePort connect+close: {}", line.join(", ")));
+    }
+    Ok(())
+}
