@@ -27,6 +27,7 @@ use k8s_openapi::{
 use serde::{de::DeserializeOwned, Deserialize};
 use serde_json::{value::RawValue, Value};
 
+pub use crate::store::Changes;
 use crate::store::{ObjectKey, Rejection, Store};
 
 /// The namespace of a namespaced object whose manifest does not say.
@@ -80,25 +81,6 @@ pub fn load_str(source: &str, text: &str, format: Format) -> (Store, Vec<Rejecti
     );
     let rejections = objects.rejections();
     (objects.store, rejections)
-}
-
-/// Which stored objects a refresh added, replaced or removed. Translation
-/// uses it to redo only the Services these touch.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Changes {
-    pub services: BTreeSet<ObjectKey>,
-    pub slices: BTreeSet<ObjectKey>,
-    pub endpoints: BTreeSet<ObjectKey>,
-    pub nodes: BTreeSet<String>,
-}
-
-impl Changes {
-    pub fn is_empty(&self) -> bool {
-        self.services.is_empty()
-            && self.slices.is_empty()
-            && self.endpoints.is_empty()
-            && self.nodes.is_empty()
-    }
 }
 
 /// What identifies a version of a file without reading it. A rename into

@@ -16,7 +16,7 @@
 //! across all frontends of a sync. A batch that stops part-way is finished
 //! element by element, so each failure is still reported against its object.
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::{BTreeMap, BTreeSet, HashMap},
     net::IpAddr,
 };
 
@@ -181,6 +181,66 @@ pub struct Reconciler {
     next_set: u32,
     /// Sets replaced or removed by the last `apply`: (set id, slot count).
     retiring: Vec<(u32, u32)>,
+    /// How the desired frontends of the last `apply` use each backend,
+    /// which decides its flags without looking at every frontend.
+    uses: HashMap<BackendAddr, BackendUse>,
+    /// The maps may differ from the last desired state (a write failed, or
+    /// entries were adopted): `apply_touched` must look at everything.
+    needs_full: bool,
+}
+
+/// How many frontends use a backend, as local and as terminating.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct BackendUse {
+    frontends: u32,
+    local: u32,
+    terminating: u32,
+}
+
+impl BackendUse {
+    fn value(&self, addr: &BackendAddr) -> Backend {
+        let mut flags = 0;
+        if self.local > 0 {
+            flags |= backend_flags::LOCAL;
+        }
+        if self.terminating > 0 {
+            flags |= backend_flags::TERMINATING;
+        }
+        Backend {
+            addr: addr_bytes(addr.addr),
+            port: addr.port,
+            proto: addr.protocol.number(),
+            flags,
+        }
+    }
+}
+
+/// Adds (`add`) or takes away the backend uses of one frontend, noting the
+/// backends whose use changed.
+fn count_uses(
+    uses: &mut HashMap<BackendAddr, BackendUse>,
+    state: &FrontendState,
+    add: bool,
+    affected: &mut BTreeSet<BackendAddr>,
+) {
+    let lists = [(&state.active, false), (&state.terminating, true)];
+    for (list, terminating) in lists {
+        for r in list {
+            affected.insert(r.backend);
+            let entry = uses.entry(r.backend).or_default();
+            let step = |n: &mut u32, on: bool| {
+                if on {
+                    *n = if add { *n + 1 } else { n.saturating_sub(1) };
+                }
+            };
+            step(&mut entry.frontends, true);
+            step(&mut entry.local, r.local);
+            step(&mut entry.terminating, terminating);
+            if entry.frontends == 0 {
+                uses.remove(&r.backend);
+            }
+        }
+    }
 }
 
 /// Ids in use, handing out the lowest free one. Ids start at 1 so that 0
@@ -252,6 +312,8 @@ impl Reconciler {
             used_sets: BTreeSet::new(),
             next_set: 1,
             retiring: Vec::new(),
+            uses: HashMap::new(),
+            needs_full: true,
         }
     }
 
@@ -374,42 +436,71 @@ impl Reconciler {
         }
     }
 
-    /// The backend flags one endpoint should carry, merged over every
-    /// frontend that uses it.
-    fn desired_backends(desired: &DesiredState) -> BTreeMap<BackendAddr, Backend> {
-        let mut out: BTreeMap<BackendAddr, Backend> = BTreeMap::new();
-        for state in desired.frontends.values() {
-            let lists = [
-                (&state.active, 0),
-                (&state.terminating, backend_flags::TERMINATING),
-            ];
-            for (list, extra) in lists {
-                for r in list {
-                    let entry = out.entry(r.backend).or_insert(Backend {
-                        addr: addr_bytes(r.backend.addr),
-                        port: r.backend.port,
-                        proto: r.backend.protocol.number(),
-                        flags: 0,
-                    });
-                    if r.local {
-                        entry.flags |= backend_flags::LOCAL;
-                    }
-                    entry.flags |= extra;
-                }
-            }
-        }
-        out
-    }
-
     /// Brings the maps to `desired`, writing only what differs. Failures are
     /// reported per object and leave that object as it was; the rest goes on.
     pub fn apply(&mut self, desired: &DesiredState, ops: &mut impl MapOps) -> SyncReport {
+        self.apply_scoped(desired, None, ops)
+    }
+
+    /// Like [`apply`](Self::apply) when only the frontends in `touched` can
+    /// differ from the desired state of the last `apply`: only those are
+    /// compared, so a change to one Service costs as much as that Service.
+    /// Falls back to the full comparison while the maps may differ from
+    /// that state (a failed write, adopted entries).
+    pub fn apply_touched(
+        &mut self,
+        desired: &DesiredState,
+        touched: &BTreeSet<Frontend>,
+        ops: &mut impl MapOps,
+    ) -> SyncReport {
+        if self.needs_full {
+            return self.apply(desired, ops);
+        }
+        self.apply_scoped(desired, Some(touched), ops)
+    }
+
+    fn apply_scoped(
+        &mut self,
+        desired: &DesiredState,
+        touched: Option<&BTreeSet<Frontend>>,
+        ops: &mut impl MapOps,
+    ) -> SyncReport {
         let mut report = SyncReport::default();
+
+        // The flags each backend should carry, merged over every frontend
+        // that uses it; with `touched`, only those whose use changed.
+        let wanted: Vec<(BackendAddr, Backend)> = match touched {
+            None => {
+                self.uses.clear();
+                let mut all = BTreeSet::new();
+                for state in desired.frontends.values() {
+                    count_uses(&mut self.uses, state, true, &mut all);
+                }
+                all.iter().map(|a| (*a, self.uses[a].value(a))).collect()
+            }
+            Some(touched) => {
+                let mut affected = BTreeSet::new();
+                for f in touched {
+                    // Without a failed write since, what is programmed is
+                    // what the last desired state held.
+                    if let Some(old) = self.frontends.get(f).and_then(|p| p.state.as_ref()) {
+                        count_uses(&mut self.uses, old, false, &mut affected);
+                    }
+                    if let Some(new) = desired.frontends.get(f) {
+                        count_uses(&mut self.uses, new, true, &mut affected);
+                    }
+                }
+                affected
+                    .iter()
+                    .filter_map(|a| self.uses.get(a).map(|u| (*a, u.value(a))))
+                    .collect()
+            }
+        };
 
         // 1. Backends first, so that no slot ever points at a missing one.
         // New ids are reserved now and given back if their write fails.
         let mut pending: Vec<(BackendAddr, u32, Backend, bool)> = Vec::new();
-        for (addr, value) in Self::desired_backends(desired) {
+        for (addr, value) in wanted {
             match self.backends.get(&addr) {
                 Some(b) if b.value == value => {}
                 Some(b) => pending.push((addr, b.id, value, false)),
@@ -459,7 +550,15 @@ impl Reconciler {
         // of every new backend set, then the ServiceValues that publish
         // them, so that no ServiceValue ever names a set not fully written.
         let mut plans = Vec::new();
-        for (frontend, state) in &desired.frontends {
+        let candidates: Box<dyn Iterator<Item = (&Frontend, &FrontendState)>> = match touched {
+            None => Box::new(desired.frontends.iter()),
+            Some(touched) => Box::new(
+                touched
+                    .iter()
+                    .filter_map(|f| desired.frontends.get_key_value(f)),
+            ),
+        };
+        for (frontend, state) in candidates {
             if let Some(p) = self.frontends.get(frontend) {
                 if p.state.as_ref() == Some(state) {
                     continue;
@@ -564,12 +663,19 @@ impl Reconciler {
         }
 
         // 4. Frontends no longer wanted.
-        let stale: Vec<Frontend> = self
-            .frontends
-            .keys()
-            .filter(|f| !desired.frontends.contains_key(f))
-            .copied()
-            .collect();
+        let stale: Vec<Frontend> = match touched {
+            None => self
+                .frontends
+                .keys()
+                .filter(|f| !desired.frontends.contains_key(f))
+                .copied()
+                .collect(),
+            Some(touched) => touched
+                .iter()
+                .filter(|f| self.frontends.contains_key(f) && !desired.frontends.contains_key(f))
+                .copied()
+                .collect(),
+        };
         for frontend in stale {
             match ops.del_service(service_key(&frontend)) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
@@ -597,6 +703,7 @@ impl Reconciler {
             let _ = ops.del_service(vip_key(addr, scope));
             self.vips.remove(&(addr, scope));
         }
+        self.needs_full = !report.errors.is_empty();
         report
     }
 
@@ -1437,5 +1544,139 @@ mod tests {
             assert_eq!(report.frontends_written, 0);
             assert_eq!(m.inner.writes, before);
         }
+    }
+
+    /// The maps as a connect sees them, without ids: per frontend key its
+    /// value's counts and flags and the backends its slots resolve to.
+    fn observed(m: &FakeMaps) -> Vec<String> {
+        let mut out: Vec<String> = m
+            .services
+            .iter()
+            .map(|(k, v)| {
+                let len = v.active as u32 + v.terminating as u32 + v.maglev_size as u32;
+                let backends: Vec<String> = (0..len)
+                    .map(|slot| {
+                        let id = m.slots[&BackendSlotKey {
+                            backend_set: v.backend_set,
+                            slot,
+                        }]
+                            .backend_id;
+                        let b = m.backends[&BackendId { id }];
+                        format!("{:?}:{}:{}", &b.addr[12..], b.port, b.flags)
+                    })
+                    .collect();
+                format!(
+                    "{:?}:{} {}/{} f{} a{} {}",
+                    &k.addr[12..],
+                    k.port,
+                    v.active,
+                    v.terminating,
+                    v.flags,
+                    v.affinity_timeout,
+                    backends.join(",")
+                )
+            })
+            .collect();
+        out.sort();
+        out.push(format!("backends {}", m.backends.len()));
+        out.push(format!("slots {}", m.slots.len()));
+        out
+    }
+
+    /// Random changes to a few frontends at a time: looking only at the
+    /// touched ones programs exactly what the full comparison does.
+    #[test]
+    fn apply_touched_equals_apply() {
+        let frontends: Vec<Frontend> = (1..=4)
+            .flat_map(|i| {
+                [
+                    fe(&format!("10.96.0.{i}"), 80),
+                    fe(&format!("10.96.0.{i}"), 81),
+                ]
+            })
+            .collect();
+        let backends: Vec<BackendAddr> =
+            (1..=5).map(|i| be(&format!("10.1.0.{i}"), 8080)).collect();
+        for seed in 1..=30u64 {
+            let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            let mut below = |n: usize| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % n as u64) as usize
+            };
+            let (mut full, mut partial) = (Reconciler::test(), Reconciler::test());
+            let (mut mf, mut mp) = (FakeMaps::default(), FakeMaps::default());
+            let mut d = DesiredState::default();
+            for step in 0..40 {
+                let mut touched = BTreeSet::new();
+                for _ in 0..=below(2) {
+                    let f = frontends[below(frontends.len())];
+                    touched.insert(f);
+                    if below(4) == 0 {
+                        d.frontends.remove(&f);
+                        continue;
+                    }
+                    let mut st = state("svc", &[]);
+                    for b in &backends {
+                        let r = BackendRef {
+                            backend: *b,
+                            local: below(2) == 0,
+                        };
+                        match below(4) {
+                            0 | 1 => st.active.push(r),
+                            2 => st.terminating.push(r),
+                            _ => {}
+                        }
+                    }
+                    if below(3) == 0 {
+                        st.algorithm = Algorithm::Maglev;
+                    }
+                    if below(3) == 0 {
+                        st.affinity_timeout = Some(60);
+                    }
+                    d.frontends.insert(f, st);
+                }
+                d.vips = d.frontends.keys().map(|f| (f.addr, f.scope)).collect();
+                let a = full.apply(&d, &mut mf);
+                let b = partial.apply_touched(&d, &touched, &mut mp);
+                assert!(a.errors.is_empty() && b.errors.is_empty());
+                assert_eq!(
+                    (a.frontends_written, a.frontends_removed, a.backends_written),
+                    (b.frontends_written, b.frontends_removed, b.backends_written),
+                    "seed {seed} step {step}: report"
+                );
+                assert_eq!(a.udp_departed, b.udp_departed);
+                assert!(full.retire(&mut mf).is_empty());
+                assert!(partial.retire(&mut mp).is_empty());
+                assert_eq!(observed(&mf), observed(&mp), "seed {seed} step {step}");
+            }
+        }
+    }
+
+    #[test]
+    fn apply_touched_after_a_failure_compares_everything() {
+        let (f1, f2) = (fe("10.96.0.1", 80), fe("10.96.0.2", 80));
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps {
+            slot_capacity: Some(1),
+            ..Default::default()
+        };
+        let d = desired(&[
+            (f1, state("a", &[be("10.1.0.1", 80)])),
+            (f2, state("b", &[be("10.1.0.2", 80)])),
+        ]);
+        let report = r.apply_touched(&d, &BTreeSet::new(), &mut m);
+        assert_eq!(report.errors.len(), 1, "{report:?}");
+        // Room again; nothing reported as touched, yet the failed one is
+        // written because the last apply failed.
+        m.slot_capacity = None;
+        let report = r.apply_touched(&d, &BTreeSet::new(), &mut m);
+        assert!(report.errors.is_empty(), "{report:?}");
+        assert_eq!(report.frontends_written, 1);
+        assert_eq!(m.services.len(), 4);
+        // Now in step: an empty touched set writes nothing.
+        let report = r.apply_touched(&d, &BTreeSet::new(), &mut m);
+        assert_eq!(report, SyncReport::default());
     }
 }

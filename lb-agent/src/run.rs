@@ -22,8 +22,8 @@ use crate::{
     model::{Algorithm, Frontend},
     northsouth::{self, Cidr},
     reconcile::Reconciler,
-    store::{Rejection, Store},
-    translate::{self, TranslateOptions},
+    store::{Changes, Rejection, Store},
+    translate::{TranslateOptions, Translator},
 };
 
 /// How long a replaced backend set stays readable after the switch. A
@@ -72,16 +72,17 @@ enum Source {
 }
 
 impl Source {
-    /// Runs `f` on the current objects and the problems found reading them.
-    fn with_store<R>(&mut self, f: impl FnOnce(&Store, Vec<Rejection>) -> R) -> R {
+    /// Runs `f` on the current objects, which of them changed since the
+    /// last call (`None`: not known), and the problems found reading them.
+    fn with_store<R>(&mut self, f: impl FnOnce(&Store, Option<Changes>, Vec<Rejection>) -> R) -> R {
         match self {
             Source::Manifests { dir, .. } => {
-                dir.refresh();
-                f(dir.store(), dir.rejections())
+                let changes = dir.refresh();
+                f(dir.store(), Some(changes), dir.rejections())
             }
             Source::Cluster(state) => {
                 let state = state.lock().expect("cluster state lock");
-                f(&state.store, Vec::new())
+                f(&state.store, None, Vec::new())
             }
         }
     }
@@ -104,6 +105,9 @@ struct Syncer {
     capacity: Capacity,
     datapath: Datapath,
     reconciler: Reconciler,
+    /// The translation, kept so that a change re-translates only the
+    /// Services it touches.
+    translator: Translator,
     problems: ProblemLog,
     metrics: Metrics,
     north_south: NorthSouthArgs,
@@ -173,8 +177,11 @@ fn node_net(
 
 impl Syncer {
     /// Translates the current objects and programs the difference. Bad
-    /// objects are reported and skipped; the rest is programmed.
-    fn sync(&mut self) {
+    /// objects are reported and skipped; the rest is programmed. With
+    /// `full`, every Service is translated and every frontend compared (the
+    /// periodic resync); otherwise, when the source says what changed, only
+    /// the Services that touches.
+    fn sync(&mut self, full: bool) {
         let started = Instant::now();
         let node_name = self.node_name.clone();
         let interfaces = crate::tc::interface_addresses().unwrap_or_else(|e| {
@@ -183,28 +190,53 @@ impl Syncer {
         });
         let ns = self.north_south.clone();
         let algorithm = self.algorithm;
-        let (desired, rejections, net, ranges, checks) =
-            self.source.with_store(|store, mut rejections| {
+        let translator = &mut self.translator;
+        let (update, restricted, rejections, net, ranges, checks) =
+            self.source.with_store(|store, changes, mut rejections| {
                 let node = store.node_info(&node_name);
                 let net = node_net(store, &node_name, &interfaces, &ns);
                 let opts = TranslateOptions {
                     default_algorithm: algorithm,
                     node_addresses: net.node_addresses.clone(),
                 };
-                let (mut desired, more) = translate::translate(store, &node, &opts);
-                rejections.extend(more);
-                rejections.extend(northsouth::restrict_external_ips(
-                    &mut desired,
-                    &ns.allowed_external_ip_cidrs,
-                ));
-                let (ranges, more) = northsouth::source_ranges(store, &desired);
+                let update = match changes {
+                    Some(changes) if !full => translator.update(store, &changes, &node, &opts),
+                    _ => translator.full(store, &node, &opts),
+                };
+                rejections.extend(translator.rejections());
+                // Refusing externalIPs takes frontends out of a copy: the
+                // translator's own state must stay what it translated.
+                let restricted = (!ns.allowed_external_ip_cidrs.is_empty()).then(|| {
+                    let mut desired = translator.state().clone();
+                    rejections.extend(northsouth::restrict_external_ips(
+                        &mut desired,
+                        &ns.allowed_external_ip_cidrs,
+                    ));
+                    desired
+                });
+                let desired = restricted.as_ref().unwrap_or(translator.state());
+                let (ranges, more) = northsouth::source_ranges(store, desired);
                 rejections.extend(more);
                 let checks = northsouth::health_checks(store, &node_name);
-                (desired, rejections, net, ranges, checks)
+                (update, restricted, rejections, net, ranges, checks)
             });
         let read_translate = started.elapsed();
         let applying = Instant::now();
-        let report = self.reconciler.apply(&desired, self.datapath.maps());
+        let maps = self.datapath.maps();
+        let (desired, report) = match &restricted {
+            None if !update.full => {
+                let desired = self.translator.state();
+                let report = self
+                    .reconciler
+                    .apply_touched(desired, &update.touched, maps);
+                (desired, report)
+            }
+            _ => {
+                let desired = restricted.as_ref().unwrap_or(self.translator.state());
+                (desired, self.reconciler.apply(desired, maps))
+            }
+        };
+        let frontends = desired.frontends.len();
         let apply = applying.elapsed();
         for e in &report.errors {
             tracing::error!("map write failed, will retry on the next sync: {e}");
@@ -225,7 +257,8 @@ impl Syncer {
         }
         self.record(&report, &rejections, started.elapsed());
         tracing::info!(
-            frontends = desired.frontends.len(),
+            frontends,
+            full = update.full,
             written = report.frontends_written,
             adopted = report.frontends_adopted,
             removed = report.frontends_removed,
@@ -530,6 +563,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         capacity: args.capacity.clone(),
         datapath,
         reconciler,
+        translator: Translator::default(),
         problems: ProblemLog::default(),
         metrics,
         north_south: args.north_south.clone(),
@@ -546,7 +580,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     // Until the API has been listed completely, the adopted maps stay as
     // they are: an early sync would delete what is not listed yet.
     if syncer.source.complete() {
-        syncer.sync();
+        syncer.sync(true);
         attach_after_sync(&mut syncer.datapath, &cgroup, &mut attach_pending)?;
         ready.set_ready();
     }
@@ -568,6 +602,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 None => std::future::pending().await,
             }
         };
+        // `Some(full)`: sync, comparing everything or only what changed.
         let sync_now = tokio::select! {
             _ = sigterm.recv() => break,
             _ = sigint.recv() => break,
@@ -575,22 +610,23 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 // Coalesce a burst of changes into one sync.
                 tokio::time::sleep(args.sync_debounce).await;
                 while events.try_recv().is_ok() {}
-                true
+                Some(false)
             }
-            _ = resync.tick() => true,
+            // Everything again, in case something was missed.
+            _ = resync.tick() => Some(true),
             _ = sweep.tick() => {
                 syncer.sweep_affinity();
                 syncer.sweep_conntrack();
-                false
+                None
             }
             _ = retire_sleep => {
                 syncer.retire();
                 retire_at = None;
-                false
+                None
             }
         };
-        if sync_now && syncer.source.complete() {
-            syncer.sync();
+        if let Some(full) = sync_now.filter(|_| syncer.source.complete()) {
+            syncer.sync(full);
             attach_after_sync(&mut syncer.datapath, &cgroup, &mut attach_pending)?;
             ready.set_ready();
         }

@@ -2,7 +2,10 @@
 //! (`manifest::load_dir`) in standalone mode and a kube-rs reflector in
 //! cluster mode. `translate` reads it and nothing else, which keeps the
 //! Kubernetes semantics testable without a cluster.
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+};
 
 use k8s_openapi::api::{
     core::v1::{Endpoints, Node, Service},
@@ -45,6 +48,25 @@ pub struct Store {
     pub endpoints: BTreeMap<ObjectKey, Endpoints>,
     /// Nodes are cluster-scoped: keyed by name only.
     pub nodes: BTreeMap<String, Node>,
+}
+
+/// Which stored objects a manifests refresh added, replaced or removed. Translation
+/// uses it to redo only the Services these touch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub services: BTreeSet<ObjectKey>,
+    pub slices: BTreeSet<ObjectKey>,
+    pub endpoints: BTreeSet<ObjectKey>,
+    pub nodes: BTreeSet<String>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        self.services.is_empty()
+            && self.slices.is_empty()
+            && self.endpoints.is_empty()
+            && self.nodes.is_empty()
+    }
 }
 
 /// What the translation needs to know about the node it runs on.

@@ -22,7 +22,7 @@ use crate::{
         Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
         Protocol, Scope, ServiceName,
     },
-    store::{NodeInfo, ObjectKey, Rejection, Store},
+    store::{Changes, NodeInfo, ObjectKey, Rejection, Store},
 };
 
 /// Services carrying this label belong to another proxy.
@@ -60,62 +60,289 @@ pub fn translate(
     node: &NodeInfo,
     opts: &TranslateOptions,
 ) -> (DesiredState, Vec<Rejection>) {
-    let ctx = Context {
-        store,
-        slices: slices_by_service(store),
-        node,
-        opts,
-    };
-    let mut out = Output::default();
-    // Services in key order, so that on a conflict the Service whose
-    // namespace/name sorts first keeps the frontend.
-    for (key, svc) in &store.services {
-        if belongs_to_other_proxy(svc) {
-            continue;
-        }
-        let mut report = Report::new(format!("Service {key}"));
-        translate_service(&ctx, key, svc, &mut report, &mut out);
-        out.rejections.extend(report.rejections);
-    }
-    (out.state, out.rejections)
+    let mut translator = Translator::default();
+    translator.full(store, node, opts);
+    let rejections = translator.rejections();
+    (translator.state, rejections)
 }
 
 /// What the translation of every Service reads.
 struct Context<'a> {
     store: &'a Store,
-    slices: BTreeMap<ObjectKey, Vec<(&'a ObjectKey, &'a EndpointSlice)>>,
     node: &'a NodeInfo,
     opts: &'a TranslateOptions,
 }
 
-/// The result being built, plus who owns each frontend.
+/// The translation of one Service on its own, before its frontends are
+/// checked against those of other Services.
 #[derive(Default)]
-struct Output {
-    state: DesiredState,
-    owners: BTreeMap<Frontend, (ServiceName, String)>,
+struct ServiceOut {
+    /// `(frontend, state, field)` in the order the Service asks for them.
+    claims: Vec<(Frontend, FrontendState, String)>,
+    vips: Vec<(IpAddr, Scope)>,
+    /// Problems of its EndpointSlices or Endpoints, reported before the
+    /// Service's own.
+    endpoint_rejections: Vec<Rejection>,
+}
+
+/// What is remembered of one translated Service.
+#[derive(Debug, Default)]
+struct Translated {
+    /// Every frontend it claimed, won or not, in claim order.
+    frontends: Vec<Frontend>,
+    vips: Vec<(IpAddr, Scope)>,
+    /// Its rejections, conflicts included, in the order a full
+    /// translation reports them.
     rejections: Vec<Rejection>,
 }
 
-impl Output {
-    /// Adds a frontend unless an earlier Service (or an earlier field of
-    /// the same Service) already claimed it.
-    fn claim(
-        &mut self,
-        frontend: Frontend,
-        state: FrontendState,
-        field: String,
-        report: &mut Report,
-    ) {
-        if let Some((owner, owner_field)) = self.owners.get(&frontend) {
-            let reason = format!(
-                "frontend {frontend} is already served by Service {owner} ({owner_field}); ignored"
-            );
-            report.reject(field, reason);
-            return;
-        }
-        self.owners.insert(frontend, (state.service.clone(), field));
-        self.state.frontends.insert(frontend, state);
+/// What an update changed.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Update {
+    /// Everything was translated again: every frontend may have changed.
+    pub full: bool,
+    /// Otherwise the frontends added, changed or removed.
+    pub touched: BTreeSet<Frontend>,
+}
+
+/// The translation kept between syncs, so that a change to a few objects
+/// re-translates only the Services they belong to.
+///
+/// Claims are settled in Service key order (the first Service claiming a
+/// frontend keeps it). An update is done in place only while no frontend
+/// it involves is or becomes claimed twice; otherwise everything is
+/// translated again, which settles conflicts exactly as before.
+#[derive(Debug, Default)]
+pub struct Translator {
+    state: DesiredState,
+    services: BTreeMap<ObjectKey, Translated>,
+    /// Who serves each frontend of `state`, and from which field.
+    owners: BTreeMap<Frontend, (ObjectKey, String)>,
+    /// Frontends claimed more than once.
+    contested: BTreeSet<Frontend>,
+    /// How many claims each VIP has.
+    vip_refs: BTreeMap<(IpAddr, Scope), u32>,
+    /// EndpointSlices by Service, and the Service of each slice.
+    slices: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
+    slice_service: BTreeMap<ObjectKey, ObjectKey>,
+    /// What the last translation was done with.
+    inputs: Option<(NodeInfo, TranslateOptions)>,
+}
+
+impl Translator {
+    /// The translated state.
+    pub fn state(&self) -> &DesiredState {
+        &self.state
     }
+
+    /// Every rejection, in Service key order.
+    pub fn rejections(&self) -> Vec<Rejection> {
+        self.services
+            .values()
+            .flat_map(|t| t.rejections.iter().cloned())
+            .collect()
+    }
+
+    /// Translates every Service of `store` again.
+    pub fn full(&mut self, store: &Store, node: &NodeInfo, opts: &TranslateOptions) -> Update {
+        *self = Translator {
+            inputs: Some((node.clone(), opts.clone())),
+            ..Default::default()
+        };
+        for (key, slice) in &store.slices {
+            if let Some(service) = service_of_slice(key, slice) {
+                self.slices
+                    .entry(service.clone())
+                    .or_default()
+                    .insert(key.clone());
+                self.slice_service.insert(key.clone(), service);
+            }
+        }
+        let ctx = Context { store, node, opts };
+        // Services in key order, so that on a conflict the Service whose
+        // namespace/name sorts first keeps the frontend.
+        for (key, svc) in &store.services {
+            if let Some((out, report)) = self.translate_one(&ctx, key, svc) {
+                self.settle(key, out, report);
+            }
+        }
+        Update {
+            full: true,
+            touched: BTreeSet::new(),
+        }
+    }
+
+    /// Brings the translation up to date with `store` after `changes`,
+    /// re-translating only the Services they touch when that is safe.
+    pub fn update(
+        &mut self,
+        store: &Store,
+        changes: &Changes,
+        node: &NodeInfo,
+        opts: &TranslateOptions,
+    ) -> Update {
+        // Nodes matter only through `node` and `opts`.
+        if self.inputs.as_ref() != Some(&(node.clone(), opts.clone())) {
+            return self.full(store, node, opts);
+        }
+        let mut dirty: BTreeSet<ObjectKey> = changes.services.clone();
+        dirty.extend(changes.endpoints.iter().cloned());
+        for key in &changes.slices {
+            if let Some(old) = self.slice_service.remove(key) {
+                if let Some(set) = self.slices.get_mut(&old) {
+                    set.remove(key);
+                    if set.is_empty() {
+                        self.slices.remove(&old);
+                    }
+                }
+                dirty.insert(old);
+            }
+            let new = store
+                .slices
+                .get(key)
+                .and_then(|slice| service_of_slice(key, slice));
+            if let Some(new) = new {
+                self.slices
+                    .entry(new.clone())
+                    .or_default()
+                    .insert(key.clone());
+                self.slice_service.insert(key.clone(), new.clone());
+                dirty.insert(new);
+            }
+        }
+        let ctx = Context { store, node, opts };
+        let mut touched = BTreeSet::new();
+        for key in dirty {
+            let out = store
+                .services
+                .get(&key)
+                .and_then(|svc| self.translate_one(&ctx, &key, svc));
+            if !self.replace(&key, out, &mut touched) {
+                return self.full(store, node, opts);
+            }
+        }
+        Update {
+            full: false,
+            touched,
+        }
+    }
+
+    /// Translates one Service; `None` when it is not ours to serve.
+    fn translate_one(
+        &self,
+        ctx: &Context<'_>,
+        key: &ObjectKey,
+        svc: &Service,
+    ) -> Option<(ServiceOut, Report)> {
+        if belongs_to_other_proxy(svc) {
+            return None;
+        }
+        let slices: Option<Vec<(&ObjectKey, &EndpointSlice)>> = self.slices.get(key).map(|set| {
+            set.iter()
+                .filter_map(|k| ctx.store.slices.get_key_value(k))
+                .collect()
+        });
+        let mut report = Report::new(format!("Service {key}"));
+        let mut out = ServiceOut::default();
+        translate_service(ctx, key, svc, slices.as_ref(), &mut report, &mut out);
+        Some((out, report))
+    }
+
+    /// Adds a translated Service after every Service sorting before it:
+    /// a frontend already served by one of those stays with it.
+    fn settle(&mut self, key: &ObjectKey, out: ServiceOut, mut report: Report) {
+        let ServiceOut {
+            claims,
+            vips,
+            endpoint_rejections,
+        } = out;
+        let mut frontends = Vec::with_capacity(claims.len());
+        for (frontend, state, field) in claims {
+            frontends.push(frontend);
+            if let Some((owner, owner_field)) = self.owners.get(&frontend) {
+                self.contested.insert(frontend);
+                let reason = format!(
+                    "frontend {frontend} is already served by Service {owner} ({owner_field}); ignored"
+                );
+                report.reject(field, reason);
+                continue;
+            }
+            self.owners.insert(frontend, (key.clone(), field));
+            self.state.frontends.insert(frontend, state);
+        }
+        for vip in &vips {
+            *self.vip_refs.entry(*vip).or_default() += 1;
+            self.state.vips.insert(*vip);
+        }
+        let mut rejections = endpoint_rejections;
+        rejections.extend(report.rejections);
+        self.services.insert(
+            key.clone(),
+            Translated {
+                frontends,
+                vips,
+                rejections,
+            },
+        );
+    }
+
+    /// Replaces the translation of Service `key` by `out` (`None`: gone or
+    /// not ours), recording the frontends that changed. `false` when a
+    /// frontend involved is contested: only a full translation settles it.
+    fn replace(
+        &mut self,
+        key: &ObjectKey,
+        out: Option<(ServiceOut, Report)>,
+        touched: &mut BTreeSet<Frontend>,
+    ) -> bool {
+        let old = self.services.get(key);
+        if old.is_some_and(|t| t.frontends.iter().any(|f| self.contested.contains(f))) {
+            return false;
+        }
+        if let Some((out, _)) = &out {
+            let mut seen = BTreeSet::new();
+            for (frontend, ..) in &out.claims {
+                let taken = self
+                    .owners
+                    .get(frontend)
+                    .is_some_and(|(owner, _)| owner != key);
+                if taken || self.contested.contains(frontend) || !seen.insert(*frontend) {
+                    return false;
+                }
+            }
+        }
+        if let Some(old) = self.services.remove(key) {
+            for frontend in old.frontends {
+                self.owners.remove(&frontend);
+                self.state.frontends.remove(&frontend);
+                touched.insert(frontend);
+            }
+            for vip in old.vips {
+                if let Some(n) = self.vip_refs.get_mut(&vip) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.vip_refs.remove(&vip);
+                        self.state.vips.remove(&vip);
+                    }
+                }
+            }
+        }
+        if let Some((out, report)) = out {
+            touched.extend(out.claims.iter().map(|(f, ..)| *f));
+            self.settle(key, out, report);
+        }
+        true
+    }
+}
+
+/// The Service an EndpointSlice belongs to (same namespace), by its label.
+fn service_of_slice(key: &ObjectKey, slice: &EndpointSlice) -> Option<ObjectKey> {
+    let service = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(LABEL_SERVICE_NAME))?;
+    (!service.is_empty()).then(|| ObjectKey::new(key.namespace.clone(), service.clone()))
 }
 
 /// Collects the rejections of one object.
@@ -147,25 +374,6 @@ fn belongs_to_other_proxy(svc: &Service) -> bool {
         .labels
         .as_ref()
         .is_some_and(|labels| labels.contains_key(LABEL_SERVICE_PROXY_NAME))
-}
-
-/// EndpointSlices by the Service they belong to, each list in slice order.
-fn slices_by_service(store: &Store) -> BTreeMap<ObjectKey, Vec<(&ObjectKey, &EndpointSlice)>> {
-    let mut index: BTreeMap<ObjectKey, Vec<_>> = BTreeMap::new();
-    for (key, slice) in &store.slices {
-        let service = slice
-            .metadata
-            .labels
-            .as_ref()
-            .and_then(|l| l.get(LABEL_SERVICE_NAME));
-        if let Some(service) = service.filter(|s| !s.is_empty()) {
-            index
-                .entry(ObjectKey::new(key.namespace.clone(), service.clone()))
-                .or_default()
-                .push((key, slice));
-        }
-    }
-    index
 }
 
 // ---------------------------------------------------------------------------
@@ -231,8 +439,9 @@ fn translate_service(
     ctx: &Context<'_>,
     key: &ObjectKey,
     svc: &Service,
+    slices: Option<&Vec<(&ObjectKey, &EndpointSlice)>>,
     report: &mut Report,
-    out: &mut Output,
+    out: &mut ServiceOut,
 ) {
     let (node, opts) = (ctx.node, ctx.opts);
     let Some(spec) = &svc.spec else {
@@ -250,7 +459,7 @@ fn translate_service(
     }
     let cluster_ips = cluster_ips(spec, report);
     for (ip, _) in &cluster_ips {
-        out.state.vips.insert((*ip, Scope::Internal));
+        out.vips.push((*ip, Scope::Internal));
     }
     // A Service exists once per IP family of its cluster IPs (kube-proxy runs
     // one proxier per family): north-south addresses of another family have
@@ -289,7 +498,7 @@ fn translate_service(
     let external_ips = external_ips(spec, &families, report);
     let lb_ips = load_balancer_ips(svc, &families, report);
     // Only now: the endpoints of headless and broken Services do not matter.
-    let groups = endpoint_groups(ctx.store, key, ctx.slices.get(key), &mut out.rejections);
+    let groups = endpoint_groups(ctx.store, key, slices, &mut out.endpoint_rejections);
 
     for port in &ports {
         let candidates = candidates(&groups, port, node);
@@ -316,7 +525,7 @@ fn translate_service(
                 affinity_timeout: settings.affinity_timeout,
                 algorithm: settings.algorithm,
             };
-            out.claim(frontend, state, field, report);
+            out.claims.push((frontend, state, field));
         };
 
         for (ip, field) in &cluster_ips {
@@ -975,6 +1184,7 @@ fn select(
 mod tests {
     use super::*;
     use crate::manifest::{load_str, Format};
+    use crate::store::Changes;
 
     /// The node every case runs on unless it says otherwise.
     fn node_a() -> NodeInfo {
@@ -1788,5 +1998,162 @@ mod tests {
                 "translate: Service default/web: spec.ports[1].protocol: protocol SCTP is not supported (only TCP and UDP); port skipped",
             ]
         );
+    }
+
+    /// A small deterministic generator (xorshift64*), so that a failure
+    /// replays.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 33) as usize % n
+        }
+
+        fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
+            items[self.below(items.len())]
+        }
+    }
+
+    /// One random object as a YAML document, from a small pool of names and
+    /// addresses so that edits collide: shared cluster IPs, slices moving
+    /// between Services, Endpoints and slices for the same Service.
+    fn random_object(rng: &mut Rng) -> (u8, String, Option<String>) {
+        let kind = rng.below(3) as u8;
+        let ns = rng.pick(&["a", "b"]);
+        let name = rng.pick(&["s0", "s1", "s2", "s3"]);
+        if rng.below(5) == 0 {
+            return (kind, format!("{ns}/{name}"), None);
+        }
+        let doc = match kind {
+            0 => {
+                let ip = rng.pick(&["10.96.0.1", "10.96.0.2", "10.96.0.3", "None", "fd00::1"]);
+                let port = rng.pick(&["80", "81"]);
+                let proto = rng.pick(&["TCP", "UDP", "SCTP"]);
+                let extra = rng.pick(&[
+                    "",
+                    ", type: NodePort",
+                    ", externalIPs: [192.0.2.1]",
+                    ", internalTrafficPolicy: Local",
+                    ", sessionAffinity: ClientIP",
+                ]);
+                let node_port = if extra.contains("NodePort") {
+                    ", nodePort: 30080"
+                } else {
+                    ""
+                };
+                let labels = rng.pick(&[
+                    "",
+                    ", labels: {service.kubernetes.io/service-proxy-name: other}",
+                ]);
+                format!(
+                    "{{apiVersion: v1, kind: Service, metadata: {{name: {name}, namespace: {ns}{labels}}}, \
+                     spec: {{clusterIP: '{ip}'{extra}, ports: [{{name: p, port: {port}, protocol: {proto}{node_port}}}]}}}}"
+                )
+            }
+            1 => {
+                let service = rng.pick(&["s0", "s1", "s2", "s3", ""]);
+                let addr = rng.pick(&["10.1.0.1", "10.1.0.2", "bad"]);
+                let node = rng.pick(&["node-a", "node-b"]);
+                let ready = rng.pick(&["true", "false"]);
+                format!(
+                    "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {{name: {name}-x, namespace: {ns}, labels: {{kubernetes.io/service-name: '{service}'}}}}, \
+                     addressType: IPv4, ports: [{{name: p, port: 8080, protocol: TCP}}, {{name: p, port: 8080, protocol: UDP}}], \
+                     endpoints: [{{addresses: [{addr}], nodeName: {node}, conditions: {{ready: {ready}, serving: true, terminating: true}}}}]}}"
+                )
+            }
+            _ => {
+                let addr = rng.pick(&["10.2.0.1", "10.2.0.2"]);
+                format!(
+                    "{{apiVersion: v1, kind: Endpoints, metadata: {{name: {name}, namespace: {ns}}}, \
+                     subsets: [{{addresses: [{{ip: {addr}}}], ports: [{{name: p, port: 9090, protocol: TCP}}]}}]}}"
+                )
+            }
+        };
+        (kind, format!("{ns}/{name}"), Some(doc))
+    }
+
+    /// Random edit sequences: after each, the incremental translation
+    /// equals a full one, and every frontend that changed was reported.
+    #[test]
+    fn incremental_equals_full() {
+        let opts = TranslateOptions {
+            default_algorithm: Algorithm::Random,
+            node_addresses: vec!["192.168.1.10".parse().unwrap()],
+        };
+        let (mut partial, mut conflicts) = (0, 0);
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+            let mut store = Store::default();
+            let mut translator = Translator::default();
+            let mut node = node_a();
+            translator.full(&store, &node, &opts);
+            for step in 0..60 {
+                let mut changes = Changes::default();
+                for _ in 0..=rng.below(3) {
+                    let (kind, key, doc) = random_object(&mut rng);
+                    let (ns, name) = key.split_once('/').unwrap();
+                    let key = ObjectKey::new(ns, name);
+                    let object = doc.map(|doc| load_str("t.yaml", &doc, Format::Yaml).0);
+                    match kind {
+                        0 => {
+                            store.services.remove(&key);
+                            if let Some(o) = object {
+                                store.services.extend(o.services);
+                            }
+                            changes.services.insert(key);
+                        }
+                        1 => {
+                            let key = ObjectKey::new(ns, format!("{name}-x"));
+                            store.slices.remove(&key);
+                            if let Some(o) = object {
+                                store.slices.extend(o.slices);
+                            }
+                            changes.slices.insert(key);
+                        }
+                        _ => {
+                            store.endpoints.remove(&key);
+                            if let Some(o) = object {
+                                store.endpoints.extend(o.endpoints);
+                            }
+                            changes.endpoints.insert(key);
+                        }
+                    }
+                }
+                if rng.below(20) == 0 {
+                    node.name = rng.pick(&["node-a", "node-b"]).into();
+                }
+                let before = translator.state().clone();
+                let update = translator.update(&store, &changes, &node, &opts);
+                let (want, want_rejections) = translate(&store, &node, &opts);
+                let at = format!("seed {seed} step {step}");
+                assert_eq!(translator.state(), &want, "{at}: state");
+                assert_eq!(translator.rejections(), want_rejections, "{at}: rejections");
+                if want_rejections
+                    .iter()
+                    .any(|r| r.reason.contains("already served"))
+                {
+                    conflicts += 1;
+                }
+                if !update.full {
+                    partial += 1;
+                    let frontends: BTreeSet<&Frontend> = before
+                        .frontends
+                        .keys()
+                        .chain(want.frontends.keys())
+                        .collect();
+                    for f in frontends {
+                        if before.frontends.get(f) != want.frontends.get(f) {
+                            assert!(update.touched.contains(f), "{at}: {f} changed unreported");
+                        }
+                    }
+                }
+            }
+        }
+        // Both paths and conflicts were exercised.
+        assert!(partial > 1000 && conflicts > 100, "{partial} {conflicts}");
     }
 }
