@@ -138,6 +138,9 @@ pub struct ManifestDir {
     /// The directory itself could not be listed.
     dir_error: Option<Rejection>,
     objects: Objects,
+    /// Every problem as of the last refresh, worked out again only when a
+    /// file was read or went away (it looks at every object).
+    rejections: Vec<Rejection>,
 }
 
 impl ManifestDir {
@@ -147,6 +150,7 @@ impl ManifestDir {
             stamps: BTreeMap::new(),
             dir_error: None,
             objects: Objects::default(),
+            rejections: Vec::new(),
         }
     }
 
@@ -157,15 +161,15 @@ impl ManifestDir {
 
     /// Every problem found, in file name order, then document order.
     pub fn rejections(&self) -> Vec<Rejection> {
-        let mut out: Vec<Rejection> = self.dir_error.iter().cloned().collect();
-        out.extend(self.objects.rejections());
-        out
+        self.rejections.clone()
     }
 
     /// Re-reads the files that appeared, changed or went away since the last
     /// call, and updates the store with their objects only.
     pub fn refresh(&mut self) -> Changes {
         let mut changes = Changes::default();
+        let dir_error = self.dir_error.clone();
+        let mut read = false;
         let listed = match manifest_files(&self.dir) {
             Ok(files) => {
                 self.dir_error = None;
@@ -189,6 +193,7 @@ impl ManifestDir {
             .cloned()
             .collect();
         for name in gone {
+            read = true;
             self.stamps.remove(&name);
             self.objects.replace_file(name, None, &mut changes);
         }
@@ -199,6 +204,7 @@ impl ManifestDir {
                 }
             }
             let read_at = SystemTime::now();
+            read = true;
             let source = path.display().to_string();
             let parsed = match fs::read_to_string(&path) {
                 Ok(text) => parse_file(&source, &text, format),
@@ -208,6 +214,10 @@ impl ManifestDir {
             // change on the next refresh instead of being missed.
             self.stamps.insert(name.clone(), (stamp, read_at));
             self.objects.replace_file(name, Some(parsed), &mut changes);
+        }
+        if read || self.dir_error != dir_error {
+            self.rejections = self.dir_error.iter().cloned().collect();
+            self.rejections.extend(self.objects.rejections());
         }
         changes
     }
@@ -470,14 +480,22 @@ impl Objects {
             for (i, item) in items.iter().enumerate() {
                 match item {
                     Item::Rejected(r) => out.push(r.clone()),
+                    // Without any shadowed definition, every decoded
+                    // object is the one stored: no lookup for the many.
+                    Item::Object {
+                        decoded: Ok(()), ..
+                    } if self.shadowed.is_empty() => {}
                     Item::Object { label, decoded, .. } => {
                         let winner = self.winners.get(label);
-                        let here = (name.clone(), i);
+                        let here = (name.as_os_str(), i);
+                        fn at(w: &Position) -> (&std::ffi::OsStr, usize) {
+                            (w.0.as_os_str(), w.1)
+                        }
                         match winner {
-                            Some(w) if *w == here => {}
+                            Some(w) if at(w) == here => {}
                             // The first definition wins; a rejected one
                             // never counts as a definition.
-                            Some(w) if *w < here => {
+                            Some(w) if at(w) < here => {
                                 let first = &self.files[&w.0].0;
                                 let reason =
                                     format!("duplicate: already defined in {first}, which wins");

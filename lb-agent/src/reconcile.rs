@@ -187,6 +187,9 @@ pub struct Reconciler {
     /// The maps may differ from the last desired state (a write failed, or
     /// entries were adopted): `apply_touched` must look at everything.
     needs_full: bool,
+    /// Backends may be left that no slot points at (adopted maps, a failed
+    /// write) besides those of `retiring`'s sets: `retire` looks for them.
+    stray_backends: bool,
 }
 
 /// How many frontends use a backend, as local and as terminating.
@@ -314,6 +317,7 @@ impl Reconciler {
             retiring: Vec::new(),
             uses: HashMap::new(),
             needs_full: true,
+            stray_backends: false,
         }
     }
 
@@ -328,6 +332,8 @@ impl Reconciler {
         backends: impl IntoIterator<Item = (BackendId, Backend)>,
     ) -> Self {
         let mut r = Self::new(maglev_size);
+        // Backends of an earlier run that nothing points at any more.
+        r.stray_backends = true;
         let slots: BTreeMap<BackendSlotKey, u32> =
             slots.into_iter().map(|(k, v)| (k, v.backend_id)).collect();
         for (id, value) in backends {
@@ -638,7 +644,8 @@ impl Reconciler {
 
         // 3. VIP markers: add before removing frontends so a VIP never
         // flickers to "unknown" while its ports change.
-        for &(addr, scope) in desired.vips.difference(&self.vips.clone()) {
+        let new_vips: Vec<(IpAddr, Scope)> = desired.vips.difference(&self.vips).copied().collect();
+        for (addr, scope) in new_vips {
             let value = ServiceValue {
                 id: 0,
                 backend_set: 0,
@@ -704,6 +711,7 @@ impl Reconciler {
             self.vips.remove(&(addr, scope));
         }
         self.needs_full = !report.errors.is_empty();
+        self.stray_backends |= self.needs_full;
         report
     }
 
@@ -721,12 +729,29 @@ impl Reconciler {
             return;
         }
         let serving = (p.value.active as usize + p.value.terminating as usize).min(p.slots.len());
-        for id in &p.slots[..serving] {
+        // The state it was programmed from lists the backends in slot
+        // order; only an adopted entry needs the search through all.
+        let listed: Option<Vec<BackendAddr>> = p.state.as_ref().map(|s| {
+            s.active
+                .iter()
+                .chain(&s.terminating)
+                .map(|r| r.backend)
+                .collect()
+        });
+        for (slot, id) in p.slots[..serving].iter().enumerate() {
             if keep.contains(id) {
                 continue;
             }
-            if let Some((addr, _)) = self.backends.iter().find(|(_, b)| b.id == *id) {
-                report.udp_departed.insert((p.id, *addr));
+            let addr = match listed.as_ref().and_then(|l| l.get(slot)) {
+                Some(addr) if self.backends.get(addr).is_some_and(|b| b.id == *id) => Some(*addr),
+                _ => self
+                    .backends
+                    .iter()
+                    .find(|(_, b)| b.id == *id)
+                    .map(|(addr, _)| *addr),
+            };
+            if let Some(addr) = addr {
+                report.udp_departed.insert((p.id, addr));
             }
         }
     }
@@ -878,11 +903,15 @@ impl Reconciler {
     }
 
     /// Whether `apply` left sets or backends for `retire` to delete.
+    ///
+    /// A backend only loses its last slot when a set is replaced or
+    /// removed (then retiring) or a write failed (then noted): this does not
+    /// walk every slot, as it runs on every turn of the agent's loop.
     pub fn has_retiring(&self) -> bool {
-        !self.retiring.is_empty() || self.backends.len() > self.referenced_backends().len()
+        !self.retiring.is_empty() || self.stray_backends
     }
 
-    fn referenced_backends(&self) -> BTreeSet<u32> {
+    fn referenced_backends(&self) -> std::collections::HashSet<u32> {
         self.frontends
             .values()
             .flat_map(|p| p.slots.iter().copied())
@@ -935,6 +964,8 @@ impl Reconciler {
                 ),
             }
         }
+        // A backend that could not be deleted is still there to retire.
+        self.stray_backends = !errors.is_empty();
         errors
     }
 }
