@@ -49,9 +49,53 @@ pub struct Timeouts {
     pub udp: Duration,
 }
 
-/// SNAT source ports: above the default `ip_local_port_range` (32768-60999),
-/// so masqueraded flows do not collide with the node's own connections.
-pub const SNAT_PORTS: (u16, u16) = (61_000, 65_535);
+/// The lowest SNAT source port: below it are the well-known ports.
+const SNAT_PORT_FLOOR: u16 = 1024;
+/// The default NodePort range starts here; a masqueraded flow's port stays
+/// below it so that a late reply of an expired flow can never be taken for
+/// a new NodePort connection.
+const NODE_PORT_RANGE_START: u16 = 30_000;
+
+/// SNAT source ports for masqueraded flows, given the node's
+/// `ip_local_port_range`: the larger of the blocks the node's own
+/// connections never use, so that a masqueraded flow and a local socket
+/// (a kubelet probe to the same pod, say) cannot share a 5-tuple. With the
+/// default range (32768-60999) that is 1024-29999: ~29 000 ports per
+/// backend, where 61000-65535 gave 4 536 and ran out at a few hundred new
+/// connections per second and backend.
+pub fn snat_ports(local: (u16, u16)) -> (u16, u16) {
+    let (lo, hi) = (local.0.min(local.1), local.0.max(local.1));
+    let below = (
+        SNAT_PORT_FLOOR,
+        lo.saturating_sub(1).min(NODE_PORT_RANGE_START - 1),
+    );
+    let above = (hi.saturating_add(1).max(SNAT_PORT_FLOOR), u16::MAX);
+    let size = |(a, b): (u16, u16)| if b >= a { (b - a) as u32 + 1 } else { 0 };
+    let above_size = if hi == u16::MAX { 0 } else { size(above) };
+    let best = if size(below) >= above_size {
+        below
+    } else {
+        above
+    };
+    // A local range that leaves almost nothing: share the top of it rather
+    // than masquerade through a handful of ports.
+    if size(best) < 1024 {
+        (61_000, u16::MAX)
+    } else {
+        best
+    }
+}
+
+/// The node's `ip_local_port_range` (of the agent's network namespace).
+fn local_port_range() -> anyhow::Result<(u16, u16)> {
+    const PATH: &str = "/proc/sys/net/ipv4/ip_local_port_range";
+    let text = std::fs::read_to_string(PATH).with_context(|| format!("reading {PATH}"))?;
+    let mut it = text.split_whitespace().map(str::parse::<u16>);
+    match (it.next(), it.next()) {
+        (Some(Ok(lo)), Some(Ok(hi))) => Ok((lo, hi)),
+        _ => anyhow::bail!("{PATH}: expected two ports, found {text:?}"),
+    }
+}
 
 fn pin_name(direction: &str, device: &str) -> String {
     // bpffs refuses dots in names.
@@ -168,6 +212,7 @@ pub struct TcMaps {
     pub ranges: SourceRangeWriter,
     config: Array<MapData, TcConfig>,
     last_config: Option<TcConfig>,
+    snat_ports: (u16, u16),
 }
 
 /// `LB_SOURCE_RANGES` and what this agent wrote into it.
@@ -221,6 +266,10 @@ impl TcMaps {
             },
             config: Array::try_from(open(dir, map_names::TC_CONFIG)?)?,
             last_config: None,
+            snat_ports: snat_ports(local_port_range().unwrap_or_else(|e| {
+                tracing::warn!("{e:#}; assuming the default 32768-60999");
+                (32_768, 60_999)
+            })),
         })
     }
 
@@ -238,8 +287,8 @@ impl TcMaps {
             tcp_timeout_s: secs(t.tcp),
             tcp_close_timeout_s: secs(t.tcp_close),
             udp_timeout_s: secs(t.udp),
-            snat_port_min: SNAT_PORTS.0,
-            snat_port_max: SNAT_PORTS.1,
+            snat_port_min: self.snat_ports.0,
+            snat_port_max: self.snat_ports.1,
         };
         if self.last_config != Some(cfg) {
             self.config.set(0, cfg, 0).context("writing LB_TC_CONFIG")?;
@@ -452,6 +501,25 @@ mod frames;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snat_ports_avoid_the_local_range_and_node_ports() {
+        for (local, want) in [
+            // Linux's default: everything below, up to the NodePort range.
+            ((32_768, 60_999), (1024, 29_999)),
+            // A wide local range leaves the top.
+            ((1024, 50_000), (50_001, 65_535)),
+            // A low local range: above it is larger.
+            ((2000, 10_000), (10_001, 65_535)),
+            // Written high-low: the same range.
+            ((60_999, 32_768), (1024, 29_999)),
+            // (Almost) everything local: the old fixed block rather than nothing.
+            ((1, 65_535), (61_000, 65_535)),
+            ((1500, 65_000), (61_000, 65_535)),
+        ] {
+            assert_eq!(snat_ports(local), want, "ip_local_port_range {local:?}");
+        }
+    }
 
     fn entry(flags: u8, last_seen_ns: u64) -> CtEntry {
         CtEntry {

@@ -24,6 +24,7 @@ const REDIRECT: u32 = 7;
 const TCP_SYN: u8 = 0x02;
 const TCP_ACK: u8 = 0x10;
 const TCP_FIN: u8 = 0x01;
+const TCP_RST: u8 = 0x04;
 
 fn ip(s: &str) -> IpAddr {
     s.parse().unwrap()
@@ -209,6 +210,7 @@ struct Fixture {
     slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     backends: HashMap<MapData, BackendId, Backend>,
     conntrack: HashMap<MapData, CtKey, CtEntry>,
+    config: Array<MapData, TcConfig>,
     next_set: u32,
 }
 
@@ -234,30 +236,33 @@ impl Fixture {
         }
         let mut config: Array<MapData, TcConfig> =
             Array::try_from(ebpf.take_map(map_names::TC_CONFIG).unwrap()).unwrap();
-        config
-            .set(
-                0,
-                TcConfig {
-                    snat_v4: addr_bytes(ip(NODE4)),
-                    snat_v6: addr_bytes(ip(NODE6)),
-                    tcp_timeout_s: 3600,
-                    tcp_close_timeout_s: 10,
-                    udp_timeout_s: 30,
-                    snat_port_min: 61_000,
-                    snat_port_max: 65_535,
-                },
-                0,
-            )
-            .unwrap();
+        config.set(0, Self::config(61_000, 65_535), 0).unwrap();
         let take = |e: &mut Ebpf, n| e.take_map(n).unwrap();
         Fixture {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)).unwrap(),
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)).unwrap(),
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)).unwrap(),
             conntrack: HashMap::try_from(take(&mut ebpf, map_names::CONNTRACK)).unwrap(),
+            config,
             ebpf,
             next_set: 1,
         }
+    }
+
+    fn config(snat_port_min: u16, snat_port_max: u16) -> TcConfig {
+        TcConfig {
+            snat_v4: addr_bytes(ip(NODE4)),
+            snat_v6: addr_bytes(ip(NODE6)),
+            tcp_timeout_s: 3600,
+            tcp_close_timeout_s: 10,
+            udp_timeout_s: 30,
+            snat_port_min,
+            snat_port_max,
+        }
+    }
+
+    fn snat_ports(&mut self, min: u16, max: u16) {
+        self.config.set(0, Self::config(min, max), 0).unwrap();
     }
 
     fn backend(&mut self, id: u32, addr: &str, port: u16, proto: u8, local: bool) {
@@ -475,6 +480,54 @@ fn remote_backend_masquerade_and_reply() {
         let (_, out) = fx.run("tc_ingress", &second);
         assert_ne!(parse(&out).sport, snat_port);
     }
+}
+
+/// SNAT ports of finished flows go to new ones: at once after an RST, or
+/// when the client reopens its port; a FIN-closed flow keeps its port (the
+/// other half may still send) and a full range drops the new flow.
+#[test]
+fn snat_ports_are_reused_only_when_the_flow_is_over() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.2.10");
+    let mut fx = Fixture::new();
+    fx.snat_ports(61_000, 61_000);
+    fx.backend(1, pod, 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 9, &[1]);
+    let syn = |port| Frame::tcp(client, port, NODE4, 30080, TCP_SYN);
+
+    let (_, out) = fx.run("tc_ingress", &syn(40000));
+    assert_eq!(parse(&out).sport, 61_000);
+    let (rc, _) = fx.run("tc_ingress", &syn(40001));
+    assert_eq!(rc, SHOT, "the only port is taken by a live flow");
+
+    // A FIN: the flow is closing but may still carry data the other way.
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_FIN | TCP_ACK),
+    );
+    let (rc, _) = fx.run("tc_ingress", &syn(40001));
+    assert_eq!(rc, SHOT, "a half-closed flow keeps its port");
+
+    // The client reopens its port: the old flow is over, its port is free.
+    let (rc, out) = fx.run("tc_ingress", &syn(40000));
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!(parse(&out).sport, 61_000);
+
+    // An RST ends that flow for both sides: a new client gets the port.
+    let rst = Frame::tcp(client, 40000, NODE4, 30080, TCP_RST | TCP_ACK);
+    fx.run("tc_ingress", &rst);
+    let fwd = fx.entry(client, 40000, NODE4, 30080, proto::TCP).unwrap();
+    assert_ne!(fwd.flags & ct_flags::RESET, 0);
+    let (rc, out) = fx.run("tc_ingress", &syn(40001));
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!(parse(&out).sport, 61_000);
+    let reply = fx.entry(pod, 8080, NODE4, 61_000, proto::TCP).unwrap();
+    assert_eq!(
+        reply.nat_dport, 40001,
+        "the port now answers the new client"
+    );
 }
 
 /// What must not be translated, and what must be dropped.

@@ -301,10 +301,17 @@ fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) {
     // SAFETY: the pointer is valid for this program run; concurrent updates
     // of the timestamp or flags only lose a refresh.
     unsafe { (*ptr).last_seen_ns = now };
-    if p.tcp_flags & (TCP_FIN | TCP_RST) != 0 && e.flags & ct_flags::CLOSING == 0 {
-        unsafe { (*ptr).flags = e.flags | ct_flags::CLOSING };
+    let ending = if p.tcp_flags & TCP_RST != 0 {
+        ct_flags::CLOSING | ct_flags::RESET
+    } else if p.tcp_flags & TCP_FIN != 0 {
+        ct_flags::CLOSING
+    } else {
+        0
+    };
+    if ending & !e.flags != 0 {
+        unsafe { (*ptr).flags = e.flags | ending };
         if let Some(other) = LB_CONNTRACK.get_ptr_mut(&CtKey::partner(e, p.proto)) {
-            unsafe { (*other).flags |= ct_flags::CLOSING };
+            unsafe { (*other).flags |= ending };
         }
     }
 }
@@ -345,8 +352,12 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
     lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
 }
 
+/// Random tries for a free SNAT port before the new flow is dropped; each
+/// costs one hash lookup, and only while the range is crowded.
+const SNAT_TRIES: u32 = 8;
+
 /// A source port on the masquerade address that no live flow to this
-/// backend uses; 0 when four random tries all collide.
+/// backend uses; 0 when every try collides. A reset flow's port is free.
 #[inline(always)]
 fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64) -> u16 {
     let min = cfg.snat_port_min as u32;
@@ -359,7 +370,7 @@ fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64
         proto: l4proto,
         _pad: [0; 3],
     };
-    for _ in 0..4 {
+    for _ in 0..SNAT_TRIES {
         // SAFETY: plain helper call.
         let port = (min + unsafe { bpf_get_prandom_u32() } % span) as u16;
         if port == 0 {
@@ -369,7 +380,10 @@ fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64
         let free = match LB_CONNTRACK.get_ptr(&key) {
             None => true,
             // SAFETY: copied out at once.
-            Some(e) => !live(unsafe { &*e }, now, cfg, l4proto),
+            Some(e) => {
+                let e = unsafe { &*e };
+                e.flags & ct_flags::RESET != 0 || !live(e, now, cfg, l4proto)
+            }
         };
         if free {
             return port;
@@ -628,6 +642,12 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         if live(e, now, cfg, p.proto) && !reopened {
             touch(ptr, e, &p, now);
             return finish(ctx, &p, e, true);
+        }
+        if reopened {
+            // The client reused its port, so the old flow is over: its
+            // reply entry would only hold the old SNAT port for the close
+            // timeout.
+            let _ = LB_CONNTRACK.remove(&CtKey::partner(e, p.proto));
         }
     }
     new_flow(ctx, &p, &key, now, cfg)
