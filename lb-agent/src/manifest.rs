@@ -246,6 +246,10 @@ fn manifest_files(dir: &Path) -> std::io::Result<Vec<(OsString, PathBuf, Format,
     Ok(files)
 }
 
+/// Lists shorter than this are decoded on one thread: starting threads
+/// costs more than it saves.
+const PARALLEL_ITEMS: usize = 512;
+
 /// The kinds we accept, as `(apiVersion, kind)`.
 const ACCEPTED: [(&str, &str); 4] = [
     ("v1", "Service"),
@@ -751,16 +755,51 @@ impl ParsedFile {
         }
         match top.items {
             None | Some(Items::Null) => {}
-            Some(Items::List(items)) => {
-                for (i, item) in items.into_iter().enumerate() {
-                    self.raw_object(&format!("{label} items[{i}]"), item, None);
-                }
-            }
+            Some(Items::List(items)) => self.raw_items(label, &items),
             Some(Items::Other(found)) => self.reject(
                 label,
                 "items",
                 format!("expected a list of objects, found {found}"),
             ),
+        }
+    }
+
+    /// The items of a List. Each item decodes on its own, so a long list
+    /// is split over the cores (a large first read is mostly this), and the
+    /// parts are joined back in item order.
+    fn raw_items(&mut self, label: &str, items: &[&RawValue]) {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunk = items.len().div_ceil(threads).max(PARALLEL_ITEMS);
+        let decode = |first: usize, part: &[&RawValue]| {
+            let mut file = ParsedFile {
+                source: self.source.clone(),
+                ..Default::default()
+            };
+            for (i, item) in part.iter().enumerate() {
+                file.raw_object(&format!("{label} items[{}]", first + i), item, None);
+            }
+            file
+        };
+        let parts: Vec<ParsedFile> = if items.len() <= chunk {
+            vec![decode(0, items)]
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = items
+                    .chunks(chunk)
+                    .enumerate()
+                    .map(|(n, part)| scope.spawn(move || decode(n * chunk, part)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("decoding does not panic"))
+                    .collect()
+            })
+        };
+        for part in parts {
+            let offset = self.items.len();
+            self.objects
+                .extend(part.objects.into_iter().map(|(i, o)| (i + offset, o)));
+            self.items.extend(part.items);
         }
     }
 
@@ -1337,6 +1376,38 @@ mod tests {
             // Nothing new: nothing read again but racy files, nothing changed.
             assert!(cached.refresh().is_empty(), "step {i}: second refresh");
         }
+    }
+
+    /// A long List is decoded in parts: item labels, rejections and
+    /// duplicates come out as if in one piece.
+    #[test]
+    fn long_lists_decode_in_order() {
+        let items: Vec<String> = (0..1500)
+            .map(|i| match i {
+                700 => r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "bad"}, "spec": {"ports": [{"port": "x"}]}}"#.to_owned(),
+                1400 => r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3"}}"#.to_owned(),
+                1499 => "7".to_owned(),
+                i => format!(r#"{{"apiVersion": "v1", "kind": "Service", "metadata": {{"name": "s{i}"}}}}"#),
+            })
+            .collect();
+        let text = format!(
+            r#"{{"apiVersion": "v1", "kind": "List", "items": [{}]}}"#,
+            items.join(",")
+        );
+        let (store, rejections) = load_str("l.json", &text, Format::Json);
+        assert_eq!(store.services.len(), 1497);
+        let got: Vec<(&str, &str)> = rejections
+            .iter()
+            .map(|r| (r.object.as_str(), r.field.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                ("Service default/bad", "spec.ports[0].port"),
+                ("Service default/s3", "metadata.name"),
+                ("document 1 items[1499]", ""),
+            ]
+        );
     }
 
     #[test]

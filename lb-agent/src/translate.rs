@@ -39,6 +39,9 @@ pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// The largest timeout the API server accepts.
 pub const MAX_AFFINITY_TIMEOUT: u32 = 86400;
 
+/// Stores with fewer Services are translated on one thread.
+const PARALLEL_SERVICES: usize = 256;
+
 /// `Rejection::source` of everything found here; the caller may relabel.
 const SOURCE: &str = "translate";
 
@@ -145,6 +148,18 @@ impl Translator {
 
     /// Translates every Service of `store` again.
     pub fn full(&mut self, store: &Store, node: &NodeInfo, opts: &TranslateOptions) -> Update {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        self.full_on(store, node, opts, threads)
+    }
+
+    /// [`full`](Self::full) on up to `threads` threads.
+    fn full_on(
+        &mut self,
+        store: &Store,
+        node: &NodeInfo,
+        opts: &TranslateOptions,
+        threads: usize,
+    ) -> Update {
         *self = Translator {
             inputs: Some((node.clone(), opts.clone())),
             ..Default::default()
@@ -159,10 +174,34 @@ impl Translator {
             }
         }
         let ctx = Context { store, node, opts };
-        // Services in key order, so that on a conflict the Service whose
-        // namespace/name sorts first keeps the frontend.
-        for (key, svc) in &store.services {
-            if let Some((out, report)) = self.translate_one(&ctx, key, svc) {
+        // Each Service translates on its own, so a large store is split
+        // over the cores; the claims are settled afterwards, in key order,
+        // so that on a conflict the Service whose namespace/name sorts
+        // first keeps the frontend.
+        let services: Vec<(&ObjectKey, &Service)> = store.services.iter().collect();
+        let chunk = services.len().div_ceil(threads).max(PARALLEL_SERVICES);
+        let this = &*self;
+        let translate = |part: &[(&ObjectKey, &Service)]| -> Vec<_> {
+            part.iter()
+                .map(|(key, svc)| this.translate_one(&ctx, key, svc))
+                .collect()
+        };
+        let outs: Vec<Option<(ServiceOut, Report)>> = if services.len() <= chunk {
+            translate(&services)
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = services
+                    .chunks(chunk)
+                    .map(|part| scope.spawn(move || translate(part)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .flat_map(|h| h.join().expect("translation does not panic"))
+                    .collect()
+            })
+        };
+        for ((key, _), out) in services.iter().zip(outs) {
+            if let Some((out, report)) = out {
                 self.settle(key, out, report);
             }
         }
@@ -2074,6 +2113,41 @@ mod tests {
             }
         };
         (kind, format!("{ns}/{name}"), Some(doc))
+    }
+
+    /// Split over threads, the translation is the same as on one, conflicts
+    /// across the parts included.
+    #[test]
+    fn parallel_translation_equals_sequential() {
+        let mut docs = Vec::new();
+        for i in 0..1000 {
+            // Every 7th Service takes the cluster IP of one far before it.
+            let ip = if i % 7 == 0 { i / 3 } else { i };
+            docs.push(format!(
+                "{{apiVersion: v1, kind: Service, metadata: {{name: s{i:04}}}, \
+                 spec: {{clusterIP: 10.96.{}.{}, ports: [{{name: p, port: 80}}]}}}}",
+                ip / 256,
+                ip % 256
+            ));
+            docs.push(format!(
+                "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                 metadata: {{name: s{i:04}-1, labels: {{kubernetes.io/service-name: s{i:04}}}}}, \
+                 addressType: IPv4, ports: [{{name: p, port: 8080}}], endpoints: [{{addresses: [10.1.{}.{}]}}]}}",
+                i / 256,
+                i % 256
+            ));
+        }
+        let docs: Vec<&str> = docs.iter().map(String::as_str).collect();
+        let store = store(&docs);
+        let opts = TranslateOptions::default();
+        let (mut one, mut four) = (Translator::default(), Translator::default());
+        one.full_on(&store, &node_a(), &opts, 1);
+        four.full_on(&store, &node_a(), &opts, 4);
+        assert_eq!(one.state(), four.state());
+        assert_eq!(one.rejections(), four.rejections());
+        // Some Services lost their cluster IP to an earlier one.
+        assert!(one.state().frontends.len() < 1000);
+        assert!(!one.rejections().is_empty());
     }
 
     /// Random edit sequences: after each, the incremental translation
