@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     metrics::Metrics,
-    store::{ObjectKey, Store},
+    store::{Changes, ObjectKey, Store},
 };
 
 /// How to reach the API server.
@@ -76,11 +76,20 @@ pub struct ClusterState {
     pub services_listed: bool,
     pub slices_listed: bool,
     pub node_listed: bool,
+    /// The objects watch events changed since the last `take_changes`;
+    /// `None` after a relist, which may have changed anything.
+    changes: Option<Changes>,
 }
 
 impl ClusterState {
     pub fn all_listed(&self) -> bool {
         self.services_listed && self.slices_listed && self.node_listed
+    }
+
+    /// What changed since the last call (`None`: not known, translate
+    /// everything), and starts recording afresh.
+    pub fn take_changes(&mut self) -> Option<Changes> {
+        self.changes.replace(Changes::default())
     }
 }
 
@@ -98,6 +107,8 @@ trait Stored: Resource<DynamicType = ()> + Clone + Send + Sync + 'static {
     const KIND: &'static str;
     fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self>;
     fn listed(state: &mut ClusterState) -> &mut bool;
+    /// Where a change to object `key` of this kind is recorded.
+    fn note(changes: &mut Changes, key: &ObjectKey);
 }
 
 impl Stored for Service {
@@ -108,6 +119,9 @@ impl Stored for Service {
     fn listed(state: &mut ClusterState) -> &mut bool {
         &mut state.services_listed
     }
+    fn note(changes: &mut Changes, key: &ObjectKey) {
+        changes.services.insert(key.clone());
+    }
 }
 
 impl Stored for EndpointSlice {
@@ -117,6 +131,9 @@ impl Stored for EndpointSlice {
     }
     fn listed(state: &mut ClusterState) -> &mut bool {
         &mut state.slices_listed
+    }
+    fn note(changes: &mut Changes, key: &ObjectKey) {
+        changes.slices.insert(key.clone());
     }
 }
 
@@ -129,6 +146,9 @@ impl Stored for Node {
     }
     fn listed(state: &mut ClusterState) -> &mut bool {
         &mut state.node_listed
+    }
+    fn note(changes: &mut Changes, key: &ObjectKey) {
+        changes.nodes.insert(key.name.clone());
     }
 }
 
@@ -170,12 +190,22 @@ fn apply_event<K: Stored>(
                 *K::objects(&mut state) = b;
             }
             *K::listed(&mut state) = true;
+            // Replaced whole: the next sync translates everything.
+            state.changes = None;
         }
         watcher::Event::Apply(obj) => {
-            K::objects(&mut state).insert(object_key(obj.meta()), obj);
+            let key = object_key(obj.meta());
+            if let Some(changes) = state.changes.as_mut() {
+                K::note(changes, &key);
+            }
+            K::objects(&mut state).insert(key, obj);
         }
         watcher::Event::Delete(obj) => {
-            K::objects(&mut state).remove(&object_key(obj.meta()));
+            let key = object_key(obj.meta());
+            if let Some(changes) = state.changes.as_mut() {
+                K::note(changes, &key);
+            }
+            K::objects(&mut state).remove(&key);
         }
     }
     after_change::<K>(&mut state);
@@ -262,6 +292,91 @@ pub fn start(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn service(name: &str) -> Service {
+        Service {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    fn slice(name: &str) -> EndpointSlice {
+        EndpointSlice {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                namespace: Some("ns".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        }
+    }
+
+    /// Watch events name what changed; a relist makes it unknown.
+    #[test]
+    fn events_record_what_changed() {
+        let state: SharedState = Default::default();
+        let metrics = Metrics::new();
+        let (mut services, mut slices) = (None, None);
+        let keys = |set: &std::collections::BTreeSet<ObjectKey>| -> Vec<String> {
+            set.iter().map(ToString::to_string).collect()
+        };
+        // Nothing taken yet: unknown, so the first sync is full anyway.
+        assert_eq!(state.lock().unwrap().take_changes(), None);
+        apply_event(
+            &state,
+            &mut services,
+            watcher::Event::Apply(service("a")),
+            &metrics,
+        );
+        apply_event(
+            &state,
+            &mut slices,
+            watcher::Event::Apply(slice("a-1")),
+            &metrics,
+        );
+        apply_event(
+            &state,
+            &mut services,
+            watcher::Event::Delete(service("b")),
+            &metrics,
+        );
+        let changes = state.lock().unwrap().take_changes().unwrap();
+        assert_eq!(keys(&changes.services), ["ns/a", "ns/b"]);
+        assert_eq!(keys(&changes.slices), ["ns/a-1"]);
+        assert_eq!(
+            state.lock().unwrap().take_changes(),
+            Some(Changes::default())
+        );
+        for event in [
+            watcher::Event::Init,
+            watcher::Event::InitApply(service("c")),
+            watcher::Event::InitDone,
+        ] {
+            apply_event(&state, &mut services, event, &metrics);
+        }
+        apply_event(
+            &state,
+            &mut services,
+            watcher::Event::Apply(service("d")),
+            &metrics,
+        );
+        assert_eq!(state.lock().unwrap().take_changes(), None);
+        let stored: Vec<String> = keys(
+            &state
+                .lock()
+                .unwrap()
+                .store
+                .services
+                .keys()
+                .cloned()
+                .collect(),
+        );
+        assert_eq!(stored, ["ns/c", "ns/d"]);
+    }
 
     #[test]
     fn watch_metrics_are_exposed_before_the_first_restart() {

@@ -81,8 +81,9 @@ impl Source {
                 f(dir.store(), Some(changes), dir.rejections())
             }
             Source::Cluster(state) => {
-                let state = state.lock().expect("cluster state lock");
-                f(&state.store, None, Vec::new())
+                let mut state = state.lock().expect("cluster state lock");
+                let changes = state.take_changes();
+                f(&state.store, changes, Vec::new())
             }
         }
     }
