@@ -736,14 +736,18 @@ impl ParsedFile {
         if raw.get() == "null" {
             return;
         }
-        let top = match raw.get().starts_with('{') {
-            true => serde_json::from_str::<RawTop<'_>>(raw.get()).ok(),
-            false => None,
-        };
-        let Some(top) = top else {
+        if !raw.get().starts_with('{') {
             return self.raw_object(label, raw, None);
-        };
-        self.raw_top(label, raw.get(), top);
+        }
+        match serde_json::from_str::<RawTop<'_>>(raw.get()) {
+            Ok(top) => self.raw_top(label, raw.get(), top),
+            // A shape the header cannot take (a repeated key): the Value
+            // tree reads it as before, the last of the repeated keys wins.
+            Err(_) => match serde_json::from_str::<Value>(raw.get()) {
+                Ok(value) => self.value_document(label, value),
+                Err(err) => self.reject(label, "", format!("invalid JSON: {err}")),
+            },
+        }
     }
 
     /// A JSON object whose header was read: a `List` or a single object.
@@ -807,19 +811,20 @@ impl ParsedFile {
         let header = match header {
             Some(h) => h,
             None => {
-                let top = match raw.get().starts_with('{') {
-                    true => serde_json::from_str::<RawTop<'_>>(raw.get()).ok(),
-                    false => None,
-                };
-                match top {
-                    Some(top) => Header::of_raw(&top),
-                    None => {
-                        let reason = format!(
-                            "expected a Kubernetes object (a mapping), found {}",
-                            describe_raw(raw)
-                        );
-                        return self.reject(label, "", reason);
-                    }
+                if !raw.get().starts_with('{') {
+                    let reason = format!(
+                        "expected a Kubernetes object (a mapping), found {}",
+                        describe_raw(raw)
+                    );
+                    return self.reject(label, "", reason);
+                }
+                match serde_json::from_str::<RawTop<'_>>(raw.get()) {
+                    Ok(top) => Header::of_raw(&top),
+                    // As in `raw_document`.
+                    Err(_) => match serde_json::from_str::<Value>(raw.get()) {
+                        Ok(value) => return self.value_object(label, value),
+                        Err(err) => return self.reject(label, "", format!("invalid JSON: {err}")),
+                    },
                 }
             }
         };
@@ -1408,6 +1413,22 @@ mod tests {
                 ("document 1 items[1499]", ""),
             ]
         );
+    }
+
+    /// Repeated keys, which a Value tree resolves (the last wins), still
+    /// load as they did before JSON was read without one.
+    #[test]
+    fn repeated_keys_in_json() {
+        let text = r#"{"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Node", "kind": "Service", "metadata": {"name": "a"}},
+            {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "b"}}]}"#;
+        let (store, rejections) = load_str("f.json", text, Format::Json);
+        assert!(rejections.is_empty(), "{rejections:?}");
+        assert_eq!(contents(&store), ["Service default/a", "Service default/b"]);
+        let text = r#"{"apiVersion": "v1", "kind": "Service", "kind": "Service", "metadata": {"name": "c"}}"#;
+        let (store, rejections) = load_str("f.json", text, Format::Json);
+        assert!(rejections.is_empty(), "{rejections:?}");
+        assert_eq!(contents(&store), ["Service default/c"]);
     }
 
     #[test]
