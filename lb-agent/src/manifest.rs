@@ -963,12 +963,60 @@ fn decode_value(kind: Kind, value: Value) -> Result<Object, (String, String)> {
 }
 
 fn decode_text(kind: Kind, text: &str) -> Result<Object, (String, String)> {
-    Ok(match kind {
+    let mut object = match kind {
         Kind::Service => Object::Service(decode_str(text)?),
         Kind::Slice => Object::Slice(decode_str(text)?),
         Kind::Endpoints => Object::Endpoints(decode_str(text)?),
         Kind::Node => Object::Node(decode_str(text)?),
-    })
+    };
+    compact(&mut object);
+    Ok(object)
+}
+
+/// Gives back the spare capacity of the lists the store keeps. Decoded from
+/// text, a list does not know its length in advance and grows by doubling:
+/// ten endpoints of ~350 bytes each sit in room for sixteen, which over a
+/// large store is a good part of the agent's memory.
+fn compact(object: &mut Object) {
+    fn shrink<T>(list: &mut Option<Vec<T>>) {
+        if let Some(list) = list {
+            list.shrink_to_fit();
+        }
+    }
+    match object {
+        Object::Service(svc) => {
+            if let Some(spec) = &mut svc.spec {
+                shrink(&mut spec.ports);
+                shrink(&mut spec.cluster_ips);
+                shrink(&mut spec.ip_families);
+                shrink(&mut spec.external_ips);
+            }
+        }
+        Object::Slice(slice) => {
+            shrink(&mut slice.ports);
+            if let Some(endpoints) = &mut slice.endpoints {
+                endpoints.shrink_to_fit();
+                for endpoint in endpoints {
+                    endpoint.addresses.shrink_to_fit();
+                }
+            }
+        }
+        Object::Endpoints(endpoints) => {
+            if let Some(subsets) = &mut endpoints.subsets {
+                subsets.shrink_to_fit();
+                for subset in subsets {
+                    shrink(&mut subset.addresses);
+                    shrink(&mut subset.not_ready_addresses);
+                    shrink(&mut subset.ports);
+                }
+            }
+        }
+        Object::Node(node) => {
+            if let Some(status) = &mut node.status {
+                shrink(&mut status.addresses);
+            }
+        }
+    }
 }
 
 /// Decodes a typed object, naming the field path of a mismatch

@@ -1205,14 +1205,18 @@ fn select(
     };
     // `candidates` is sorted and unique by backend, so these are too.
     let pick = |keep: &dyn Fn(&Endpoint) -> bool| -> Vec<BackendRef> {
-        eligible
+        let mut list: Vec<BackendRef> = eligible
             .iter()
             .filter(|(_, ep)| keep(ep))
             .map(|(backend, ep)| BackendRef {
                 backend: *backend,
                 local: ep.is_local(node),
             })
-            .collect()
+            .collect();
+        // Kept in the desired state for as long as the Service is: no
+        // room for more than it holds.
+        list.shrink_to_fit();
+        list
     };
     let active = pick(&|ep| ep.ready && topology.allows(ep));
     let terminating = pick(&Endpoint::is_serving_terminating);
