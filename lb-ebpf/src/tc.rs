@@ -71,27 +71,57 @@ struct Pkt {
     dst: [u8; 16],
 }
 
+/// Reads a header field: straight from the packet when the bytes are in its
+/// linear part (the usual case, and several times cheaper than a helper
+/// call per field), else through `bpf_skb_load_bytes`.
+#[inline(always)]
+fn at<T: Copy>(ctx: &TcContext, off: usize) -> Option<T> {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() <= ctx.data_end() {
+        // SAFETY: bounds checked against data_end just above (the verifier
+        // checks it too); packet bytes have no alignment.
+        return Some(unsafe { core::ptr::read_unaligned((start + off) as *const T) });
+    }
+    ctx.load::<T>(off).ok()
+}
+
+/// The start of the transport header. Direct reads need an offset the
+/// verifier can bound exactly, so the two usual places (IPv4 without
+/// options, IPv6 without extension headers) are read at constant offsets
+/// and only anything else goes through the helper.
+#[inline(always)]
+fn l4_head<T: Copy>(ctx: &TcContext, l4: usize) -> Option<T> {
+    match l4 {
+        L4_V4 => at(ctx, L4_V4),
+        L4_V6 => at(ctx, L4_V6),
+        _ => ctx.load::<T>(l4).ok(),
+    }
+}
+
+const L4_V4: usize = ETH_HLEN + 20;
+const L4_V6: usize = ETH_HLEN + 40;
+
 #[inline(always)]
 fn parse(ctx: &TcContext) -> Option<Pkt> {
-    let ethertype = u16::from_be(ctx.load::<u16>(12).ok()?);
+    let ethertype = u16::from_be(at::<u16>(ctx, 12)?);
     let mut src = [0u8; 16];
     let mut dst = [0u8; 16];
     let (v6, l4, l4proto) = match ethertype {
         ETH_P_IP => {
-            let vihl: u8 = ctx.load(ETH_HLEN).ok()?;
+            let vihl: u8 = at(ctx, ETH_HLEN)?;
             let ihl = (vihl & 0x0f) as usize * 4;
             if vihl >> 4 != 4 || ihl < 20 {
                 return None;
             }
             // Any fragment: only the first carries ports, and translating
             // it alone would split the datagram. The stack reassembles.
-            let frag = u16::from_be(ctx.load::<u16>(ETH_HLEN + 6).ok()?);
+            let frag = u16::from_be(at::<u16>(ctx, ETH_HLEN + 6)?);
             if frag & 0x3fff != 0 {
                 return None;
             }
-            let p: u8 = ctx.load(ETH_HLEN + 9).ok()?;
-            let s: [u8; 4] = ctx.load(ETH_HLEN + 12).ok()?;
-            let d: [u8; 4] = ctx.load(ETH_HLEN + 16).ok()?;
+            let p: u8 = at(ctx, ETH_HLEN + 9)?;
+            let s: [u8; 4] = at(ctx, ETH_HLEN + 12)?;
+            let d: [u8; 4] = at(ctx, ETH_HLEN + 16)?;
             src[10] = 0xff;
             src[11] = 0xff;
             dst[10] = 0xff;
@@ -101,9 +131,9 @@ fn parse(ctx: &TcContext) -> Option<Pkt> {
             (false, ETH_HLEN + ihl, p)
         }
         ETH_P_IPV6 => {
-            let p: u8 = ctx.load(ETH_HLEN + 6).ok()?;
-            src = ctx.load(ETH_HLEN + 8).ok()?;
-            dst = ctx.load(ETH_HLEN + 24).ok()?;
+            let p: u8 = at(ctx, ETH_HLEN + 6)?;
+            src = at(ctx, ETH_HLEN + 8)?;
+            dst = at(ctx, ETH_HLEN + 24)?;
             (true, ETH_HLEN + 40, p)
         }
         _ => return None,
@@ -111,13 +141,17 @@ fn parse(ctx: &TcContext) -> Option<Pkt> {
     if l4proto != proto::TCP && l4proto != proto::UDP {
         return None;
     }
-    let sport = u16::from_be(ctx.load::<u16>(l4).ok()?);
-    let dport = u16::from_be(ctx.load::<u16>(l4 + 2).ok()?);
-    let tcp_flags = if l4proto == proto::TCP {
-        ctx.load::<u8>(l4 + 13).ok()?
+    // Ports and flags in one read: the first 14 bytes of TCP, 4 of UDP.
+    let ports: [u8; 5] = if l4proto == proto::TCP {
+        let head: [u8; 14] = l4_head(ctx, l4)?;
+        [head[0], head[1], head[2], head[3], head[13]]
     } else {
-        0
+        let head: [u8; 4] = l4_head(ctx, l4)?;
+        [head[0], head[1], head[2], head[3], 0]
     };
+    let sport = u16::from_be_bytes([ports[0], ports[1]]);
+    let dport = u16::from_be_bytes([ports[2], ports[3]]);
+    let tcp_flags = ports[4];
     Some(Pkt {
         v6,
         l4,
