@@ -109,6 +109,9 @@ struct Syncer {
     /// The translation, kept so that a change re-translates only the
     /// Services it touches.
     translator: Translator,
+    /// The north-south inputs of the last sync, reused while nothing changed:
+    /// they look at every Service.
+    north_south_cache: Option<NorthSouthInputs>,
     problems: ProblemLog,
     metrics: Metrics,
     north_south: NorthSouthArgs,
@@ -117,6 +120,14 @@ struct Syncer {
     /// Devices the tc programs are attached to; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
     health_checks: HealthCheckServers,
+}
+
+/// Source ranges (with their rejections) and health checks, as of a sync.
+struct NorthSouthInputs {
+    net: NodeNet,
+    ranges: std::collections::BTreeMap<Frontend, Vec<Cidr>>,
+    rejections: Vec<Rejection>,
+    checks: Vec<northsouth::HealthCheck>,
 }
 
 /// What the tc path and NodePorts need to know about this node.
@@ -192,8 +203,12 @@ impl Syncer {
         let ns = self.north_south.clone();
         let algorithm = self.algorithm;
         let translator = &mut self.translator;
+        let cache = &mut self.north_south_cache;
         let (update, restricted, rejections, net, ranges, checks) =
             self.source.with_store(|store, changes, mut rejections| {
+                // A wake-up for a file that is not a manifest (an editor's
+                // temporary file, say) changes nothing.
+                let unchanged = !full && changes.as_ref().is_some_and(Changes::is_empty);
                 let node = store.node_info(&node_name);
                 let net = node_net(store, &node_name, &interfaces, &ns);
                 let opts = TranslateOptions {
@@ -216,9 +231,21 @@ impl Syncer {
                     desired
                 });
                 let desired = restricted.as_ref().unwrap_or(translator.state());
-                let (ranges, more) = northsouth::source_ranges(store, desired);
-                rejections.extend(more);
-                let checks = northsouth::health_checks(store, &node_name);
+                let inputs = match cache.take() {
+                    Some(c) if unchanged && !update.full && c.net == net => c,
+                    _ => {
+                        let (ranges, rejections) = northsouth::source_ranges(store, desired);
+                        NorthSouthInputs {
+                            net: net.clone(),
+                            ranges,
+                            rejections,
+                            checks: northsouth::health_checks(store, &node_name),
+                        }
+                    }
+                };
+                rejections.extend(inputs.rejections.iter().cloned());
+                let (ranges, checks) = (inputs.ranges.clone(), inputs.checks.clone());
+                *cache = Some(inputs);
                 (update, restricted, rejections, net, ranges, checks)
             });
         let read_translate = started.elapsed();
@@ -565,6 +592,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         datapath,
         reconciler,
         translator: Translator::default(),
+        north_south_cache: None,
         problems: ProblemLog::default(),
         metrics,
         north_south: args.north_south.clone(),
