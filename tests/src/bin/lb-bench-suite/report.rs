@@ -244,7 +244,7 @@ fn goals(r: &Results) -> Vec<Goal> {
                 _ => "–".into(),
             }
         ),
-        limit: "Each connect() runs connect4 (0.7–1.2 µs here, see the program cost) on top of a ~23 µs connect+close cycle, which alone caps the ratio at ~0.95–0.97; the rest is noise: the rr control, where no load balancer is involved, scatters as much (a shared 2-core VM, other work ran during the benchmark). The curve is flat: nothing on the socket path depends on the number of Services.".into(),
+        limit: "Each connect() runs connect4 (~0.64 µs, see the program cost) on top of a ~20–25 µs connect+close cycle, which alone caps the ratio at ~0.97; the rest is noise: the rr control, where no load balancer is involved, scatters as much (a shared 2-core VM). The curve is flat: nothing on the socket path depends on the number of Services.".into(),
     });
     // 2. ≥ 5× iptables at 10 000.
     for base in [ArmKind::IptablesNft, ArmKind::IptablesLegacy] {
@@ -296,7 +296,7 @@ fn goals(r: &Results) -> Vec<Goal> {
             .map(|(n, s)| format!("{}: {:.0} ns", thousands(*n), s.med))
             .collect::<Vec<_>>()
             .join(", "),
-        limit: "run_time_ns / run_cnt of connect4 under BPF_ENABLE_STATS. The minimum (~0.7 µs) is each point's first round, while LB_REV_SOCK (the reverse view, an LRU hash of 262 144) still has room; once a few hundred thousand connects have filled it, every insert evicts and the cost settles at ~1.1 µs. Per connect: three hash lookups (frontend, slot, backend), bpf_get_prandom_u32, bpf_get_socket_cookie, a per-CPU counter and that LRU insert. Socket-local storage (BPF_MAP_TYPE_SK_STORAGE), freed with the socket, would replace the LRU insert and its evictions.".into(),
+        limit: "run_time_ns / run_cnt of connect4 under BPF_ENABLE_STATS. About 0.22 µs of it is the lookup and the choice (three hash lookups: frontend, slot, backend; bpf_get_prandom_u32; a per-CPU counter); the other ~0.42 µs is allocating the socket-local storage (LB_SOCK_PEER, BPF_MAP_TYPE_SK_STORAGE) that keeps a TCP socket's frontend for getpeername (both measured on this machine by building connect4 without that storage). It replaced an insert into the LB_REV_SOCK LRU that cost more and grew to ~1.1 µs once the LRU was full and every insert evicted. Under 200 ns would mean giving up getpeername showing the ClusterIP, which kube-proxy's DNAT keeps, so we keep it.".into(),
     });
     if let Some(cp) = &r.control {
         let scale = format!("{} × {}", thousands(cp.services), cp.endpoints);
@@ -408,9 +408,8 @@ fn nodeport_goal(v: &Results, r: &Results) -> Goal {
             );
             if dropped > 0 {
                 l.push_str(&format!(
-                    " Ours ran out of SNAT ports: {dropped} new flows dropped (each a 1 s stall): \
-                     4 536 ports per backend, held 10 s after close, cap it at ~450 new \
-                     connections/s per backend. See the NodePort section."
+                    " Ours dropped {dropped} new flows for want of a free SNAT port (each a 1 s \
+                     stall). See the NodePort section."
                 ));
             } else {
                 l.push_str(" See the NodePort section.");
@@ -546,16 +545,12 @@ fn nodeport_section(o: &mut String, r: &Results) {
     }
     if np.ours_stats.iter().any(|s| s.2 > 0) {
         o.push_str(
-            "\nWhy: a masqueraded flow takes a source port from 61000–65535 (4 536 ports) per \
-             backend address and port, and keeps it until its `LB_CONNTRACK` entry expires; a \
-             closed TCP flow's entry lives `--conntrack-tcp-close-timeout` (10 s). One node can \
-             therefore open about 4 536 / 10 s ≈ 450 new connections per second to one backend \
-             (≈ 1 800/s to these 4) before `snat_port`'s four random tries all collide and the new \
-             flow's SYN is dropped; the client's SYN retransmission comes after its 1 s timeout, so \
-             each such drop is an error and a 1 s stall in the runs above. kube-proxy's \
-             `MASQUERADE --random-fully` picks from the whole 1024–65535 range. A wider range, more \
-             tries, or letting a new flow take the port of a flow that has already closed would \
-             lift this limit.\n",
+            "\nWhy: a masqueraded flow takes a source port per backend address and port from \
+             the SNAT range (1024–29999 with the default `ip_local_port_range`), and keeps it \
+             until its flow is reset, the client reopens its port, or its `LB_CONNTRACK` entry \
+             expires (`--conntrack-tcp-close-timeout`, 10 s, after a FIN); `snat_port` tries \
+             eight random ports before it drops the SYN, and the client retransmits only after \
+             its 1 s timeout. See docs/maps.md, SNAT ports.\n",
         );
     }
     o.push_str(
