@@ -195,6 +195,22 @@ pub struct Setup {
     pub rss_mib: Option<f64>,
 }
 
+/// Why an arm is left out of the larger scale points.
+pub const SKIPPED_EARLIER: &str =
+    "skipped: did not load at the previous scale point within the time limit";
+
+impl Setup {
+    pub fn skipped_earlier(services: usize, arm: ArmKind) -> Self {
+        Setup {
+            services,
+            arm,
+            load_s: None,
+            skipped: Some(SKIPPED_EARLIER.into()),
+            rss_mib: None,
+        }
+    }
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ControlPlane {
     pub services: usize,
@@ -1012,15 +1028,8 @@ fn datapath_point(
     let mut arms = Vec::new();
     for kind in ArmKind::ALL {
         if skip.contains(&kind) {
-            let why = "skipped: did not load at the previous scale point within the time limit";
-            say(format!("{}: {why}", kind.label()));
-            results.setups.push(Setup {
-                services,
-                arm: kind,
-                load_s: None,
-                skipped: Some(why.into()),
-                rss_mib: None,
-            });
+            say(format!("{}: {SKIPPED_EARLIER}", kind.label()));
+            results.setups.push(Setup::skipped_earlier(services, kind));
             continue;
         }
         let t0 = Instant::now();
@@ -1061,65 +1070,36 @@ fn datapath_point(
     for pid in &paused {
         cmd::signal(*pid, libc::SIGSTOP);
     }
-    let tests = durations(opts.quick);
     for round in 0..rounds {
-        shuffle(&mut arms, seed);
-        let order: Vec<&str> = arms.iter().map(|a| a.kind.short()).collect();
-        say(format!("round {}/{rounds}: {}", round + 1, order.join(" ")));
-        for arm in &arms {
-            for (mode, ms) in tests {
-                let run = run_client(bench_bin, arm, mode, ms)?;
-                if run.errors > 0 {
-                    say(format!(
-                        "  {} {}: {} errors (first: {})",
-                        arm.kind.label(),
-                        mode.as_str(),
-                        run.errors,
-                        run.first_error.clone().unwrap_or_default()
-                    ));
-                }
-                results.samples.push(Sample {
-                    services,
-                    round,
-                    arm: arm.kind,
-                    mode,
-                    run,
-                });
-            }
-        }
+        let at = Point {
+            services,
+            round,
+            rounds,
+        };
+        measure_round(
+            "",
+            opts,
+            bench_bin,
+            at,
+            &mut arms,
+            seed,
+            &mut results.samples,
+        )?;
         // The programs' cost, in a run of its own: run-time statistics cost
         // time themselves, so they are off during the measured runs.
         if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
             let id = ours.connect4.expect("ours has connect4");
-            let stats = enable_bpf_stats()?;
-            let before = prog_stats(id)?;
-            run_client(
-                bench_bin,
-                ours,
-                Mode::Cc,
-                if opts.quick { 300 } else { 500 },
-            )?;
-            let after = prog_stats(id)?;
-            drop(stats);
+            let (spent, _) = with_bpf_stats(&[id], || {
+                ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
+            })?;
             results.costs.push(Cost {
                 services,
                 round,
-                run_cnt: after.1 - before.1,
-                run_time_ns: after.0 - before.0,
+                run_cnt: spent[0].1,
+                run_time_ns: spent[0].0,
             });
         }
-        let line: Vec<String> = arms
-            .iter()
-            .filter_map(|a| {
-                results
-                    .samples
-                    .iter()
-                    .rev()
-                    .find(|s| s.arm == a.kind && s.mode == Mode::Cc && s.services == services)
-                    .map(|s| format!("{} {:.0}/s", a.kind.short(), s.run.rate))
-            })
-            .collect();
-        say(format!("  connect+close: {}", line.join(", ")));
+        say_rates("", &arms, &results.samples, services);
     }
     for pid in &paused {
         cmd::signal(*pid, libc::SIGCONT);
@@ -1143,6 +1123,122 @@ fn datapath_point(
 
 /// `field` (`elapsed_ms`, `apply_ms`, ...) of the agent's `synced` log
 /// lines, after `skip` of them.
+/// An arm as a round runs it.
+pub trait Measured {
+    fn kind(&self) -> ArmKind;
+    fn measure(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run>;
+}
+
+impl Measured for Arm {
+    fn kind(&self) -> ArmKind {
+        self.kind
+    }
+
+    fn measure(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run> {
+        run_client(bench_bin, self, mode, ms)
+    }
+}
+
+/// Where in the run a sample was taken.
+#[derive(Clone, Copy)]
+pub struct Point {
+    pub services: usize,
+    pub round: usize,
+    pub rounds: usize,
+}
+
+/// One round: the arms in a new shuffled order, each through every test.
+/// `label` prefixes the log lines ("NodePort ", or nothing).
+pub fn measure_round<A: Measured>(
+    label: &str,
+    opts: &Opts,
+    bench_bin: &Path,
+    at: Point,
+    arms: &mut [A],
+    seed: &mut u64,
+    samples: &mut Vec<Sample>,
+) -> Result<()> {
+    shuffle(arms, seed);
+    let order: Vec<&str> = arms.iter().map(|a| a.kind().short()).collect();
+    say(format!(
+        "{label}round {}/{}: {}",
+        at.round + 1,
+        at.rounds,
+        order.join(" ")
+    ));
+    for arm in arms.iter() {
+        for (mode, ms) in durations(opts.quick) {
+            let run = arm.measure(bench_bin, mode, ms)?;
+            if run.errors > 0 {
+                say(format!(
+                    "  {label}{} {}: {} errors (first: {})",
+                    arm.kind().label(),
+                    mode.as_str(),
+                    run.errors,
+                    run.first_error.clone().unwrap_or_default()
+                ));
+            }
+            samples.push(Sample {
+                services: at.services,
+                round: at.round,
+                arm: arm.kind(),
+                mode,
+                run,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The length of the connect+close run that measures our programs' cost.
+pub fn cost_run_ms(opts: &Opts) -> u64 {
+    if opts.quick {
+        300
+    } else {
+        500
+    }
+}
+
+/// Runs `f` with BPF run-time statistics on; returns, per program id, the
+/// (run_time_ns, run_cnt) it added, and `f`'s result.
+pub fn with_bpf_stats<R>(
+    ids: &[u32],
+    f: impl FnOnce() -> Result<R>,
+) -> Result<(Vec<(u64, u64)>, R)> {
+    let stats = enable_bpf_stats()?;
+    let before: Vec<(u64, u64)> = ids
+        .iter()
+        .map(|id| prog_stats(*id))
+        .collect::<Result<_>>()?;
+    let out = f()?;
+    let after: Vec<(u64, u64)> = ids
+        .iter()
+        .map(|id| prog_stats(*id))
+        .collect::<Result<_>>()?;
+    drop(stats);
+    let spent = before
+        .iter()
+        .zip(&after)
+        .map(|(b, a)| (a.0.saturating_sub(b.0), a.1.saturating_sub(b.1)))
+        .collect();
+    Ok((spent, out))
+}
+
+/// Logs each arm's connect+close rate of the round just measured.
+pub fn say_rates<A: Measured>(label: &str, arms: &[A], samples: &[Sample], services: usize) {
+    let line: Vec<String> = arms
+        .iter()
+        .filter_map(|a| {
+            samples
+                .iter()
+                .rev()
+                .find(|s| s.arm == a.kind() && s.mode == Mode::Cc && s.services == services)
+                .map(|s| format!("{} {:.0}/s", a.kind().short(), s.run.rate))
+        })
+        .collect();
+    say(format!("  {label}connect+close: {}", line.join(", ")));
+}
+
 fn sync_field(log: &str, field: &str, skip: usize) -> Option<f64> {
     let key = format!(" {field}=");
     log.lines()

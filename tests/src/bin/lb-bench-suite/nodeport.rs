@@ -34,10 +34,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::{
-    capacity_args, enable_bpf_stats, filler_file, load_rules, prog_stats, rules,
+    capacity_args, cost_run_ms, filler_file, load_rules, measure_round, rules,
     rules::{Scenario, BACKEND_PORT},
-    run_bench_client, say, shuffle, spawn_server, vm_hwm_mib, ArmKind, KillOnDrop, Mode, Opts, Run,
-    Sample, Setup, FILLER_ENDPOINTS,
+    run_bench_client, say, say_rates, spawn_server, vm_hwm_mib, with_bpf_stats, ArmKind,
+    KillOnDrop, Measured, Mode, Opts, Point, Run, Sample, Setup, FILLER_ENDPOINTS, SKIPPED_EARLIER,
 };
 
 /// The target's node port.
@@ -118,8 +118,14 @@ impl NpArm {
     fn client_ns(&self) -> &str {
         &self.cluster.client_netns
     }
+}
 
-    fn run(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run> {
+impl Measured for NpArm {
+    fn kind(&self) -> ArmKind {
+        self.kind
+    }
+
+    fn measure(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run> {
         let targets = if matches!(mode, Mode::Cc | Mode::Crr) {
             &self.targets[..]
         } else {
@@ -315,7 +321,7 @@ fn setup_arm(
 
 /// One CRR run must work without errors before an arm is measured.
 fn sanity(bench_bin: &Path, arm: &NpArm) -> Result<()> {
-    let r = arm.run(bench_bin, Mode::Crr, 200)?;
+    let r = arm.measure(bench_bin, Mode::Crr, 200)?;
     if r.ops == 0 || r.errors > 0 {
         return Err(anyhow!(
             "{} crr: {} ok, {} errors (first: {})",
@@ -359,15 +365,8 @@ fn point(
     let mut arms = Vec::new();
     for kind in ArmKind::ALL {
         if skip.contains(&kind) {
-            let why = "skipped: did not load at the previous scale point within the time limit";
-            say(format!("NodePort {}: {why}", kind.label()));
-            np.setups.push(Setup {
-                services,
-                arm: kind,
-                load_s: None,
-                skipped: Some(why.into()),
-                rss_mib: None,
-            });
+            say(format!("NodePort {}: {SKIPPED_EARLIER}", kind.label()));
+            np.setups.push(Setup::skipped_earlier(services, kind));
             continue;
         }
         let t0 = Instant::now();
@@ -444,72 +443,38 @@ fn rounds(
     np: &mut NodePortResults,
 ) -> Result<()> {
     for round in 0..np.rounds {
-        shuffle(arms, seed);
-        let order: Vec<&str> = arms.iter().map(|a| a.kind.short()).collect();
-        say(format!(
-            "NodePort round {}/{}: {}",
-            round + 1,
-            np.rounds,
-            order.join(" ")
-        ));
-        for arm in arms.iter() {
-            for (mode, ms) in durations(opts.quick) {
-                let run = arm.run(bench_bin, mode, ms)?;
-                if run.errors > 0 {
-                    say(format!(
-                        "  NodePort {} {}: {} errors (first: {})",
-                        arm.kind.label(),
-                        mode.as_str(),
-                        run.errors,
-                        run.first_error.clone().unwrap_or_default()
-                    ));
-                }
-                np.samples.push(Sample {
-                    services,
-                    round,
-                    arm: arm.kind,
-                    mode,
-                    run,
-                });
-            }
-        }
+        let at = Point {
+            services,
+            round,
+            rounds: np.rounds,
+        };
+        measure_round(
+            "NodePort ",
+            opts,
+            bench_bin,
+            at,
+            arms,
+            seed,
+            &mut np.samples,
+        )?;
         // The tc programs' cost, in a connect+close run of its own.
         if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
-            let stats = enable_bpf_stats()?;
-            let before: Vec<(u64, u64)> = ours
-                .tc_progs
-                .iter()
-                .map(|(_, id)| prog_stats(*id))
-                .collect::<Result<_>>()?;
-            let run = ours.run(bench_bin, Mode::Cc, if opts.quick { 300 } else { 500 })?;
-            let after: Vec<(u64, u64)> = ours
-                .tc_progs
-                .iter()
-                .map(|(_, id)| prog_stats(*id))
-                .collect::<Result<_>>()?;
-            drop(stats);
-            for (((name, _), b), a) in ours.tc_progs.iter().zip(&before).zip(&after) {
+            let ids: Vec<u32> = ours.tc_progs.iter().map(|(_, id)| *id).collect();
+            let (spent, run) = with_bpf_stats(&ids, || {
+                ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
+            })?;
+            for ((name, _), (run_time_ns, run_cnt)) in ours.tc_progs.iter().zip(spent) {
                 np.costs.push(TcCost {
                     services,
                     round,
                     prog: name.clone(),
-                    run_cnt: a.1.saturating_sub(b.1),
-                    run_time_ns: a.0.saturating_sub(b.0),
+                    run_cnt,
+                    run_time_ns,
                     conns: run.ops,
                 });
             }
         }
-        let line: Vec<String> = arms
-            .iter()
-            .filter_map(|a| {
-                np.samples
-                    .iter()
-                    .rev()
-                    .find(|s| s.arm == a.kind && s.mode == Mode::Cc && s.services == services)
-                    .map(|s| format!("{} {:.0}/s", a.kind.short(), s.run.rate))
-            })
-            .collect();
-        say(format!("  NodePort connect+close: {}", line.join(", ")));
+        say_rates("NodePort ", arms, &np.samples, services);
     }
     Ok(())
 }

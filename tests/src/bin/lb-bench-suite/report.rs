@@ -3,7 +3,7 @@ use std::{collections::BTreeMap, fmt::Write as _, fs, path::Path};
 
 use anyhow::{Context as _, Result};
 
-use crate::{ArmKind, Mode, Results};
+use crate::{ArmKind, Mode, Results, Setup};
 
 /// The DejaVu font Debian's `fonts-dejavu-core` installs (`cargo xtask
 /// setup` installs it); the chart is drawn without text if it is missing.
@@ -553,26 +553,7 @@ fn nodeport_section(o: &mut String, r: &Results) {
              its 1 s timeout. See docs/maps.md, SNAT ports.\n",
         );
     }
-    o.push_str(
-        "\n### Loading (NodePort)\n\n\
-         | Services | arm | load time | note |\n|---:|---|---:|---|\n",
-    );
-    for s in &np.setups {
-        if s.arm == ArmKind::Direct {
-            continue;
-        }
-        let load = s.load_s.map_or("–".into(), |x| format!("{x:.2} s"));
-        let mut note = s.skipped.clone().unwrap_or_default();
-        if let Some(m) = s.rss_mib {
-            note = format!("agent start to /readyz; peak RSS {m:.1} MiB");
-        }
-        let _ = writeln!(
-            o,
-            "| {} | {} | {load} | {note} |",
-            thousands(s.services),
-            s.arm.label()
-        );
-    }
+    loading_table(o, "\n### Loading (NodePort)\n\n", &np.setups);
     o.push('\n');
     for n in &np.notes {
         let _ = writeln!(o, "- {n}");
@@ -714,23 +695,7 @@ fn markdown(r: &Results) -> String {
             );
         }
     }
-    o.push_str("\n## Loading each scale point\n\n| Services | arm | load time | note |\n|---:|---|---:|---|\n");
-    for s in &r.setups {
-        if s.arm == ArmKind::Direct {
-            continue;
-        }
-        let load = s.load_s.map_or("–".into(), |x| format!("{x:.2} s"));
-        let mut note = s.skipped.clone().unwrap_or_default();
-        if let Some(m) = s.rss_mib {
-            note = format!("agent start to /readyz; peak RSS {m:.1} MiB");
-        }
-        let _ = writeln!(
-            o,
-            "| {} | {} | {load} | {note} |",
-            thousands(s.services),
-            s.arm.label()
-        );
-    }
+    loading_table(&mut o, "\n## Loading each scale point\n\n", &r.setups);
     o.push('\n');
     nodeport_section(&mut o, r);
     if let Some(cp) = &r.control {
@@ -912,4 +877,26 @@ fn chart(path: &Path, r: &Results) -> Result<()> {
     }
     root.present()?;
     Ok(())
+}
+
+/// How long each arm took to load at each scale point.
+fn loading_table(o: &mut String, heading: &str, setups: &[Setup]) {
+    o.push_str(heading);
+    o.push_str("| Services | arm | load time | note |\n|---:|---|---:|---|\n");
+    for s in setups {
+        if s.arm == ArmKind::Direct {
+            continue;
+        }
+        let load = s.load_s.map_or("–".into(), |x| format!("{x:.2} s"));
+        let mut note = s.skipped.clone().unwrap_or_default();
+        if let Some(m) = s.rss_mib {
+            note = format!("agent start to /readyz; peak RSS {m:.1} MiB");
+        }
+        let _ = writeln!(
+            o,
+            "| {} | {} | {load} | {note} |",
+            thousands(s.services),
+            s.arm.label()
+        );
+    }
 }
