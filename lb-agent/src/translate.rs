@@ -125,8 +125,9 @@ pub struct Translator {
     contested: BTreeSet<Frontend>,
     /// How many claims each VIP has.
     vip_refs: BTreeMap<(IpAddr, Scope), u32>,
-    /// EndpointSlices by Service, and the Service of each slice.
-    slices: BTreeMap<ObjectKey, BTreeSet<ObjectKey>>,
+    /// `(Service, EndpointSlice)` pairs, and the Service of each slice.
+    /// Flat: a set per Service would cost a tree node each.
+    slices: BTreeSet<(ObjectKey, ObjectKey)>,
     slice_service: BTreeMap<ObjectKey, ObjectKey>,
     /// What the last translation was done with.
     inputs: Option<(NodeInfo, TranslateOptions)>,
@@ -166,10 +167,7 @@ impl Translator {
         };
         for (key, slice) in &store.slices {
             if let Some(service) = service_of_slice(key, slice) {
-                self.slices
-                    .entry(service.clone())
-                    .or_default()
-                    .insert(key.clone());
+                self.slices.insert((service.clone(), key.clone()));
                 self.slice_service.insert(key.clone(), service);
             }
         }
@@ -228,12 +226,7 @@ impl Translator {
         dirty.extend(changes.endpoints.iter().cloned());
         for key in &changes.slices {
             if let Some(old) = self.slice_service.remove(key) {
-                if let Some(set) = self.slices.get_mut(&old) {
-                    set.remove(key);
-                    if set.is_empty() {
-                        self.slices.remove(&old);
-                    }
-                }
+                self.slices.remove(&(old.clone(), key.clone()));
                 dirty.insert(old);
             }
             let new = store
@@ -241,10 +234,7 @@ impl Translator {
                 .get(key)
                 .and_then(|slice| service_of_slice(key, slice));
             if let Some(new) = new {
-                self.slices
-                    .entry(new.clone())
-                    .or_default()
-                    .insert(key.clone());
+                self.slices.insert((new.clone(), key.clone()));
                 self.slice_service.insert(key.clone(), new.clone());
                 dirty.insert(new);
             }
@@ -276,11 +266,14 @@ impl Translator {
         if belongs_to_other_proxy(svc) {
             return None;
         }
-        let slices: Option<Vec<(&ObjectKey, &EndpointSlice)>> = self.slices.get(key).map(|set| {
-            set.iter()
-                .filter_map(|k| ctx.store.slices.get_key_value(k))
-                .collect()
-        });
+        // The empty key sorts first: the range starts at this Service.
+        let slices: Vec<(&ObjectKey, &EndpointSlice)> = self
+            .slices
+            .range((key.clone(), ObjectKey::default())..)
+            .take_while(|(service, _)| service == key)
+            .filter_map(|(_, k)| ctx.store.slices.get_key_value(k))
+            .collect();
+        let slices = (!slices.is_empty()).then_some(slices);
         let mut report = Report::new(format!("Service {key}"));
         let mut out = ServiceOut::default();
         translate_service(ctx, key, svc, slices.as_ref(), &mut report, &mut out);
