@@ -482,7 +482,8 @@ fn remote_backend_masquerade_and_reply() {
     }
 }
 
-/// SNAT ports of finished flows go to new ones: at once after an RST, or
+/// SNAT ports of finished flows go to new ones: at once after an RST (the
+/// flow's entries are deleted), or
 /// when the client reopens its port; a FIN-closed flow keeps its port (the
 /// other half may still send) and a full range drops the new flow.
 #[test]
@@ -515,11 +516,14 @@ fn snat_ports_are_reused_only_when_the_flow_is_over() {
     assert!(rc == OK || rc == REDIRECT, "{rc}");
     assert_eq!(parse(&out).sport, 61_000);
 
-    // An RST ends that flow for both sides: a new client gets the port.
+    // An RST is translated, then ends the flow for both sides: both entries
+    // go, and a new client gets the port.
     let rst = Frame::tcp(client, 40000, NODE4, 30080, TCP_RST | TCP_ACK);
-    fx.run("tc_ingress", &rst);
-    let fwd = fx.entry(client, 40000, NODE4, 30080, proto::TCP).unwrap();
-    assert_ne!(fwd.flags & ct_flags::RESET, 0);
+    let (rc, out) = fx.run("tc_ingress", &rst);
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!((parse(&out).dst, parse(&out).sport), (ip(pod), 61_000));
+    assert!(fx.entry(client, 40000, NODE4, 30080, proto::TCP).is_none());
+    assert!(fx.entry(pod, 8080, NODE4, 61_000, proto::TCP).is_none());
     let (rc, out) = fx.run("tc_ingress", &syn(40001));
     assert!(rc == OK || rc == REDIRECT, "{rc}");
     assert_eq!(parse(&out).sport, 61_000);

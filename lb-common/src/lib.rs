@@ -262,11 +262,6 @@ pub mod ct_flags {
     pub const LOCAL: u8 = 1 << 2;
     /// A FIN or RST was seen: the entry lives only for the close timeout.
     pub const CLOSING: u8 = 1 << 3;
-    /// An RST was seen: the flow is over for both ends, so its SNAT port may
-    /// go to a new flow at once (Linux conntrack reuses CLOSE-state tuples
-    /// the same way). A FIN alone leaves a half-open stream that may still
-    /// carry data, so that port waits for the close timeout.
-    pub const RESET: u8 = 1 << 4;
 }
 
 /// A flow as one packet carries it: key of `LB_CONNTRACK`. Both directions

@@ -329,25 +329,34 @@ fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
     TC_ACT_OK
 }
 
-/// Marks both directions closing on FIN or RST, and refreshes this one.
+/// Refreshes this direction; a FIN marks both closing. Returns whether the
+/// packet is an RST: the flow is then over for both ends, and its entries
+/// go (`forget`) once this packet is translated.
 #[inline(always)]
-fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) {
+fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) -> bool {
     // SAFETY: the pointer is valid for this program run; concurrent updates
     // of the timestamp or flags only lose a refresh.
     unsafe { (*ptr).last_seen_ns = now };
-    let ending = if p.tcp_flags & TCP_RST != 0 {
-        ct_flags::CLOSING | ct_flags::RESET
-    } else if p.tcp_flags & TCP_FIN != 0 {
-        ct_flags::CLOSING
-    } else {
-        0
-    };
-    if ending & !e.flags != 0 {
-        unsafe { (*ptr).flags = e.flags | ending };
+    if p.tcp_flags & TCP_RST != 0 {
+        return true;
+    }
+    if p.tcp_flags & TCP_FIN != 0 && e.flags & ct_flags::CLOSING == 0 {
+        unsafe { (*ptr).flags = e.flags | ct_flags::CLOSING };
         if let Some(other) = LB_CONNTRACK.get_ptr_mut(&CtKey::partner(e, p.proto)) {
-            unsafe { (*other).flags |= ending };
+            unsafe { (*other).flags |= ct_flags::CLOSING };
         }
     }
+    false
+}
+
+/// Deletes both entries of a reset flow. Keeping them for the close timeout
+/// (as after a FIN) would only hold the SNAT port and fill the map: nothing
+/// valid follows an RST, and a stray late packet finds no flow (the node
+/// answers it with an RST, or it starts a flow a backend resets).
+#[inline(always)]
+fn forget(key: &CtKey, e: &CtEntry, l4proto: u8) {
+    let _ = LB_CONNTRACK.remove(&CtKey::partner(e, l4proto));
+    let _ = LB_CONNTRACK.remove(key);
 }
 
 /// `loadBalancerSourceRanges`: the longest match of (frontend, source).
@@ -391,7 +400,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
 const SNAT_TRIES: u32 = 8;
 
 /// A source port on the masquerade address that no live flow to this
-/// backend uses; 0 when every try collides. A reset flow's port is free.
+/// backend uses; 0 when every try collides.
 #[inline(always)]
 fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64) -> u16 {
     let min = cfg.snat_port_min as u32;
@@ -414,10 +423,7 @@ fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64
         let free = match LB_CONNTRACK.get_ptr(&key) {
             None => true,
             // SAFETY: copied out at once.
-            Some(e) => {
-                let e = unsafe { &*e };
-                e.flags & ct_flags::RESET != 0 || !live(e, now, cfg, l4proto)
-            }
+            Some(e) => !live(unsafe { &*e }, now, cfg, l4proto),
         };
         if free {
             return port;
@@ -674,8 +680,12 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
             && e.flags & (ct_flags::CLOSING | ct_flags::REPLY) == ct_flags::CLOSING;
         if live(e, now, cfg, p.proto) && !reopened {
-            touch(ptr, e, &p, now);
-            return finish(ctx, &p, e, true);
+            let reset = touch(ptr, e, &p, now);
+            let verdict = finish(ctx, &p, e, true);
+            if reset {
+                forget(&key, e, p.proto);
+            }
+            return verdict;
         }
         if reopened {
             // The client reused its port, so the old flow is over: its
@@ -710,6 +720,10 @@ pub fn egress(ctx: &TcContext) -> i32 {
     if !live(e, now, cfg, p.proto) {
         return TC_ACT_UNSPEC;
     }
-    touch(ptr, e, &p, now);
-    finish(ctx, &p, e, false)
+    let reset = touch(ptr, e, &p, now);
+    let verdict = finish(ctx, &p, e, false);
+    if reset {
+        forget(&key, e, p.proto);
+    }
+    verdict
 }
