@@ -26,7 +26,7 @@ use tokio::sync::mpsc;
 
 use crate::{
     metrics::Metrics,
-    store::{Changes, ObjectKey, Store},
+    store::{Changes, ObjectKey, Slice, Store},
 };
 
 /// How to reach the API server.
@@ -105,7 +105,10 @@ fn object_key(meta: &ObjectMeta) -> ObjectKey {
 /// Where each kind lives in the store, so one event loop serves all three.
 trait Stored: Resource<DynamicType = ()> + Clone + Send + Sync + 'static {
     const KIND: &'static str;
-    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self>;
+    /// The form the store keeps this kind in.
+    type Kept: Send;
+    fn keep(self) -> Self::Kept;
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self::Kept>;
     fn listed(state: &mut ClusterState) -> &mut bool;
     /// Where a change to object `key` of this kind is recorded.
     fn note(changes: &mut Changes, key: &ObjectKey);
@@ -113,6 +116,10 @@ trait Stored: Resource<DynamicType = ()> + Clone + Send + Sync + 'static {
 
 impl Stored for Service {
     const KIND: &'static str = "Service";
+    type Kept = Self;
+    fn keep(self) -> Self {
+        self
+    }
     fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
         &mut state.store.services
     }
@@ -126,7 +133,12 @@ impl Stored for Service {
 
 impl Stored for EndpointSlice {
     const KIND: &'static str = "EndpointSlice";
-    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
+    /// Compact on arrival, like the manifests: both modes share one store.
+    type Kept = Slice;
+    fn keep(self) -> Slice {
+        Slice::from(self)
+    }
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Slice> {
         &mut state.store.slices
     }
     fn listed(state: &mut ClusterState) -> &mut bool {
@@ -141,6 +153,10 @@ impl Stored for EndpointSlice {
 /// loop generic and `Store::nodes` is refreshed from it.
 impl Stored for Node {
     const KIND: &'static str = "Node";
+    type Kept = Self;
+    fn keep(self) -> Self {
+        self
+    }
     fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
         &mut state.node_objects
     }
@@ -165,7 +181,7 @@ fn after_change<K: Stored>(state: &mut ClusterState) {
 /// Applies one watcher event; `buffer` holds a relist in progress.
 fn apply_event<K: Stored>(
     state: &SharedState,
-    buffer: &mut Option<BTreeMap<ObjectKey, K>>,
+    buffer: &mut Option<BTreeMap<ObjectKey, K::Kept>>,
     event: watcher::Event<K>,
     metrics: &Metrics,
 ) {
@@ -182,7 +198,7 @@ fn apply_event<K: Stored>(
         }
         watcher::Event::InitApply(obj) => {
             if let Some(b) = buffer.as_mut() {
-                b.insert(object_key(obj.meta()), obj);
+                b.insert(object_key(obj.meta()), obj.keep());
             }
         }
         watcher::Event::InitDone => {
@@ -198,7 +214,7 @@ fn apply_event<K: Stored>(
             if let Some(changes) = state.changes.as_mut() {
                 K::note(changes, &key);
             }
-            K::objects(&mut state).insert(key, obj);
+            K::objects(&mut state).insert(key, obj.keep());
         }
         watcher::Event::Delete(obj) => {
             let key = object_key(obj.meta());

@@ -28,7 +28,7 @@ use serde::{de::DeserializeOwned, Deserialize};
 use serde_json::{value::RawValue, Value};
 
 pub use crate::store::Changes;
-use crate::store::{ObjectKey, Rejection, Store};
+use crate::store::{ObjectKey, Rejection, Slice, Store};
 
 /// The namespace of a namespaced object whose manifest does not say.
 pub const DEFAULT_NAMESPACE: &str = "default";
@@ -271,7 +271,7 @@ enum Kind {
 #[derive(Clone, Debug, PartialEq)]
 enum Object {
     Service(Box<Service>),
-    Slice(Box<EndpointSlice>),
+    Slice(Box<Slice>),
     Endpoints(Box<Endpoints>),
     Node(Box<Node>),
 }
@@ -928,7 +928,8 @@ impl ParsedFile {
         };
         let decoded = decode(kind).map(|object| match object {
             Object::Service(o) => Object::Service(Box::new(with_namespace(*o, &key.namespace))),
-            Object::Slice(o) => Object::Slice(Box::new(with_namespace(*o, &key.namespace))),
+            // Keeps no namespace: its key says.
+            Object::Slice(o) => Object::Slice(o),
             Object::Endpoints(o) => Object::Endpoints(Box::new(with_namespace(*o, &key.namespace))),
             Object::Node(mut o) => {
                 // Cluster-scoped: a namespace in the manifest means nothing.
@@ -956,7 +957,7 @@ impl ParsedFile {
 fn decode_value(kind: Kind, value: Value) -> Result<Object, (String, String)> {
     Ok(match kind {
         Kind::Service => Object::Service(decode(value)?),
-        Kind::Slice => Object::Slice(decode(value)?),
+        Kind::Slice => Object::Slice(Box::new(Slice::from(*decode::<EndpointSlice>(value)?))),
         Kind::Endpoints => Object::Endpoints(decode(value)?),
         Kind::Node => Object::Node(decode(value)?),
     })
@@ -965,7 +966,9 @@ fn decode_value(kind: Kind, value: Value) -> Result<Object, (String, String)> {
 fn decode_text(kind: Kind, text: &str) -> Result<Object, (String, String)> {
     let mut object = match kind {
         Kind::Service => Object::Service(decode_str(text)?),
-        Kind::Slice => Object::Slice(decode_str(text)?),
+        // Converted right away: the API type is several times the size of
+        // what translation reads, and only one object's worth of it lives.
+        Kind::Slice => Object::Slice(Box::new(Slice::from(*decode_str::<EndpointSlice>(text)?))),
         Kind::Endpoints => Object::Endpoints(decode_str(text)?),
         Kind::Node => Object::Node(decode_str(text)?),
     };
@@ -992,15 +995,8 @@ fn compact(object: &mut Object) {
                 shrink(&mut spec.external_ips);
             }
         }
-        Object::Slice(slice) => {
-            shrink(&mut slice.ports);
-            if let Some(endpoints) = &mut slice.endpoints {
-                endpoints.shrink_to_fit();
-                for endpoint in endpoints {
-                    endpoint.addresses.shrink_to_fit();
-                }
-            }
-        }
+        // Exact already: its lists are boxed slices.
+        Object::Slice(_) => {}
         Object::Endpoints(endpoints) => {
             if let Some(subsets) = &mut endpoints.subsets {
                 subsets.shrink_to_fit();

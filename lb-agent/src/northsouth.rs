@@ -15,7 +15,6 @@ use k8s_openapi::api::core::v1::Node;
 use crate::{
     model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
     store::{ObjectKey, Rejection, Store},
-    translate::LABEL_SERVICE_NAME,
 };
 
 const SOURCE: &str = "translate";
@@ -238,22 +237,17 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
             continue;
         };
         let mut local = BTreeSet::new();
-        for slice in store.slices.values() {
-            let owner = slice
-                .metadata
-                .labels
-                .as_ref()
-                .and_then(|l| l.get(LABEL_SERVICE_NAME));
-            if slice.metadata.namespace.as_deref() != Some(key.namespace.as_str())
-                || owner != Some(&key.name)
+        for (slice_key, slice) in &store.slices {
+            if slice_key.namespace != key.namespace
+                || slice.service.as_deref() != Some(key.name.as_str())
             {
                 continue;
             }
-            for ep in slice.endpoints.iter().flatten() {
-                let ready = ep.conditions.as_ref().and_then(|c| c.ready).unwrap_or(true);
+            for ep in slice.endpoints.iter() {
+                let ready = ep.ready.unwrap_or(true);
                 if ready && ep.node_name.as_deref() == Some(node_name) {
-                    if let Some(a) = ep.addresses.first() {
-                        local.insert(a.clone());
+                    if let Some(a) = ep.address.as_deref() {
+                        local.insert(a.to_owned());
                     }
                 }
             }
@@ -274,6 +268,7 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
 mod tests {
     use super::*;
     use crate::model::{Algorithm, FrontendState, Protocol};
+    use crate::{store::Slice, translate::LABEL_SERVICE_NAME};
     use k8s_openapi::api::{
         core::v1::{NodeAddress, NodeStatus, Service, ServiceSpec},
         discovery::v1::{Endpoint, EndpointConditions, EndpointSlice},
@@ -473,8 +468,8 @@ mod tests {
         assert_eq!(rejections[0].field, "spec.loadBalancerSourceRanges[1]");
     }
 
-    fn slice(service: &str, eps: &[(&str, &str, bool)]) -> EndpointSlice {
-        EndpointSlice {
+    fn slice(service: &str, eps: &[(&str, &str, bool)]) -> Slice {
+        Slice::from(EndpointSlice {
             metadata: ObjectMeta {
                 name: Some(format!("{service}-x")),
                 namespace: Some("demo".into()),
@@ -496,7 +491,7 @@ mod tests {
                     .collect(),
             ),
             ports: None,
-        }
+        })
     }
 
     #[test]

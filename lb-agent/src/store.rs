@@ -12,6 +12,9 @@ use k8s_openapi::api::{
     discovery::v1::EndpointSlice,
 };
 
+/// `discovery.k8s.io/v1` label joining an EndpointSlice to its Service.
+pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+
 /// The well-known label carrying a Node's zone (`v1.LabelTopologyZone`).
 pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 
@@ -44,10 +47,111 @@ impl fmt::Display for ObjectKey {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Store {
     pub services: BTreeMap<ObjectKey, Service>,
-    pub slices: BTreeMap<ObjectKey, EndpointSlice>,
+    /// Kept as [`Slice`], not `EndpointSlice`: slices are most of a large
+    /// store, and the API type's endpoints are ~350 bytes each even when
+    /// nearly every field is unset.
+    pub slices: BTreeMap<ObjectKey, Slice>,
     pub endpoints: BTreeMap<ObjectKey, Endpoints>,
     /// Nodes are cluster-scoped: keyed by name only.
     pub nodes: BTreeMap<String, Node>,
+}
+
+/// What translation reads of an EndpointSlice, and nothing else. Raw
+/// strings stay unparsed so that `translate` still owns every validation and
+/// its messages.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Slice {
+    /// The `kubernetes.io/service-name` label.
+    pub service: Option<Box<str>>,
+    pub address_type: Box<str>,
+    pub ports: Box<[SlicePort]>,
+    pub endpoints: Box<[SliceEndpoint]>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: Option<Box<str>>,
+    pub protocol: Option<Box<str>>,
+    pub port: Option<i32>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    /// The first address: like kube-proxy, the only one used (the API
+    /// allows exactly one).
+    pub address: Option<Box<str>>,
+    pub node_name: Option<Box<str>>,
+    pub ready: Option<bool>,
+    pub serving: Option<bool>,
+    pub terminating: Option<bool>,
+    /// Boxed: hints are rare and would otherwise cost every endpoint two
+    /// list headers.
+    pub hints: Option<Box<SliceHints>>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SliceHints {
+    pub zones: Box<[Box<str>]>,
+    pub nodes: Box<[Box<str>]>,
+}
+
+impl From<EndpointSlice> for Slice {
+    fn from(slice: EndpointSlice) -> Self {
+        let boxed = |s: String| s.into_boxed_str();
+        let service = slice
+            .metadata
+            .labels
+            .and_then(|mut labels| labels.remove(LABEL_SERVICE_NAME))
+            .map(boxed);
+        let ports = slice
+            .ports
+            .unwrap_or_default()
+            .into_iter()
+            .map(|p| SlicePort {
+                name: p.name.map(boxed),
+                protocol: p.protocol.map(boxed),
+                port: p.port,
+            })
+            .collect();
+        let endpoints = slice
+            .endpoints
+            .unwrap_or_default()
+            .into_iter()
+            .map(|ep| {
+                let conditions = ep.conditions.unwrap_or_default();
+                let hints = ep.hints.map(|h| {
+                    Box::new(SliceHints {
+                        zones: h
+                            .for_zones
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|z| boxed(z.name))
+                            .collect(),
+                        nodes: h
+                            .for_nodes
+                            .unwrap_or_default()
+                            .into_iter()
+                            .map(|n| boxed(n.name))
+                            .collect(),
+                    })
+                });
+                SliceEndpoint {
+                    address: ep.addresses.into_iter().next().map(boxed),
+                    node_name: ep.node_name.map(boxed),
+                    ready: conditions.ready,
+                    serving: conditions.serving,
+                    terminating: conditions.terminating,
+                    hints,
+                }
+            })
+            .collect();
+        Slice {
+            service,
+            address_type: boxed(slice.address_type),
+            ports,
+            endpoints,
+        }
+    }
 }
 
 /// Which stored objects a manifests refresh added, replaced or removed. Translation
@@ -162,6 +266,60 @@ mod tests {
             let info = store.node_info(name);
             assert_eq!(info.name, name);
             assert_eq!(info.zone.as_deref(), zone, "node {name}");
+        }
+    }
+
+    /// The compact form keeps exactly what translation reads.
+    #[test]
+    fn slice_from_endpoint_slice() {
+        let cases: [(&str, Slice); 2] = [
+            (
+                "{addressType: IPv4}",
+                Slice {
+                    address_type: "IPv4".into(),
+                    ..Default::default()
+                },
+            ),
+            (
+                "{metadata: {name: s, labels: {kubernetes.io/service-name: web, other: x}, annotations: {a: b}},
+                  addressType: IPv6, ports: [{name: http, port: 80, protocol: TCP}, {}],
+                  endpoints: [{addresses: ['fd00::1', 'fd00::2'], nodeName: n1, zone: z1, hostname: h,
+                               conditions: {ready: false, terminating: true},
+                               hints: {forZones: [{name: z1}], forNodes: [{name: n1}]}},
+                              {addresses: []}]}",
+                Slice {
+                    service: Some("web".into()),
+                    address_type: "IPv6".into(),
+                    ports: [
+                        SlicePort {
+                            name: Some("http".into()),
+                            protocol: Some("TCP".into()),
+                            port: Some(80),
+                        },
+                        SlicePort::default(),
+                    ]
+                    .into(),
+                    endpoints: [
+                        SliceEndpoint {
+                            address: Some("fd00::1".into()),
+                            node_name: Some("n1".into()),
+                            ready: Some(false),
+                            serving: None,
+                            terminating: Some(true),
+                            hints: Some(Box::new(SliceHints {
+                                zones: ["z1".into()].into(),
+                                nodes: ["n1".into()].into(),
+                            })),
+                        },
+                        SliceEndpoint::default(),
+                    ]
+                    .into(),
+                },
+            ),
+        ];
+        for (yaml, want) in cases {
+            let slice: EndpointSlice = serde_yaml::from_str(yaml).unwrap();
+            assert_eq!(Slice::from(slice), want, "{yaml}");
         }
     }
 

@@ -12,23 +12,20 @@ use std::{
     net::IpAddr,
 };
 
-use k8s_openapi::api::{
-    core::v1::{Endpoints, Service, ServiceSpec},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
 
 use crate::{
     model::{
         Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
         Protocol, Scope, ServiceName,
     },
-    store::{Changes, NodeInfo, ObjectKey, Rejection, Store},
+    store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
 };
 
 /// Services carrying this label belong to another proxy.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
 /// Joins an EndpointSlice to its Service (same namespace).
-pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
+pub use crate::store::LABEL_SERVICE_NAME;
 /// Per-Service override of the selection algorithm: `maglev` or `random`.
 pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
 /// Topology opt-in annotations, the current one and its deprecated name.
@@ -267,7 +264,7 @@ impl Translator {
             return None;
         }
         // The empty key sorts first: the range starts at this Service.
-        let slices: Vec<(&ObjectKey, &EndpointSlice)> = self
+        let slices: Vec<(&ObjectKey, &Slice)> = self
             .slices
             .range((key.clone(), ObjectKey::default())..)
             .take_while(|(service, _)| service == key)
@@ -368,13 +365,9 @@ impl Translator {
 }
 
 /// The Service an EndpointSlice belongs to (same namespace), by its label.
-fn service_of_slice(key: &ObjectKey, slice: &EndpointSlice) -> Option<ObjectKey> {
-    let service = slice
-        .metadata
-        .labels
-        .as_ref()
-        .and_then(|l| l.get(LABEL_SERVICE_NAME))?;
-    (!service.is_empty()).then(|| ObjectKey::new(key.namespace.clone(), service.clone()))
+fn service_of_slice(key: &ObjectKey, slice: &Slice) -> Option<ObjectKey> {
+    let service = slice.service.as_deref()?;
+    (!service.is_empty()).then(|| ObjectKey::new(key.namespace.clone(), service))
 }
 
 /// Collects the rejections of one object.
@@ -471,7 +464,7 @@ fn translate_service(
     ctx: &Context<'_>,
     key: &ObjectKey,
     svc: &Service,
-    slices: Option<&Vec<(&ObjectKey, &EndpointSlice)>>,
+    slices: Option<&Vec<(&ObjectKey, &Slice)>>,
     report: &mut Report,
     out: &mut ServiceOut,
 ) {
@@ -915,7 +908,7 @@ impl Endpoint {
 fn endpoint_groups(
     store: &Store,
     key: &ObjectKey,
-    slices: Option<&Vec<(&ObjectKey, &EndpointSlice)>>,
+    slices: Option<&Vec<(&ObjectKey, &Slice)>>,
     rejections: &mut Vec<Rejection>,
 ) -> Vec<EndpointGroup> {
     match slices {
@@ -940,8 +933,8 @@ fn endpoint_groups(
     }
 }
 
-fn slice_group(slice: &EndpointSlice, report: &mut Report) -> Option<EndpointGroup> {
-    let family = match slice.address_type.as_str() {
+fn slice_group(slice: &Slice, report: &mut Report) -> Option<EndpointGroup> {
+    let family = match &*slice.address_type {
         "IPv4" => Family::V4,
         "IPv6" => Family::V6,
         // Names, not addresses: nothing a datapath can send to.
@@ -955,7 +948,7 @@ fn slice_group(slice: &EndpointSlice, report: &mut Report) -> Option<EndpointGro
         }
     };
     let mut ports = Vec::new();
-    for (j, p) in slice.ports.iter().flatten().enumerate() {
+    for (j, p) in slice.ports.iter().enumerate() {
         // SCTP and friends: the Service side already reports them.
         let Some(protocol) = endpoint_protocol(p.protocol.as_deref()) else {
             continue;
@@ -972,17 +965,17 @@ fn slice_group(slice: &EndpointSlice, report: &mut Report) -> Option<EndpointGro
         };
         ports.push(GroupPort {
             // The API server defaults a missing name to "".
-            name: p.name.clone().unwrap_or_default(),
+            name: p.name.as_deref().unwrap_or_default().to_owned(),
             protocol,
             port,
         });
     }
 
     let mut endpoints = Vec::new();
-    for (i, ep) in slice.endpoints.iter().flatten().enumerate() {
+    for (i, ep) in slice.endpoints.iter().enumerate() {
         // Like kube-proxy, only the first address is used: the API allows
         // exactly one.
-        let Some(raw) = ep.addresses.first() else {
+        let Some(raw) = ep.address.as_deref() else {
             report.reject(format!("endpoints[{i}].addresses"), "no address");
             continue;
         };
@@ -1001,24 +994,18 @@ fn slice_group(slice: &EndpointSlice, report: &mut Report) -> Option<EndpointGro
             );
             continue;
         }
-        let conditions = ep.conditions.as_ref();
-        let hints = ep.hints.as_ref();
+        let hints = ep.hints.as_deref();
+        let names = |list: &[Box<str>]| list.iter().map(|n| n.to_string()).collect();
         endpoints.push(Endpoint {
             addr,
-            node_name: ep.node_name.clone(),
+            node_name: ep.node_name.as_deref().map(str::to_owned),
             // Unknown readiness and serving count as true, unknown
             // terminating as false (the API's own defaults).
-            ready: conditions.and_then(|c| c.ready).unwrap_or(true),
-            serving: conditions.and_then(|c| c.serving).unwrap_or(true),
-            terminating: conditions.and_then(|c| c.terminating).unwrap_or(false),
-            zone_hints: hints
-                .and_then(|h| h.for_zones.as_ref())
-                .map(|z| z.iter().map(|z| z.name.clone()).collect())
-                .unwrap_or_default(),
-            node_hints: hints
-                .and_then(|h| h.for_nodes.as_ref())
-                .map(|n| n.iter().map(|n| n.name.clone()).collect())
-                .unwrap_or_default(),
+            ready: ep.ready.unwrap_or(true),
+            serving: ep.serving.unwrap_or(true),
+            terminating: ep.terminating.unwrap_or(false),
+            zone_hints: hints.map(|h| names(&h.zones)).unwrap_or_default(),
+            node_hints: hints.map(|h| names(&h.nodes)).unwrap_or_default(),
         });
     }
     Some(EndpointGroup { ports, endpoints })
