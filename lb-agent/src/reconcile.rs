@@ -645,17 +645,30 @@ impl Reconciler {
         // 3. VIP markers: add before removing frontends so a VIP never
         // flickers to "unknown" while its ports change.
         let new_vips: Vec<(IpAddr, Scope)> = desired.vips.difference(&self.vips).copied().collect();
-        for (addr, scope) in new_vips {
-            let value = ServiceValue {
-                id: 0,
-                backend_set: 0,
-                active: 0,
-                terminating: 0,
-                flags: service_flags::WILDCARD,
-                maglev_size: 0,
-                affinity_timeout: 0,
+        let marker = ServiceValue {
+            id: 0,
+            backend_set: 0,
+            active: 0,
+            terminating: 0,
+            flags: service_flags::WILDCARD,
+            maglev_size: 0,
+            affinity_timeout: 0,
+        };
+        let vip_items: Vec<(ServiceKey, ServiceValue)> = new_vips
+            .iter()
+            .map(|(addr, scope)| (vip_key(*addr, *scope), marker))
+            .collect();
+        let batched = match ops.put_services(&vip_items) {
+            Ok(()) => vip_items.len(),
+            Err((written, _)) => written,
+        };
+        for (i, (addr, scope)) in new_vips.into_iter().enumerate() {
+            let written = if i < batched {
+                Ok(())
+            } else {
+                ops.put_service(vip_key(addr, scope), marker)
             };
-            match ops.put_service(vip_key(addr, scope), value) {
+            match written {
                 Ok(()) => {
                     self.vips.insert((addr, scope));
                 }
@@ -1563,7 +1576,10 @@ mod tests {
             };
             let report = r.apply(&d, &mut m);
             assert!(report.errors.is_empty(), "{:?}", report.errors);
-            assert_eq!(m.batches, 3, "backends, slots, services: one batch each");
+            assert_eq!(
+                m.batches, 4,
+                "backends, slots, services, VIP markers: one batch each"
+            );
             assert_eq!((report.frontends_written, report.backends_written), (5, 15));
             for (f, s) in &frontends {
                 let want: Vec<BackendAddr> = s.active.iter().map(|b| b.backend).collect();
