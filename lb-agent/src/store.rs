@@ -9,7 +9,7 @@ use std::{
 
 use k8s_openapi::api::{
     core::v1::{Endpoints, Node, Service},
-    discovery::v1::EndpointSlice,
+    discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
 };
 
 /// `discovery.k8s.io/v1` label joining an EndpointSlice to its Service.
@@ -97,59 +97,78 @@ pub struct SliceHints {
 
 impl From<EndpointSlice> for Slice {
     fn from(slice: EndpointSlice) -> Self {
-        let boxed = |s: String| s.into_boxed_str();
-        let service = slice
-            .metadata
-            .labels
+        Slice::new(
+            slice.metadata.labels,
+            slice.address_type,
+            slice.ports.unwrap_or_default(),
+            slice
+                .endpoints
+                .unwrap_or_default()
+                .into_iter()
+                .map(SliceEndpoint::from),
+        )
+    }
+}
+
+impl Slice {
+    /// From the parts of an EndpointSlice, which `manifest` may decode
+    /// without ever building one.
+    pub fn new(
+        labels: Option<BTreeMap<String, String>>,
+        address_type: String,
+        ports: Vec<EndpointPort>,
+        endpoints: impl IntoIterator<Item = SliceEndpoint>,
+    ) -> Self {
+        let service = labels
             .and_then(|mut labels| labels.remove(LABEL_SERVICE_NAME))
-            .map(boxed);
-        let ports = slice
-            .ports
-            .unwrap_or_default()
-            .into_iter()
-            .map(|p| SlicePort {
-                name: p.name.map(boxed),
-                protocol: p.protocol.map(boxed),
-                port: p.port,
-            })
-            .collect();
-        let endpoints = slice
-            .endpoints
-            .unwrap_or_default()
-            .into_iter()
-            .map(|ep| {
-                let conditions = ep.conditions.unwrap_or_default();
-                let hints = ep.hints.map(|h| {
-                    Box::new(SliceHints {
-                        zones: h
-                            .for_zones
-                            .unwrap_or_default()
-                            .into_iter()
-                            .map(|z| boxed(z.name))
-                            .collect(),
-                        nodes: h
-                            .for_nodes
-                            .unwrap_or_default()
-                            .into_iter()
-                            .map(|n| boxed(n.name))
-                            .collect(),
-                    })
-                });
-                SliceEndpoint {
-                    address: ep.addresses.into_iter().next().map(boxed),
-                    node_name: ep.node_name.map(boxed),
-                    ready: conditions.ready,
-                    serving: conditions.serving,
-                    terminating: conditions.terminating,
-                    hints,
-                }
-            })
-            .collect();
+            .map(String::into_boxed_str);
         Slice {
             service,
-            address_type: boxed(slice.address_type),
-            ports,
-            endpoints,
+            address_type: address_type.into_boxed_str(),
+            ports: ports.into_iter().map(SlicePort::from).collect(),
+            endpoints: endpoints.into_iter().collect(),
+        }
+    }
+}
+
+impl From<EndpointPort> for SlicePort {
+    fn from(p: EndpointPort) -> Self {
+        SlicePort {
+            name: p.name.map(String::into_boxed_str),
+            protocol: p.protocol.map(String::into_boxed_str),
+            port: p.port,
+        }
+    }
+}
+
+/// Only the fields translation reads need be set.
+impl From<Endpoint> for SliceEndpoint {
+    fn from(ep: Endpoint) -> Self {
+        let boxed = String::into_boxed_str;
+        let conditions = ep.conditions.unwrap_or_default();
+        let hints = ep.hints.map(|h| {
+            Box::new(SliceHints {
+                zones: h
+                    .for_zones
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|z| boxed(z.name))
+                    .collect(),
+                nodes: h
+                    .for_nodes
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|n| boxed(n.name))
+                    .collect(),
+            })
+        });
+        SliceEndpoint {
+            address: ep.addresses.into_iter().next().map(boxed),
+            node_name: ep.node_name.map(boxed),
+            ready: conditions.ready,
+            serving: conditions.serving,
+            terminating: conditions.terminating,
+            hints,
         }
     }
 }
