@@ -116,11 +116,11 @@ trait Stored: Resource<DynamicType = ()> + Clone + Send + Sync + 'static {
 
 impl Stored for Service {
     const KIND: &'static str = "Service";
-    type Kept = Self;
-    fn keep(self) -> Self {
-        self
+    type Kept = Box<Self>;
+    fn keep(self) -> Box<Self> {
+        Box::new(self)
     }
-    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
+    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Box<Self>> {
         &mut state.store.services
     }
     fn listed(state: &mut ClusterState) -> &mut bool {

@@ -281,7 +281,7 @@ impl Object {
         let key = key.clone();
         match self {
             Object::Service(o) => {
-                store.services.insert(key, *o);
+                store.services.insert(key, o);
             }
             Object::Slice(o) => {
                 store.slices.insert(key, *o);
@@ -297,7 +297,7 @@ impl Object {
 
     fn take(store: &mut Store, kind: Kind, key: &ObjectKey) -> Option<Object> {
         Some(match kind {
-            Kind::Service => Object::Service(Box::new(store.services.remove(key)?)),
+            Kind::Service => Object::Service(store.services.remove(key)?),
             Kind::Slice => Object::Slice(Box::new(store.slices.remove(key)?)),
             Kind::Endpoints => Object::Endpoints(Box::new(store.endpoints.remove(key)?)),
             Kind::Node => Object::Node(Box::new(store.nodes.remove(&key.name)?)),

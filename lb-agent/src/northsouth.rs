@@ -413,10 +413,10 @@ mod tests {
             .contains_key(&fe("203.0.113.10", Scope::External)));
     }
 
-    fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Service {
+    fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Box<Service> {
         let mut spec = ServiceSpec::default();
         f(&mut spec);
-        Service {
+        Box::new(Service {
             metadata: ObjectMeta {
                 name: Some(name.into()),
                 namespace: Some("demo".into()),
@@ -424,7 +424,7 @@ mod tests {
             },
             spec: Some(spec),
             ..Default::default()
-        }
+        })
     }
 
     #[test]

@@ -46,7 +46,9 @@ impl fmt::Display for ObjectKey {
 /// Every object the translation looks at, keyed for deterministic iteration.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Store {
-    pub services: BTreeMap<ObjectKey, Service>,
+    /// Boxed: a Service is ~820 bytes inline, and a map node holds room
+    /// for eleven entries, a third of it unused on average.
+    pub services: BTreeMap<ObjectKey, Box<Service>>,
     /// Kept as [`Slice`], not `EndpointSlice`: slices are most of a large
     /// store, and the API type's endpoints are ~350 bytes each even when
     /// nearly every field is unset.

@@ -173,7 +173,8 @@ impl Translator {
         // over the cores; the claims are settled afterwards, in key order,
         // so that on a conflict the Service whose namespace/name sorts
         // first keeps the frontend.
-        let services: Vec<(&ObjectKey, &Service)> = store.services.iter().collect();
+        let services: Vec<(&ObjectKey, &Service)> =
+            store.services.iter().map(|(k, s)| (k, &**s)).collect();
         let chunk = services.len().div_ceil(threads).max(PARALLEL_SERVICES);
         let this = &*self;
         let translate = |part: &[(&ObjectKey, &Service)]| -> Vec<_> {
