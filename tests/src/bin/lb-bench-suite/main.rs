@@ -1078,7 +1078,7 @@ fn datapath_point(
         };
         measure_round(
             "",
-            opts,
+            &durations(opts.quick),
             bench_bin,
             at,
             &mut arms,
@@ -1151,7 +1151,7 @@ pub struct Point {
 /// `label` prefixes the log lines ("NodePort ", or nothing).
 pub fn measure_round<A: Measured>(
     label: &str,
-    opts: &Opts,
+    tests: &[(Mode, u64)],
     bench_bin: &Path,
     at: Point,
     arms: &mut [A],
@@ -1167,7 +1167,7 @@ pub fn measure_round<A: Measured>(
         order.join(" ")
     ));
     for arm in arms.iter() {
-        for (mode, ms) in durations(opts.quick) {
+        for &(mode, ms) in tests {
             let run = arm.measure(bench_bin, mode, ms)?;
             if run.errors > 0 {
                 say(format!(

@@ -450,7 +450,7 @@ fn rounds(
         };
         measure_round(
             "NodePort ",
-            opts,
+            &durations(opts.quick),
             bench_bin,
             at,
             arms,
