@@ -1025,40 +1025,14 @@ fn datapath_point(
         FILLER_ENDPOINTS,
         rules::target_endpoints(opts.target_endpoints),
     );
-    let mut arms = Vec::new();
-    for kind in ArmKind::ALL {
-        if skip.contains(&kind) {
-            say(format!("{}: {SKIPPED_EARLIER}", kind.label()));
-            results.setups.push(Setup::skipped_earlier(services, kind));
-            continue;
-        }
-        let t0 = Instant::now();
-        let (arm, setup) = setup_arm(opts, kind, &scenario, cache, bench_bin)
-            .with_context(|| format!("setting up {} at {services} Services", kind.label()))?;
-        match (&setup.skipped, setup.load_s) {
-            (Some(why), _) => {
-                say(format!("{}: {why}", kind.label()));
-                skip.push(kind);
-            }
-            (None, Some(s)) => say(format!(
-                "{}: loaded in {s:.2} s (set-up {:.1} s){}",
-                kind.label(),
-                t0.elapsed().as_secs_f64(),
-                setup
-                    .rss_mib
-                    .map(|m| format!(", agent peak RSS {m:.1} MiB"))
-                    .unwrap_or_default()
-            )),
-            _ => {}
-        }
-        let ok = setup.skipped.is_none();
-        results.setups.push(setup);
-        if ok {
-            sanity(bench_bin, &arm)
-                .with_context(|| format!("{} at {services} Services", kind.label()))?;
-            arms.push(arm);
-        }
-    }
+    let mut arms = set_up_arms(
+        "",
+        services,
+        skip,
+        &mut results.setups,
+        |kind| setup_arm(opts, kind, &scenario, cache, bench_bin),
+        |arm| sanity(bench_bin, arm),
+    )?;
     // The datapath needs no agent (programs and maps are pinned). Paused,
     // its periodic full resync of the manifests directory (seconds of CPU
     // at 100 000 Services) cannot take one of the two cores from whichever
@@ -1188,6 +1162,55 @@ pub fn measure_round<A: Measured>(
         }
     }
     Ok(())
+}
+
+/// Sets up every arm of a scale point but those that did not load at a
+/// smaller one (`skip`, which grows by the ones that do not load now); each
+/// arm that loaded must pass `check` (a short run) before it is measured.
+pub fn set_up_arms<A>(
+    label: &str,
+    services: usize,
+    skip: &mut Vec<ArmKind>,
+    setups: &mut Vec<Setup>,
+    mut set_up: impl FnMut(ArmKind) -> Result<(A, Setup)>,
+    mut check: impl FnMut(&A) -> Result<()>,
+) -> Result<Vec<A>> {
+    let mut arms = Vec::new();
+    for kind in ArmKind::ALL {
+        if skip.contains(&kind) {
+            say(format!("{label}{}: {SKIPPED_EARLIER}", kind.label()));
+            setups.push(Setup::skipped_earlier(services, kind));
+            continue;
+        }
+        let t0 = Instant::now();
+        let (arm, setup) = set_up(kind).with_context(|| {
+            format!("setting up {label}{} at {services} Services", kind.label())
+        })?;
+        match (&setup.skipped, setup.load_s) {
+            (Some(why), _) => {
+                say(format!("{label}{}: {why}", kind.label()));
+                skip.push(kind);
+            }
+            (None, Some(s)) => say(format!(
+                "{label}{}: loaded in {s:.2} s (set-up {:.1} s){}",
+                kind.label(),
+                t0.elapsed().as_secs_f64(),
+                setup
+                    .rss_mib
+                    .map(|m| format!(", agent peak RSS {m:.1} MiB"))
+                    .unwrap_or_default()
+            )),
+            _ => {}
+        }
+        let ok = setup.skipped.is_none();
+        setups.push(setup);
+        if ok {
+            check(&arm)
+                .with_context(|| format!("{label}{} at {services} Services", kind.label()))?;
+            arms.push(arm);
+        }
+    }
+    Ok(arms)
 }
 
 /// The length of the connect+close run that measures our programs' cost.

@@ -36,8 +36,8 @@ use serde_json::json;
 use crate::{
     capacity_args, cost_run_ms, filler_file, load_rules, measure_round, rules,
     rules::{Scenario, BACKEND_PORT},
-    run_bench_client, say, say_rates, spawn_server, vm_hwm_mib, with_bpf_stats, ArmKind,
-    KillOnDrop, Measured, Mode, Opts, Point, Run, Sample, Setup, FILLER_ENDPOINTS, SKIPPED_EARLIER,
+    run_bench_client, say, say_rates, set_up_arms, spawn_server, vm_hwm_mib, with_bpf_stats,
+    ArmKind, KillOnDrop, Measured, Mode, Opts, Point, Run, Sample, Setup, FILLER_ENDPOINTS,
 };
 
 /// The target's node port.
@@ -362,41 +362,14 @@ fn point(
 ) -> Result<()> {
     say(format!("=== NodePort: {services} Services ==="));
     let scenario = Scenario::new(services, FILLER_ENDPOINTS, endpoints(opts.target_endpoints));
-    let mut arms = Vec::new();
-    for kind in ArmKind::ALL {
-        if skip.contains(&kind) {
-            say(format!("NodePort {}: {SKIPPED_EARLIER}", kind.label()));
-            np.setups.push(Setup::skipped_earlier(services, kind));
-            continue;
-        }
-        let t0 = Instant::now();
-        let (arm, setup) =
-            setup_arm(opts, kind, &scenario, cache, bench_bin).with_context(|| {
-                format!(
-                    "setting up NodePort {} at {services} Services",
-                    kind.label()
-                )
-            })?;
-        match (&setup.skipped, setup.load_s) {
-            (Some(why), _) => {
-                say(format!("NodePort {}: {why}", kind.label()));
-                skip.push(kind);
-            }
-            (None, Some(s)) => say(format!(
-                "NodePort {}: loaded in {s:.2} s (set-up {:.1} s)",
-                kind.label(),
-                t0.elapsed().as_secs_f64()
-            )),
-            _ => {}
-        }
-        let ok = setup.skipped.is_none();
-        np.setups.push(setup);
-        if ok {
-            sanity(bench_bin, &arm)
-                .with_context(|| format!("NodePort {} at {services} Services", kind.label()))?;
-            arms.push(arm);
-        }
-    }
+    let mut arms = set_up_arms(
+        "NodePort ",
+        services,
+        skip,
+        &mut np.setups,
+        |kind| setup_arm(opts, kind, &scenario, cache, bench_bin),
+        |arm| sanity(bench_bin, arm),
+    )?;
     // As in the ClusterIP experiment: the datapath needs no agent, and its
     // periodic resync would take a core from whichever arm runs. Paused, it
     // does not sweep conntrack either: LB_CONNTRACK is an LRU map.
