@@ -268,7 +268,7 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
 mod tests {
     use super::*;
     use crate::model::{Algorithm, FrontendState, Protocol};
-    use crate::{store::Slice, translate::LABEL_SERVICE_NAME};
+    use crate::store::{Slice, LABEL_SERVICE_NAME};
     use k8s_openapi::api::{
         core::v1::{NodeAddress, NodeStatus, Service, ServiceSpec},
         discovery::v1::{Endpoint, EndpointConditions, EndpointSlice},

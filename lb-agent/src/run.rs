@@ -251,18 +251,15 @@ impl Syncer {
         let read_translate = started.elapsed();
         let applying = Instant::now();
         let maps = self.datapath.maps();
-        let (desired, report) = match &restricted {
-            None if !update.full => {
-                let desired = self.translator.state();
-                let report = self
-                    .reconciler
-                    .apply_touched(desired, &update.touched, maps);
-                (desired, report)
-            }
-            _ => {
-                let desired = restricted.as_ref().unwrap_or(self.translator.state());
-                (desired, self.reconciler.apply(desired, maps))
-            }
+        // Refusing externalIPs filters each frontend by itself with ranges
+        // fixed for the agent's life, so the translator's touched frontends
+        // are the restricted state's too.
+        let desired = restricted.as_ref().unwrap_or(self.translator.state());
+        let report = if update.full {
+            self.reconciler.apply(desired, maps)
+        } else {
+            self.reconciler
+                .apply_touched(desired, &update.touched, maps)
         };
         let frontends = desired.frontends.len();
         let apply = applying.elapsed();

@@ -228,10 +228,6 @@ fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
     Map::from_map_data(data).with_context(|| format!("map {}", path.display()))
 }
 
-fn monotonic_now_ns() -> u64 {
-    crate::affinity::monotonic_now_ns()
-}
-
 /// Whether a conntrack entry is still live at `now`.
 pub fn entry_live(key: &CtKey, e: &CtEntry, now: u64, t: &Timeouts) -> bool {
     let timeout = if key.proto == proto::TCP {
@@ -299,7 +295,7 @@ impl TcMaps {
 
     /// Deletes expired entries: (entries left, entries deleted).
     pub fn sweep(&mut self, t: &Timeouts) -> (usize, usize) {
-        let now = monotonic_now_ns();
+        let now = crate::affinity::monotonic_now_ns();
         let all: Vec<(CtKey, CtEntry)> = self.conntrack.iter().filter_map(Result::ok).collect();
         let deleted = all
             .iter()
@@ -430,7 +426,7 @@ fn sockaddr(a: &[u8; 16], port: u16) -> String {
 pub fn read_conntrack(dir: &Path) -> anyhow::Result<Vec<CtView>> {
     let map: HashMap<MapData, CtKey, CtEntry> =
         HashMap::try_from(open(dir, map_names::CONNTRACK)?)?;
-    let now = monotonic_now_ns();
+    let now = crate::affinity::monotonic_now_ns();
     let mut views: Vec<CtView> = map
         .iter()
         .filter_map(Result::ok)
@@ -580,8 +576,15 @@ mod tests {
             ("10.244.2.10".parse().unwrap(), 8080)
         );
         let reply_key = CtKey::partner(&entry(0, 0), proto::UDP);
+        // A reply entry rewrites towards the client: only its key names the
+        // backend.
+        let reply = CtEntry {
+            nat_dst: k.src,
+            nat_dport: k.sport,
+            ..entry(ct_flags::REPLY, 0)
+        };
         assert_eq!(
-            entry_backend(&reply_key, &entry(ct_flags::REPLY, 0)),
+            entry_backend(&reply_key, &reply),
             ("10.244.2.10".parse().unwrap(), 8080)
         );
     }

@@ -24,8 +24,6 @@ use crate::{
 
 /// Services carrying this label belong to another proxy.
 pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
-/// Joins an EndpointSlice to its Service (same namespace).
-pub use crate::store::LABEL_SERVICE_NAME;
 /// Per-Service override of the selection algorithm: `maglev` or `random`.
 pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
 /// Topology opt-in annotations, the current one and its deprecated name.

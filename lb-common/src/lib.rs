@@ -193,7 +193,9 @@ pub struct ReverseSockValue {
 /// | 16     | `frontend_addr` | the address the socket asked for     |
 /// | 32     | `backend_port`  | host order                           |
 /// | 34     | `frontend_port` | host order                           |
-/// | 36     | `service_id`    | `ServiceValue::id` of the frontend   |
+///
+/// No Service id: socket storage cannot be listed from userspace, so only
+/// `getpeername` ever reads it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SockPeer {
@@ -201,7 +203,6 @@ pub struct SockPeer {
     pub frontend_addr: [u8; 16],
     pub backend_port: u16,
     pub frontend_port: u16,
-    pub service_id: u32,
 }
 
 /// `AffinityKey::kind`: what identifies the client.
@@ -445,7 +446,7 @@ const _: () = {
     assert!(core::mem::size_of::<Backend>() == 20);
     assert!(core::mem::size_of::<ReverseSockKey>() == 32);
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
-    assert!(core::mem::size_of::<SockPeer>() == 40);
+    assert!(core::mem::size_of::<SockPeer>() == 36);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);

@@ -182,7 +182,7 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
         return refuse(ctx);
     }
     if proto == proto::TCP {
-        remember_peer(ctx, &dst, &backend, svc.id);
+        remember_peer(ctx, &dst, &backend);
     } else {
         remember_datagram_peer(ctx, &dst, &backend, svc.id);
     }
@@ -192,13 +192,12 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
 
 /// A TCP socket's one peer, kept with the socket and freed with it.
 #[inline(always)]
-fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend, service_id: u32) {
+fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend) {
     let peer = SockPeer {
         backend_addr: backend.addr,
         frontend_addr: frontend.addr,
         backend_port: backend.port,
         frontend_port: frontend.port,
-        service_id,
     };
     // SAFETY: the helper takes the context's own socket; a null result
     // (allocation failed) only loses the reverse view, never the connection.

@@ -334,12 +334,12 @@ fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
 /// go (`forget`) once this packet is translated.
 #[inline(always)]
 fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) -> bool {
-    // SAFETY: the pointer is valid for this program run; concurrent updates
-    // of the timestamp or flags only lose a refresh.
-    unsafe { (*ptr).last_seen_ns = now };
     if p.tcp_flags & TCP_RST != 0 {
         return true;
     }
+    // SAFETY: the pointer is valid for this program run; concurrent updates
+    // of the timestamp or flags only lose a refresh.
+    unsafe { (*ptr).last_seen_ns = now };
     if p.tcp_flags & TCP_FIN != 0 && e.flags & ct_flags::CLOSING == 0 {
         unsafe { (*ptr).flags = e.flags | ct_flags::CLOSING };
         if let Some(other) = LB_CONNTRACK.get_ptr_mut(&CtKey::partner(e, p.proto)) {

@@ -18,7 +18,7 @@
 //! client and the nodes have none, the pods' default route leads to their
 //! node. Everything is torn down on drop, also on panic.
 use std::{
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{Ipv4Addr, Ipv6Addr},
     path::Path,
     process::{Command, Stdio},
     sync::{Arc, Mutex},
@@ -613,9 +613,4 @@ impl Cluster {
     pub fn manifests_dir(&self) -> &Path {
         self.manifests.path()
     }
-}
-
-/// The address a target string names, for messages.
-pub fn target(addr: IpAddr, port: u16) -> String {
-    std::net::SocketAddr::new(addr, port).to_string()
 }

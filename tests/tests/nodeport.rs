@@ -372,20 +372,25 @@ fn nodeport_is_not_reachable_through_localhost_from_a_neighbour() {
     let node_ns = &c.nodes[0].netns;
     // What kube-proxy's CVE needed: route_localnet on, and something on
     // 127.0.0.1:NodePort in the node. Only the tc program stands between
-    // the neighbour and it. (Killed with the namespace.)
-    let mut sysctl = Command::new("nsenter");
-    sysctl
-        .arg(format!("--net=/run/netns/{node_ns}"))
-        .args(["sysctl", "-q", "-w", "net.ipv4.conf.all.route_localnet=1"])
-        .args(["net.ipv4.conf.eth0.route_localnet=1"]);
-    integration_tests::cmd::run(&mut sysctl).unwrap();
+    // the neighbour and it.
+    c.sysctl(
+        node_ns,
+        &[
+            "net.ipv4.conf.all.route_localnet=1",
+            "net.ipv4.conf.eth0.route_localnet=1",
+        ],
+    )
+    .unwrap();
     let probe = integration_tests::probe_bin().unwrap();
-    let mut local = Command::new("nsenter")
+    let mut serve = Command::new("nsenter");
+    serve
         .arg(format!("--net=/run/netns/{node_ns}"))
         .arg(probe)
         .args(["serve", "--name", "node-local", "--port"])
         .arg(WEB_NODEPORT.to_string())
-        .stdout(Stdio::piped())
+        .stdout(Stdio::piped());
+    // Gone with the test even when an assertion below fails.
+    let mut local = integration_tests::cmd::die_with_parent(&mut serve, libc::SIGKILL)
         .spawn()
         .unwrap();
     let mut line = String::new();

@@ -1044,40 +1044,45 @@ fn datapath_point(
     for pid in &paused {
         cmd::signal(*pid, libc::SIGSTOP);
     }
-    for round in 0..rounds {
-        let at = Point {
-            services,
-            round,
-            rounds,
-        };
-        measure_round(
-            "",
-            &durations(opts.quick),
-            bench_bin,
-            at,
-            &mut arms,
-            seed,
-            &mut results.samples,
-        )?;
-        // The programs' cost, in a run of its own: run-time statistics cost
-        // time themselves, so they are off during the measured runs.
-        if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
-            let id = ours.connect4.expect("ours has connect4");
-            let (spent, _) = with_bpf_stats(&[id], || {
-                ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
-            })?;
-            results.costs.push(Cost {
+    // Resumed whatever happens, so that teardown can stop them cleanly.
+    let measured = (|| -> Result<()> {
+        for round in 0..rounds {
+            let at = Point {
                 services,
                 round,
-                run_cnt: spent[0].1,
-                run_time_ns: spent[0].0,
-            });
+                rounds,
+            };
+            measure_round(
+                "",
+                &durations(opts.quick),
+                bench_bin,
+                at,
+                &mut arms,
+                seed,
+                &mut results.samples,
+            )?;
+            // The programs' cost, in a run of its own: run-time statistics cost
+            // time themselves, so they are off during the measured runs.
+            if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+                let id = ours.connect4.expect("ours has connect4");
+                let (spent, _) = with_bpf_stats(&[id], || {
+                    ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
+                })?;
+                results.costs.push(Cost {
+                    services,
+                    round,
+                    run_cnt: spent[0].1,
+                    run_time_ns: spent[0].0,
+                });
+            }
+            say_rates("", &arms, &results.samples, services);
         }
-        say_rates("", &arms, &results.samples, services);
-    }
+        Ok(())
+    })();
     for pid in &paused {
         cmd::signal(*pid, libc::SIGCONT);
     }
+    measured?;
     if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
         if let (Some(agent), Some(s)) = (
             &ours.agent,
@@ -1095,8 +1100,6 @@ fn datapath_point(
     Ok(())
 }
 
-/// `field` (`elapsed_ms`, `apply_ms`, ...) of the agent's `synced` log
-/// lines, after `skip` of them.
 /// An arm as a round runs it.
 pub trait Measured {
     fn kind(&self) -> ArmKind;
@@ -1262,6 +1265,8 @@ pub fn say_rates<A: Measured>(label: &str, arms: &[A], samples: &[Sample], servi
     say(format!("  {label}connect+close: {}", line.join(", ")));
 }
 
+/// `field` (`elapsed_ms`, `apply_ms`, ...) of the agent's `synced` log
+/// lines, after `skip` of them.
 fn sync_field(log: &str, field: &str, skip: usize) -> Option<f64> {
     let key = format!(" {field}=");
     log.lines()
