@@ -223,7 +223,8 @@ pub struct HealthCheck {
 /// `healthCheckNodePort` of every `externalTrafficPolicy: Local` Service,
 /// with its count of ready local endpoints.
 pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
-    let mut out = Vec::new();
+    // The Local Services first (usually few), then one walk over the slices.
+    let mut local: BTreeMap<&ObjectKey, (u16, BTreeSet<&str>)> = BTreeMap::new();
     for (key, svc) in &store.services {
         let Some(spec) = &svc.spec else { continue };
         if spec.external_traffic_policy.as_deref() != Some("Local") {
@@ -236,32 +237,37 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
         else {
             continue;
         };
-        let mut local = BTreeSet::new();
+        local.insert(key, (port, BTreeSet::new()));
+    }
+    if !local.is_empty() {
         for (slice_key, slice) in &store.slices {
-            if slice_key.namespace != key.namespace
-                || slice.service.as_deref() != Some(key.name.as_str())
-            {
+            let Some(service) = slice.service.as_deref() else {
                 continue;
-            }
+            };
+            let key = ObjectKey::new(slice_key.namespace.clone(), service);
+            let Some((_, addresses)) = local.get_mut(&key) else {
+                continue;
+            };
             for ep in slice.endpoints.iter() {
-                let ready = ep.ready.unwrap_or(true);
-                if ready && ep.node_name.as_deref() == Some(node_name) {
+                if ep.ready.unwrap_or(true) && ep.node_name.as_deref() == Some(node_name) {
                     if let Some(a) = ep.address.as_deref() {
-                        local.insert(a.to_owned());
+                        addresses.insert(a);
                     }
                 }
             }
         }
-        out.push(HealthCheck {
+    }
+    local
+        .into_iter()
+        .map(|(key, (port, addresses))| HealthCheck {
             port,
             service: ServiceName {
                 namespace: key.namespace.clone(),
                 name: key.name.clone(),
             },
-            local_endpoints: local.len(),
-        });
-    }
-    out
+            local_endpoints: addresses.len(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
