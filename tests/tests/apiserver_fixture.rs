@@ -259,6 +259,29 @@ fn all(_: &serde_json::Value) -> bool {
     true
 }
 
+/// Services `demo/s0` .. `demo/s{n-1}`, port 80.
+fn apply_services(api: &ApiServer, n: usize) {
+    for i in 0..n {
+        api.apply(&service("demo", &format!("s{i}"), &[], 80))
+            .unwrap();
+    }
+}
+
+/// A watch of every Service.
+fn watch_services(api: &ApiServer, cfg: watcher::Config) -> Watch<Service> {
+    reflect(Api::<Service>::all(client(api)), cfg)
+}
+
+/// Waits (up to 5 s) until exactly `n` watches of `kind` are open.
+async fn open_watches(api: &ApiServer, kind: Kind, n: u64) {
+    eventually(
+        Duration::from_secs(5),
+        &format!("{n} open {kind:?} watch(es)"),
+        || api.open_watches(kind) == n,
+    )
+    .await;
+}
+
 /// Init/InitApply/InitDone with the initial objects, then Apply/Delete for
 /// changes, with the server's resourceVersions.
 async fn watch_events(cfg: watcher::Config, objects: usize) -> ApiServer {
@@ -270,16 +293,13 @@ async fn watch_events(cfg: watcher::Config, objects: usize) -> ApiServer {
             .unwrap();
         initial.push(format!("InitApply(demo/s{i}@{})", rv_of(&v)));
     }
-    let mut w = reflect(Api::<Service>::all(client(&api)), cfg);
+    let mut w = watch_services(&api, cfg);
     let mut want = vec!["Init".to_string()];
     want.extend(initial);
     want.push("InitDone".into());
     assert_eq!(w.next(objects + 2).await, want);
 
-    eventually(Duration::from_secs(5), "an open watch", || {
-        api.open_watches(Kind::Service) == 1
-    })
-    .await;
+    open_watches(&api, Kind::Service, 1).await;
     let added = api.apply(&service("other", "new", &[], 80)).unwrap();
     let modified = api.apply(&service("demo", "s0", &[], 81)).unwrap();
     let deleted = api.delete(Kind::Service, "demo", "s1").unwrap();
@@ -373,10 +393,7 @@ async fn watcher_streaming_lists() {
 async fn pagination_is_a_consistent_snapshot() {
     bounded(async {
         let api = ApiServer::start();
-        for i in 0..4 {
-            api.apply(&service("demo", &format!("s{i}"), &[], 80))
-                .unwrap();
-        }
+        apply_services(&api, 4);
         let svcs = Api::<Service>::all(client(&api));
         let page1 = svcs.list(&ListParams::default().limit(2)).await.unwrap();
         let names = |l: &kube::core::ObjectList<Service>| -> Vec<String> {
@@ -456,19 +473,10 @@ fn http_get(path: &str) -> hyper::Request<Vec<u8>> {
 async fn expired_watch_relists_and_converges() {
     bounded(async {
         let api = ApiServer::start();
-        for i in 0..4 {
-            api.apply(&service("demo", &format!("s{i}"), &[], 80))
-                .unwrap();
-        }
-        let mut w = reflect(
-            Api::<Service>::all(client(&api)),
-            watcher::Config::default(),
-        );
+        apply_services(&api, 4);
+        let mut w = watch_services(&api, watcher::Config::default());
         converge(&w, &api, Kind::Service, all, Duration::from_secs(5)).await;
-        eventually(Duration::from_secs(5), "an open watch", || {
-            api.open_watches(Kind::Service) == 1
-        })
-        .await;
+        open_watches(&api, Kind::Service, 1).await;
         assert_eq!(api.list_count(Kind::Service), 1);
         w.drain();
 
@@ -501,19 +509,10 @@ async fn expired_watch_relists_and_converges() {
 async fn compacted_history_relists_and_converges() {
     bounded(async {
         let api = ApiServer::start();
-        for i in 0..5 {
-            api.apply(&service("demo", &format!("s{i}"), &[], 80))
-                .unwrap();
-        }
-        let w = reflect(
-            Api::<Service>::all(client(&api)),
-            watcher::Config::default(),
-        );
+        apply_services(&api, 5);
+        let w = watch_services(&api, watcher::Config::default());
         converge(&w, &api, Kind::Service, all, Duration::from_secs(5)).await;
-        eventually(Duration::from_secs(5), "an open watch", || {
-            api.open_watches(Kind::Service) == 1
-        })
-        .await;
+        open_watches(&api, Kind::Service, 1).await;
 
         api.go_away();
         api.delete(Kind::Service, "demo", "s0").unwrap();
@@ -536,15 +535,9 @@ async fn compacted_history_relists_and_converges() {
 
         // Without bookmarks, a compaction plus a dropped connection is
         // enough: the watcher resumes from its last event's version.
-        let w2 = reflect(
-            Api::<Service>::all(client(&api)),
-            watcher::Config::default().disable_bookmarks(),
-        );
+        let w2 = watch_services(&api, watcher::Config::default().disable_bookmarks());
         converge(&w2, &api, Kind::Service, all, Duration::from_secs(5)).await;
-        eventually(Duration::from_secs(5), "two open watches", || {
-            api.open_watches(Kind::Service) == 2
-        })
-        .await;
+        open_watches(&api, Kind::Service, 2).await;
         let lists = api.list_count(Kind::Service);
         api.compact();
         api.drop_connections();
@@ -566,14 +559,8 @@ async fn dropped_connections_rewatch_without_relist() {
     bounded(async {
         let api = ApiServer::start();
         api.set_watch_timeout_cap(Duration::from_secs(1));
-        for i in 0..3 {
-            api.apply(&service("demo", &format!("s{i}"), &[], 80))
-                .unwrap();
-        }
-        let mut w = reflect(
-            Api::<Service>::all(client(&api)),
-            watcher::Config::default(),
-        );
+        apply_services(&api, 3);
+        let mut w = watch_services(&api, watcher::Config::default());
         assert_eq!(w.next(5).await.last().unwrap(), "InitDone");
         // Watches time out after 1 s and are resumed.
         eventually(Duration::from_secs(10), "re-watches after timeouts", || {
@@ -581,10 +568,7 @@ async fn dropped_connections_rewatch_without_relist() {
         })
         .await;
         api.set_watch_timeout_cap(Duration::from_secs(10));
-        eventually(Duration::from_secs(5), "an open watch", || {
-            api.open_watches(Kind::Service) == 1
-        })
-        .await;
+        open_watches(&api, Kind::Service, 1).await;
         let watches = api.watch_count(Kind::Service);
 
         // (The watcher re-watches at once: the open count may be back to 1
@@ -600,10 +584,7 @@ async fn dropped_connections_rewatch_without_relist() {
         ];
         assert_eq!(w.next_ok(3).await, want);
         converge(&w, &api, Kind::Service, all, Duration::from_secs(5)).await;
-        eventually(Duration::from_secs(5), "an open watch", || {
-            api.open_watches(Kind::Service) == 1
-        })
-        .await;
+        open_watches(&api, Kind::Service, 1).await;
         let s = api.stats(Kind::Service);
         assert_eq!((s.lists, s.expired), (1, 0), "{s:?}");
         assert!(s.watches > watches, "{s:?}");
@@ -624,19 +605,10 @@ async fn dropped_connections_rewatch_without_relist() {
 /// relist.
 async fn outage(kind_of_outage: Outage) {
     let api = ApiServer::start();
-    for i in 0..3 {
-        api.apply(&service("demo", &format!("s{i}"), &[], 80))
-            .unwrap();
-    }
-    let w = reflect(
-        Api::<Service>::all(client(&api)),
-        watcher::Config::default(),
-    );
+    apply_services(&api, 3);
+    let w = watch_services(&api, watcher::Config::default());
     converge(&w, &api, Kind::Service, all, Duration::from_secs(5)).await;
-    eventually(Duration::from_secs(5), "an open watch", || {
-        api.open_watches(Kind::Service) == 1
-    })
-    .await;
+    open_watches(&api, Kind::Service, 1).await;
 
     api.go_away_with(kind_of_outage);
     assert!(api.is_away());
@@ -694,16 +666,13 @@ async fn label_and_field_selectors() {
             .unwrap();
         let unproxied = |o: &serde_json::Value| o["metadata"]["labels"].get(PROXY_NAME).is_none();
 
-        let mut w = reflect(
-            Api::<Service>::all(client(&api)),
+        let mut w = watch_services(
+            &api,
             watcher::Config::default().labels(&format!("!{PROXY_NAME}")),
         );
         converge(&w, &api, Kind::Service, unproxied, Duration::from_secs(5)).await;
         assert_eq!(w.view().len(), 3);
-        eventually(Duration::from_secs(5), "an open watch", || {
-            api.open_watches(Kind::Service) == 1
-        })
-        .await;
+        open_watches(&api, Kind::Service, 1).await;
         w.drain();
         // Starting to match is an ADDED, stopping a DELETED (the cacher's way).
         let gone = api
@@ -780,10 +749,7 @@ async fn label_and_field_selectors() {
         );
         converge(&nw, &api, Kind::Node, is_n2, Duration::from_secs(5)).await;
         assert_eq!(nw.view().len(), 1);
-        eventually(Duration::from_secs(5), "an open node watch", || {
-            api.open_watches(Kind::Node) == 1
-        })
-        .await;
+        open_watches(&api, Kind::Node, 1).await;
         nw.drain();
         let mut n1 = node("n1");
         n1.spec.as_mut().unwrap().unschedulable = Some(true);
@@ -821,10 +787,7 @@ async fn endpointslices_list_watch() {
         );
         converge(&w, &api, Kind::EndpointSlice, all, Duration::from_secs(5)).await;
         assert_eq!(api.list_count(Kind::EndpointSlice), 2);
-        eventually(Duration::from_secs(5), "an open watch", || {
-            api.open_watches(Kind::EndpointSlice) == 1
-        })
-        .await;
+        open_watches(&api, Kind::EndpointSlice, 1).await;
         w.drain();
         let changed = api
             .apply_typed(&slice("demo", "web-b", "web", &["10.0.0.3", "10.0.0.4"]))
@@ -929,10 +892,7 @@ async fn delay_and_event_order() {
         let api = ApiServer::start();
         api.set_delay(Duration::from_millis(400));
         let t = Instant::now();
-        let mut w = reflect(
-            Api::<Service>::all(client(&api)),
-            watcher::Config::default(),
-        );
+        let mut w = watch_services(&api, watcher::Config::default());
         assert_eq!(w.next(2).await, ["Init", "InitDone"]);
         assert!(t.elapsed() >= Duration::from_millis(400));
         // Changes during the (slow) watch start are replayed.
