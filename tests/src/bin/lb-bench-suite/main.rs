@@ -993,17 +993,7 @@ fn setup_arm(
 /// One CRR and one UDP exchange must work before an arm is measured.
 fn sanity(bench_bin: &Path, arm: &Arm) -> Result<()> {
     for mode in [Mode::Crr, Mode::Udp] {
-        let r = run_client(bench_bin, arm, mode, 200)?;
-        if r.ops == 0 || r.errors > 0 {
-            bail!(
-                "{} {}: {} ok, {} errors (first: {})",
-                arm.kind.label(),
-                mode.as_str(),
-                r.ops,
-                r.errors,
-                r.first_error.unwrap_or_default()
-            );
-        }
+        check_sanity(arm.kind, mode, run_client(bench_bin, arm, mode, 200)?)?;
     }
     Ok(())
 }
@@ -1041,47 +1031,35 @@ fn datapath_point(
         .iter()
         .filter_map(|a| a.agent.as_ref().map(|ag| ag.pid()))
         .collect();
-    for pid in &paused {
-        cmd::signal(*pid, libc::SIGSTOP);
-    }
-    // Resumed whatever happens, so that teardown can stop them cleanly.
-    let measured = (|| -> Result<()> {
-        for round in 0..rounds {
-            let at = Point {
-                services,
-                round,
-                rounds,
-            };
-            measure_round(
-                "",
-                &durations(opts.quick),
-                bench_bin,
-                at,
-                &mut arms,
-                seed,
-                &mut results.samples,
-            )?;
-            // The programs' cost, in a run of its own: run-time statistics cost
-            // time themselves, so they are off during the measured runs.
-            if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
-                let id = ours.connect4.expect("ours has connect4");
-                let (spent, _) = with_bpf_stats(&[id], || {
-                    ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
-                })?;
-                results.costs.push(Cost {
-                    services,
-                    round,
-                    run_cnt: spent[0].1,
-                    run_time_ns: spent[0].0,
-                });
-            }
-            say_rates("", &arms, &results.samples, services);
-        }
-        Ok(())
-    })();
-    for pid in &paused {
-        cmd::signal(*pid, libc::SIGCONT);
-    }
+    let measured = while_paused(&paused, || {
+        measure_rounds(
+            "",
+            &durations(opts.quick),
+            bench_bin,
+            services,
+            rounds,
+            &mut arms,
+            seed,
+            &mut results.samples,
+            |round, arms| {
+                // The programs' cost, in a run of its own: run-time statistics
+                // cost time themselves, so they are off during the measured runs.
+                if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+                    let id = ours.connect4.expect("ours has connect4");
+                    let (spent, _) = with_bpf_stats(&[id], || {
+                        ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
+                    })?;
+                    results.costs.push(Cost {
+                        services,
+                        round,
+                        run_cnt: spent[0].1,
+                        run_time_ns: spent[0].0,
+                    });
+                }
+                Ok(())
+            },
+        )
+    });
     measured?;
     if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
         if let (Some(agent), Some(s)) = (
@@ -1163,6 +1141,63 @@ pub fn measure_round<A: Measured>(
                 run,
             });
         }
+    }
+    Ok(())
+}
+
+/// `rounds` rounds of [`measure_round`] at `services`; after each,
+/// `cost(round, arms)` (the programs' cost, in a run of its own), then the
+/// round's rates are logged.
+#[allow(clippy::too_many_arguments)]
+pub fn measure_rounds<A: Measured>(
+    label: &str,
+    tests: &[(Mode, u64)],
+    bench_bin: &Path,
+    services: usize,
+    rounds: usize,
+    arms: &mut [A],
+    seed: &mut u64,
+    samples: &mut Vec<Sample>,
+    mut cost: impl FnMut(usize, &[A]) -> Result<()>,
+) -> Result<()> {
+    for round in 0..rounds {
+        let at = Point {
+            services,
+            round,
+            rounds,
+        };
+        measure_round(label, tests, bench_bin, at, arms, seed, samples)?;
+        cost(round, arms)?;
+        say_rates(label, arms, samples, services);
+    }
+    Ok(())
+}
+
+/// Runs `f` with the processes `pids` stopped (SIGSTOP), and resumes them
+/// (SIGCONT) whatever `f` returns, so that teardown can stop them cleanly.
+pub fn while_paused<R>(pids: &[u32], f: impl FnOnce() -> R) -> R {
+    for pid in pids {
+        cmd::signal(*pid, libc::SIGSTOP);
+    }
+    let r = f();
+    for pid in pids {
+        cmd::signal(*pid, libc::SIGCONT);
+    }
+    r
+}
+
+/// An error naming `kind` and `mode` when `r` (a sanity run) had no
+/// successful operation or any error.
+pub fn check_sanity(kind: ArmKind, mode: Mode, r: Run) -> Result<()> {
+    if r.ops == 0 || r.errors > 0 {
+        bail!(
+            "{} {}: {} ok, {} errors (first: {})",
+            kind.label(),
+            mode.as_str(),
+            r.ops,
+            r.errors,
+            r.first_error.unwrap_or_default()
+        );
     }
     Ok(())
 }

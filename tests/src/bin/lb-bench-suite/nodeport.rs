@@ -34,10 +34,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::{
-    capacity_args, cost_run_ms, filler_file, load_rules, measure_round, rules,
+    capacity_args, check_sanity, cost_run_ms, filler_file, load_rules, measure_rounds, rules,
     rules::{Scenario, BACKEND_PORT},
-    run_bench_client, say, say_rates, set_up_arms, spawn_server, vm_hwm_mib, with_bpf_stats,
-    ArmKind, KillOnDrop, Measured, Mode, Opts, Point, Run, Sample, Setup, FILLER_ENDPOINTS,
+    run_bench_client, say, set_up_arms, spawn_server, vm_hwm_mib, while_paused, with_bpf_stats,
+    ArmKind, KillOnDrop, Measured, Mode, Opts, Run, Sample, Setup, FILLER_ENDPOINTS,
 };
 
 /// The target's node port.
@@ -321,17 +321,7 @@ fn setup_arm(
 
 /// One CRR run must work without errors before an arm is measured.
 fn sanity(bench_bin: &Path, arm: &NpArm) -> Result<()> {
-    let r = arm.measure(bench_bin, Mode::Crr, 200)?;
-    if r.ops == 0 || r.errors > 0 {
-        return Err(anyhow!(
-            "{} crr: {} ok, {} errors (first: {})",
-            arm.kind.label(),
-            r.ops,
-            r.errors,
-            r.first_error.unwrap_or_default()
-        ));
-    }
-    Ok(())
+    check_sanity(arm.kind, Mode::Crr, arm.measure(bench_bin, Mode::Crr, 200)?)
 }
 
 /// Runs the experiment at every point into `np`.
@@ -377,14 +367,9 @@ fn point(
         .iter()
         .flat_map(|a| a.cluster.agents.iter().map(|ag| ag.pid()))
         .collect();
-    for pid in &paused {
-        cmd::signal(*pid, libc::SIGSTOP);
-    }
-    let r = rounds(opts, bench_bin, services, seed, &mut arms, np);
-    for pid in &paused {
-        cmd::signal(*pid, libc::SIGCONT);
-    }
-    r?;
+    while_paused(&paused, || {
+        rounds(opts, bench_bin, services, seed, &mut arms, np)
+    })?;
     if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
         let pins = ours.cluster.agents[0].pin_dir();
         match (
@@ -415,39 +400,34 @@ fn rounds(
     arms: &mut [NpArm],
     np: &mut NodePortResults,
 ) -> Result<()> {
-    for round in 0..np.rounds {
-        let at = Point {
-            services,
-            round,
-            rounds: np.rounds,
-        };
-        measure_round(
-            "NodePort ",
-            &durations(opts.quick),
-            bench_bin,
-            at,
-            arms,
-            seed,
-            &mut np.samples,
-        )?;
-        // The tc programs' cost, in a connect+close run of its own.
-        if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
-            let ids: Vec<u32> = ours.tc_progs.iter().map(|(_, id)| *id).collect();
-            let (spent, run) = with_bpf_stats(&ids, || {
-                ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
-            })?;
-            for ((name, _), (run_time_ns, run_cnt)) in ours.tc_progs.iter().zip(spent) {
-                np.costs.push(TcCost {
-                    services,
-                    round,
-                    prog: name.clone(),
-                    run_cnt,
-                    run_time_ns,
-                    conns: run.ops,
-                });
+    measure_rounds(
+        "NodePort ",
+        &durations(opts.quick),
+        bench_bin,
+        services,
+        np.rounds,
+        arms,
+        seed,
+        &mut np.samples,
+        |round, arms| {
+            // The tc programs' cost, in a connect+close run of its own.
+            if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+                let ids: Vec<u32> = ours.tc_progs.iter().map(|(_, id)| *id).collect();
+                let (spent, run) = with_bpf_stats(&ids, || {
+                    ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
+                })?;
+                for ((name, _), (run_time_ns, run_cnt)) in ours.tc_progs.iter().zip(spent) {
+                    np.costs.push(TcCost {
+                        services,
+                        round,
+                        prog: name.clone(),
+                        run_cnt,
+                        run_time_ns,
+                        conns: run.ops,
+                    });
+                }
             }
-        }
-        say_rates("NodePort ", arms, &np.samples, services);
-    }
-    Ok(())
+            Ok(())
+        },
+    )
 }

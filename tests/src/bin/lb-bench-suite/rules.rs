@@ -34,6 +34,17 @@ pub struct Scenario {
     pub target: Vec<Ipv4Addr>,
 }
 
+/// The EndpointSlice of the target Service with endpoints `eps`.
+fn target_slice(eps: Vec<Value>) -> Value {
+    json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+           "metadata": {"name": "target-abcde", "namespace": "bench",
+                        "labels": {"kubernetes.io/service-name": "target"}},
+           "addressType": "IPv4",
+           "ports": [{"name": "tcp", "port": BACKEND_PORT, "protocol": "TCP"},
+                     {"name": "udp", "port": BACKEND_PORT, "protocol": "UDP"}],
+           "endpoints": eps})
+}
+
 fn filler_vip(i: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 97, 0, 0)) + i as u32)
 }
@@ -165,13 +176,7 @@ impl Scenario {
                       "clusterIPs": [TARGET_VIP.to_string()],
                       "ports": [{"name": "tcp", "port": TARGET_PORT, "protocol": "TCP", "targetPort": BACKEND_PORT},
                                 {"name": "udp", "port": TARGET_PORT, "protocol": "UDP", "targetPort": BACKEND_PORT}]}},
-            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-             "metadata": {"name": "target-abcde", "namespace": "bench",
-                          "labels": {"kubernetes.io/service-name": "target"}},
-             "addressType": "IPv4",
-             "ports": [{"name": "tcp", "port": BACKEND_PORT, "protocol": "TCP"},
-                       {"name": "udp", "port": BACKEND_PORT, "protocol": "UDP"}],
-             "endpoints": eps}
+            target_slice(eps)
         ]})
     }
 
@@ -194,13 +199,7 @@ impl Scenario {
                       "clusterIP": TARGET_VIP.to_string(), "clusterIPs": [TARGET_VIP.to_string()],
                       "ports": [{"name": "tcp", "port": TARGET_PORT, "protocol": "TCP", "targetPort": BACKEND_PORT, "nodePort": node_port},
                                 {"name": "udp", "port": TARGET_PORT, "protocol": "UDP", "targetPort": BACKEND_PORT, "nodePort": node_port}]}},
-            {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-             "metadata": {"name": "target-abcde", "namespace": "bench",
-                          "labels": {"kubernetes.io/service-name": "target"}},
-             "addressType": "IPv4",
-             "ports": [{"name": "tcp", "port": BACKEND_PORT, "protocol": "TCP"},
-                       {"name": "udp", "port": BACKEND_PORT, "protocol": "UDP"}],
-             "endpoints": eps}
+            target_slice(eps)
         ]})
     }
 
