@@ -130,25 +130,9 @@ pub fn http_get_in(netns: Option<&str>, addr: SocketAddr, path: &str) -> Result<
     let Some(ns) = netns else {
         return http_get(addr, path);
     };
-    let ns_path = Path::new("/run/netns").join(ns);
     let path = path.to_owned();
-    std::thread::spawn(move || -> Result<(u16, String)> {
-        use std::os::fd::AsRawFd as _;
-        let f = std::fs::File::open(&ns_path)
-            .with_context(|| format!("opening {}", ns_path.display()))?;
-        // SAFETY: setns on a descriptor we hold; affects this thread only,
-        // which ends right after.
-        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            bail!(
-                "setns({}): {}",
-                ns_path.display(),
-                std::io::Error::last_os_error()
-            );
-        }
-        http_get(addr, &path)
-    })
-    .join()
-    .map_err(|_| anyhow!("the HTTP thread panicked"))?
+    crate::netns::in_netns(ns, move || http_get(addr, &path))
+        .map_err(|e| anyhow!("the HTTP thread: {e:#}"))?
 }
 
 /// Spawns `bin args...` (in network namespace `netns` through `nsenter`),
@@ -318,27 +302,26 @@ impl Agent {
         http_get_in(self.netns.as_deref(), self.health, path)
     }
 
-    /// SIGTERM and wait (up to 10 s): the agent's exit status. Its pin
-    /// directory is left as the agent left it (removed on drop).
-    pub fn stop(&mut self) -> Result<ExitStatus> {
-        let mut ch = self
-            .child
+    /// The running child, taken (it is stopped next).
+    fn take_child(&self) -> Result<Child> {
+        self.child
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .ok_or_else(|| anyhow!("the agent was stopped already"))?;
+            .ok_or_else(|| anyhow!("the agent was stopped already"))
+    }
+
+    /// SIGTERM and wait (up to 10 s): the agent's exit status. Its pin
+    /// directory is left as the agent left it (removed on drop).
+    pub fn stop(&mut self) -> Result<ExitStatus> {
+        let mut ch = self.take_child()?;
         terminate(&mut ch, Duration::from_secs(10))
             .ok_or_else(|| anyhow!("the agent ignored SIGTERM for 10 s; killed it"))
     }
 
     /// SIGKILL and wait: a crash. The pins stay as the agent left them.
     pub fn kill(&mut self) -> Result<ExitStatus> {
-        let mut ch = self
-            .child
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| anyhow!("the agent was stopped already"))?;
+        let mut ch = self.take_child()?;
         ch.kill().context("SIGKILL")?;
         Ok(ch.wait()?)
     }

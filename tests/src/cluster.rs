@@ -19,7 +19,6 @@ use crate::{
     Env, Spread,
 };
 
-/// Adds `metadata.labels[key] = value` to an object.
 /// An EndpointSlice `name` of `service` (namespace `demo`) with `ports`
 /// (name, port, protocol) and the ready IPv4 endpoints of `hosts`.
 pub fn ready_slice(
@@ -27,7 +26,7 @@ pub fn ready_slice(
     service: &str,
     name: &str,
     ports: &[(&str, u16, &str)],
-    hosts: &[&str],
+    hosts: &[impl AsRef<str>],
 ) -> Value {
     let mut s = EndpointSlice::new("demo", name, service);
     for (n, p, proto) in ports {
@@ -36,11 +35,12 @@ pub fn ready_slice(
     s.endpoints(
         hosts
             .iter()
-            .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
+            .map(|h| Endpoint::ready(env.topo.host(h.as_ref()).ipv4.into())),
     )
     .to_value()
 }
 
+/// Adds `metadata.labels[key] = value` to an object.
 pub fn with_label(mut obj: Value, key: &str, value: &str) -> Value {
     obj["metadata"]["labels"][key] = json!(value);
     obj
@@ -205,13 +205,7 @@ impl ProbeChild {
     pub fn spawn(args: &[String]) -> Result<Self> {
         let mut c = std::process::Command::new(crate::probe_bin()?);
         c.args(args);
-        let line = cmd::display(&c);
-        let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("cannot run `{line}`"))?;
+        let (mut child, line) = cmd::spawn_piped(&mut c, Stdio::piped(), Stdio::inherit())?;
         let stdout = child.stdout.take().expect("piped");
         let stdin = child.stdin.take();
         let (tx, lines) = mpsc::channel();
@@ -276,36 +270,46 @@ impl Drop for ProbeChild {
     }
 }
 
-/// `lb-probe hold-udp` from the environment's client host.
-pub fn hold_udp(env: &Env, target: &str, interval_ms: u64, duration_ms: u64) -> Result<ProbeChild> {
-    ProbeChild::spawn(&[
-        "hold-udp".into(),
+/// `lb-probe MODE --cgroup CG --netns CLIENT --target TARGET` from the
+/// environment's client host, then `extra` arguments.
+fn client_probe(
+    env: &Env,
+    mode: &str,
+    target: &str,
+    extra: &[(&str, String)],
+) -> Result<ProbeChild> {
+    let mut args: Vec<String> = vec![
+        mode.into(),
         "--cgroup".into(),
         env.cgroup.path().display().to_string(),
         "--netns".into(),
         env.topo.client_netns().into(),
         "--target".into(),
         target.into(),
-        "--interval-ms".into(),
-        interval_ms.to_string(),
-        "--duration-ms".into(),
-        duration_ms.to_string(),
-    ])
+    ];
+    for (k, v) in extra {
+        args.push(k.to_string());
+        args.push(v.clone());
+    }
+    ProbeChild::spawn(&args)
+}
+
+/// `lb-probe hold-udp` from the environment's client host.
+pub fn hold_udp(env: &Env, target: &str, interval_ms: u64, duration_ms: u64) -> Result<ProbeChild> {
+    client_probe(
+        env,
+        "hold-udp",
+        target,
+        &[
+            ("--interval-ms", interval_ms.to_string()),
+            ("--duration-ms", duration_ms.to_string()),
+        ],
+    )
 }
 
 /// `lb-probe flows` with `sockets` UDP sockets from the client host.
 pub fn flows(env: &Env, target: &str, sockets: usize) -> Result<Flows> {
-    let p = ProbeChild::spawn(&[
-        "flows".into(),
-        "--cgroup".into(),
-        env.cgroup.path().display().to_string(),
-        "--netns".into(),
-        env.topo.client_netns().into(),
-        "--target".into(),
-        target.into(),
-        "--sockets".into(),
-        sockets.to_string(),
-    ])?;
+    let p = client_probe(env, "flows", target, &[("--sockets", sockets.to_string())])?;
     Ok(Flows(p))
 }
 

@@ -85,3 +85,20 @@ pub fn die_with_parent(cmd: &mut Command, sig: libc::c_int) -> &mut Command {
         })
     }
 }
+
+/// Spawns `cmd`, killed with SIGKILL when this process dies, with `stdin`,
+/// stdout piped and `stderr`; the child and its command line.
+pub fn spawn_piped(
+    cmd: &mut Command,
+    stdin: std::process::Stdio,
+    stderr: std::process::Stdio,
+) -> Result<(std::process::Child, String)> {
+    let line = display(cmd);
+    let child = die_with_parent(cmd, libc::SIGKILL)
+        .stdin(stdin)
+        .stdout(std::process::Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .with_context(|| format!("cannot run `{line}`"))?;
+    Ok((child, line))
+}

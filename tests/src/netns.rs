@@ -25,6 +25,114 @@ use crate::{
     cmd,
 };
 
+/// In namespace `netns`: `lo` up and a bridge `br0` (no multicast
+/// snooping), up: the switch of a topology.
+pub(crate) fn add_switch(netns: &str) -> Result<()> {
+    cmd::ip(&["-n", netns, "link", "set", "lo", "up"])?;
+    cmd::ip(&[
+        "-n",
+        netns,
+        "link",
+        "add",
+        "br0",
+        "type",
+        "bridge",
+        "mcast_snooping",
+        "0",
+    ])?;
+    cmd::ip(&["-n", netns, "link", "set", "br0", "up"])?;
+    Ok(())
+}
+
+/// `ipv4` (CIDR) and `ipv6` (CIDR, no DAD) on `dev` in `netns`.
+pub(crate) fn add_addrs(netns: &str, dev: &str, ipv4: &str, ipv6: &str) -> Result<()> {
+    cmd::ip(&["-n", netns, "addr", "add", ipv4, "dev", dev])?;
+    cmd::ip(&["-n", netns, "-6", "addr", "add", ipv6, "dev", dev, "nodad"])?;
+    Ok(())
+}
+
+/// Routes in `netns` to `v4` via `v4_via` and to `v6` via `v6_via`.
+pub(crate) fn add_routes(
+    netns: &str,
+    v4: &str,
+    v4_via: &str,
+    v6: &str,
+    v6_via: &str,
+) -> Result<()> {
+    cmd::ip(&["-n", netns, "route", "add", v4, "via", v4_via])?;
+    cmd::ip(&["-n", netns, "-6", "route", "add", v6, "via", v6_via])?;
+    Ok(())
+}
+
+/// A veth pair from bridge `bridge` of namespace `at` (its end `port`, up)
+/// to `eth0` in `netns`, with `lo` up and `eth0` = `ipv4`/24 and
+/// `ipv6`/64, up.
+pub(crate) fn wire_eth0(
+    at: &str,
+    bridge: &str,
+    port: &str,
+    netns: &str,
+    ipv4: Ipv4Addr,
+    ipv6: Ipv6Addr,
+) -> Result<()> {
+    cmd::ip(&[
+        "-n", at, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns,
+    ])?;
+    cmd::ip(&["-n", at, "link", "set", port, "master", bridge, "up"])?;
+    cmd::ip(&["-n", netns, "link", "set", "lo", "up"])?;
+    add_addrs(netns, "eth0", &format!("{ipv4}/24"), &format!("{ipv6}/64"))?;
+    cmd::ip(&["-n", netns, "link", "set", "eth0", "up"])?;
+    Ok(())
+}
+
+/// Moves the calling thread (only) into network namespace `netns`
+/// (`/run/netns/NAME`).
+pub fn enter_netns(netns: &str) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    let path = std::path::Path::new("/run/netns").join(netns);
+    let f = std::fs::File::open(&path).with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: setns on a descriptor we hold open; affects this (only) thread.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        bail!(
+            "setns({}): {}",
+            path.display(),
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+/// Moves this process into cgroup `cgroup` (first: the cgroup file is
+/// reachable from any namespace, and every socket made afterwards belongs
+/// to it), then the calling thread into network namespace `netns`.
+pub fn enter(cgroup: Option<&std::path::Path>, netns: Option<&str>) -> Result<()> {
+    if let Some(cg) = cgroup {
+        let procs = cg.join("cgroup.procs");
+        std::fs::write(&procs, format!("{}\n", std::process::id()))
+            .with_context(|| format!("joining the cgroup: writing {}", procs.display()))?;
+    }
+    if let Some(ns) = netns {
+        enter_netns(ns)?;
+    }
+    Ok(())
+}
+
+/// Runs `f` on a thread of its own in network namespace `netns` (threads
+/// it starts are there too); its result, or why the thread could not enter
+/// or panicked.
+pub fn in_netns<R: Send + 'static>(
+    netns: &str,
+    f: impl FnOnce() -> R + Send + 'static,
+) -> Result<R> {
+    let ns = netns.to_string();
+    std::thread::spawn(move || -> Result<R> {
+        enter_netns(&ns)?;
+        Ok(f())
+    })
+    .join()
+    .map_err(|_| anyhow!("the thread in network namespace {netns} panicked"))?
+}
+
 /// Pod address `10.244.1.{i}`.
 pub fn pod_v4(i: u8) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, 1, i)
@@ -123,19 +231,7 @@ impl Topology {
             _cleanup: handle,
         };
         topo.add_netns(&switch)?;
-        cmd::ip(&["-n", &switch, "link", "set", "lo", "up"])?;
-        cmd::ip(&[
-            "-n",
-            &switch,
-            "link",
-            "add",
-            "br0",
-            "type",
-            "bridge",
-            "mcast_snooping",
-            "0",
-        ])?;
-        cmd::ip(&["-n", &switch, "link", "set", "br0", "up"])?;
+        add_switch(&switch)?;
         Ok(topo)
     }
 
@@ -168,33 +264,7 @@ impl Topology {
         let netns = format!("{}-{name}", self.name);
         self.add_netns(&netns)?;
         let port = format!("v{}", self.hosts.len() + 1);
-        let sw = self.switch.as_str();
-        cmd::ip(&[
-            "-n", sw, "link", "add", &port, "type", "veth", "peer", "name", "eth0", "netns", &netns,
-        ])?;
-        cmd::ip(&["-n", sw, "link", "set", &port, "master", "br0", "up"])?;
-        cmd::ip(&["-n", &netns, "link", "set", "lo", "up"])?;
-        cmd::ip(&[
-            "-n",
-            &netns,
-            "addr",
-            "add",
-            &format!("{ipv4}/24"),
-            "dev",
-            "eth0",
-        ])?;
-        cmd::ip(&[
-            "-n",
-            &netns,
-            "-6",
-            "addr",
-            "add",
-            &format!("{ipv6}/64"),
-            "dev",
-            "eth0",
-            "nodad",
-        ])?;
-        cmd::ip(&["-n", &netns, "link", "set", "eth0", "up"])?;
+        wire_eth0(&self.switch, "br0", &port, &netns, ipv4, ipv6)?;
         self.hosts.push(Host {
             name: name.to_string(),
             netns,
@@ -258,13 +328,7 @@ impl Topology {
         if with_port {
             c.arg("--with-port");
         }
-        let line = cmd::display(&c);
-        let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .with_context(|| format!("cannot run `{line}`"))?;
+        let (mut child, line) = cmd::spawn_piped(&mut c, Stdio::null(), Stdio::inherit())?;
         let pid = child.id();
         let stdout = child.stdout.take().expect("piped");
         // Keep the child before waiting, so that a failure below still kills it.

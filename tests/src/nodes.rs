@@ -33,6 +33,7 @@ use crate::{
     cgroup::CgroupGuard,
     cleanup::{self, CleanupHandle},
     cmd,
+    netns::{add_addrs, add_routes, add_switch, wire_eth0},
     probe::{parse_attempts, Attempt},
 };
 
@@ -154,19 +155,7 @@ impl Cluster {
         };
         let sw = c.switch.clone();
         c.add_netns(&sw)?;
-        ip(&["-n", &sw, "link", "set", "lo", "up"])?;
-        ip(&[
-            "-n",
-            &sw,
-            "link",
-            "add",
-            "br0",
-            "type",
-            "bridge",
-            "mcast_snooping",
-            "0",
-        ])?;
-        ip(&["-n", &sw, "link", "set", "br0", "up"])?;
+        add_switch(&sw)?;
         let n = pods_per_node.len() as u8;
         for i in 1..=n {
             c.add_node(i, n)?;
@@ -227,26 +216,7 @@ impl Cluster {
     }
 
     fn wire_to_switch(&self, ns: &str, port: &str, v4: Ipv4Addr, v6: Ipv6Addr) -> Result<()> {
-        let sw = self.switch.as_str();
-        ip(&[
-            "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", ns,
-        ])?;
-        ip(&["-n", sw, "link", "set", port, "master", "br0", "up"])?;
-        ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        ip(&["-n", ns, "addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
-        ip(&[
-            "-n",
-            ns,
-            "-6",
-            "addr",
-            "add",
-            &format!("{v6}/64"),
-            "dev",
-            "eth0",
-            "nodad",
-        ])?;
-        ip(&["-n", ns, "link", "set", "eth0", "up"])?;
-        Ok(())
+        wire_eth0(&self.switch, "br0", port, ns, v4, v6)
     }
 
     fn add_node(&mut self, i: u8, total: u8) -> Result<()> {
@@ -255,26 +225,12 @@ impl Cluster {
         self.add_netns(&ns)?;
         self.wire_to_switch(&ns, &format!("v{name}"), node_v4(i), node_v6(i))?;
         ip(&["-n", &ns, "link", "add", "cbr0", "type", "bridge"])?;
-        ip(&[
-            "-n",
+        add_addrs(
             &ns,
-            "addr",
-            "add",
+            "cbr0",
             &format!("10.244.{i}.1/24"),
-            "dev",
-            "cbr0",
-        ])?;
-        ip(&[
-            "-n",
-            &ns,
-            "-6",
-            "addr",
-            "add",
             &format!("fd00:244:{i}::1/64"),
-            "dev",
-            "cbr0",
-            "nodad",
-        ])?;
+        )?;
         ip(&["-n", &ns, "link", "set", "cbr0", "up"])?;
         sysctl(
             &ns,
@@ -289,25 +245,13 @@ impl Cluster {
             if j == i {
                 continue;
             }
-            ip(&[
-                "-n",
+            add_routes(
                 &ns,
-                "route",
-                "add",
                 &format!("10.244.{j}.0/24"),
-                "via",
                 &node_v4(j).to_string(),
-            ])?;
-            ip(&[
-                "-n",
-                &ns,
-                "-6",
-                "route",
-                "add",
                 &format!("fd00:244:{j}::/64"),
-                "via",
                 &node_v6(j).to_string(),
-            ])?;
+            )?;
         }
         self.nodes.push(Node {
             name,
@@ -325,47 +269,15 @@ impl Cluster {
         let host_end = format!("vp{k}");
         let v4 = Ipv4Addr::new(10, 244, node, 10 + k);
         let v6 = Ipv6Addr::new(0xfd00, 0x244, node as u16, 0, 0, 0, 0, 0x10 + k as u16);
-        ip(&[
-            "-n", &node_ns, "link", "add", &host_end, "type", "veth", "peer", "name", "eth0",
-            "netns", &ns,
-        ])?;
-        ip(&[
-            "-n", &node_ns, "link", "set", &host_end, "master", "cbr0", "up",
-        ])?;
-        ip(&["-n", &ns, "link", "set", "lo", "up"])?;
-        ip(&["-n", &ns, "addr", "add", &format!("{v4}/24"), "dev", "eth0"])?;
-        ip(&[
-            "-n",
-            &ns,
-            "-6",
-            "addr",
-            "add",
-            &format!("{v6}/64"),
-            "dev",
-            "eth0",
-            "nodad",
-        ])?;
-        ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+        wire_eth0(&node_ns, "cbr0", &host_end, &ns, v4, v6)?;
         // Towards the node only; the node has no route out.
-        ip(&[
-            "-n",
+        add_routes(
             &ns,
-            "route",
-            "add",
             "default",
-            "via",
             &format!("10.244.{node}.1"),
-        ])?;
-        ip(&[
-            "-n",
-            &ns,
-            "-6",
-            "route",
-            "add",
             "default",
-            "via",
             &format!("fd00:244:{node}::1"),
-        ])?;
+        )?;
         self.pods.push(Pod {
             name,
             node,
@@ -464,19 +376,13 @@ impl Cluster {
     /// One agent per node, in the node's namespace, with its own pins and
     /// child cgroup; `extra` arguments for all of them.
     pub fn start_agents(&mut self, extra: &[&str]) -> Result<()> {
+        let manifests = self.manifests.path().to_path_buf();
         for n in self.nodes.clone() {
-            let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
             let opts = AgentOpts {
-                node_name: n.name.clone(),
-                netns: Some(n.netns.clone()),
-                log_file: Some(self.dir.path().join(format!("agent-{}.log", n.name))),
                 extra_args: extra.iter().map(|s| s.to_string()).collect(),
                 ..Default::default()
             };
-            let agent = Agent::start(self.manifests.path(), cg.path(), opts)
-                .with_context(|| format!("agent of {}", n.name))?;
-            self.cgroups.push(cg);
-            self.agents.push(agent);
+            self.start_node_agent(&n, opts, |cg, opts| Agent::start(&manifests, cg, opts))?;
         }
         Ok(())
     }
@@ -492,20 +398,13 @@ impl Cluster {
         ready_timeout: Duration,
     ) -> Result<()> {
         let n = self.nodes[node as usize - 1].clone();
-        let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
+        let manifests = self.manifests.path().to_path_buf();
         let opts = AgentOpts {
-            node_name: n.name.clone(),
-            netns: Some(n.netns.clone()),
-            log_file: Some(self.dir.path().join(format!("agent-{}.log", n.name))),
             extra_args: extra.to_vec(),
             ready_timeout,
             ..Default::default()
         };
-        let agent = Agent::start(self.manifests.path(), cg.path(), opts)
-            .with_context(|| format!("agent of {}", n.name))?;
-        self.cgroups.push(cg);
-        self.agents.push(agent);
-        Ok(())
+        self.start_node_agent(&n, opts, |cg, opts| Agent::start(&manifests, cg, opts))
     }
 
     /// Adds `addr/24` to pod `pod`'s `eth0` (a pod namespace that answers
@@ -533,19 +432,32 @@ impl Cluster {
     /// the API server at `url` (reachable from the node namespaces).
     pub fn start_agents_cluster(&mut self, url: &str, extra: &[&str]) -> Result<()> {
         for n in self.nodes.clone() {
-            let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
             let opts = AgentOpts {
-                node_name: n.name.clone(),
-                netns: Some(n.netns.clone()),
-                log_file: Some(self.dir.path().join(format!("agent-{}.log", n.name))),
                 extra_args: extra.iter().map(|s| s.to_string()).collect(),
                 ..Default::default()
             };
-            let agent = Agent::start_cluster(crate::agent::Source::ApiServer(url), cg.path(), opts)
-                .with_context(|| format!("agent of {}", n.name))?;
-            self.cgroups.push(cg);
-            self.agents.push(agent);
+            self.start_node_agent(&n, opts, |cg, opts| {
+                Agent::start_cluster(crate::agent::Source::ApiServer(url), cg, opts)
+            })?;
         }
+        Ok(())
+    }
+
+    /// Starts node `n`'s agent with `start(cgroup, opts)`: in its own child
+    /// cgroup and the node's namespace, logging to `agent-NODE.log`.
+    fn start_node_agent(
+        &mut self,
+        n: &Node,
+        mut opts: AgentOpts,
+        start: impl FnOnce(&Path, AgentOpts) -> Result<Agent>,
+    ) -> Result<()> {
+        let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
+        opts.node_name = n.name.clone();
+        opts.netns = Some(n.netns.clone());
+        opts.log_file = Some(self.dir.path().join(format!("agent-{}.log", n.name)));
+        let agent = start(cg.path(), opts).with_context(|| format!("agent of {}", n.name))?;
+        self.cgroups.push(cg);
+        self.agents.push(agent);
         Ok(())
     }
 

@@ -8,12 +8,14 @@ use std::{
     collections::BTreeSet,
     net::IpAddr,
     process::{Command, Stdio},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use integration_tests::{
+    cluster::{frontend_backends, ProbeChild},
+    netns::in_netns,
     nodes::{node_v4, node_v6, Cluster},
-    require_root, Attempt,
+    require_root, wait_until, Attempt,
 };
 use serde_json::{json, Value};
 
@@ -286,23 +288,38 @@ fn load_balancer_ips_external_ips_and_source_ranges() {
 fn existing_flows_stay_on_their_backend() {
     require_root!();
     let c = setup("flows");
-    let probe = integration_tests::probe_bin().unwrap();
     let target = format!("{}:{UDP_NODEPORT}", node_v4(1));
-    let child = Command::new(probe)
-        .args(["hold-udp", "--netns", &c.client_netns, "--target", &target])
-        .args(["--interval-ms", "50", "--duration-ms", "6000"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(Duration::from_millis(1000));
-    let flows = c.agents[0].inspect_conntrack().unwrap();
-    let first = flows
-        .iter()
-        .find(|f| f["direction"] == "forward" && f["proto"] == "UDP")
-        .unwrap_or_else(|| panic!("no flow: {flows:?}"))["nat_dst"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let t0 = Instant::now();
+    // Bounded by the reads below; killed on drop.
+    let probe = ProbeChild::spawn(&[
+        "hold-udp".into(),
+        "--netns".into(),
+        c.client_netns.clone(),
+        "--target".into(),
+        target,
+        "--interval-ms".into(),
+        "50".into(),
+        "--duration-ms".into(),
+        "60000".into(),
+    ])
+    .unwrap();
+    let agent = &c.agents[0];
+    let udp_flow = || {
+        agent
+            .inspect_conntrack()
+            .unwrap()
+            .iter()
+            .find(|f| f["direction"] == "forward" && f["proto"] == "UDP")
+            .map(|f| f["nat_dst"].as_str().unwrap().to_string())
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), Duration::from_millis(50), || {
+            udp_flow().is_some()
+        }),
+        "no flow: {:?}",
+        agent.inspect_conntrack()
+    );
+    let first = udp_flow().unwrap();
     let all: Vec<_> = c.pods.iter().collect();
     let pinned = all
         .iter()
@@ -310,22 +327,49 @@ fn existing_flows_stay_on_their_backend() {
         .unwrap()
         .name
         .clone();
+    // Each change is waited for until node 1's agent serves the new set.
+    let change = |pods: &[&integration_tests::nodes::Pod]| {
+        rewrite_slice(&c, "dns", pods);
+        let mut want: Vec<String> = pods.iter().map(|p| format!("{}:8080", p.ipv4)).collect();
+        want.sort();
+        let mut last = None;
+        let applied = wait_until(Duration::from_secs(10), Duration::from_millis(50), || {
+            last = frontend_backends(agent, "10.96.0.53", 80, Some("UDP")).unwrap();
+            last.as_mut().map(|b| {
+                b.sort();
+                b.clone()
+            }) == Some(want.clone())
+        });
+        assert!(applied, "the agent serves {last:?}, not {want:?}");
+    };
     // Endpoints change: the other two leave, then come back.
     let keep: Vec<_> = all.iter().copied().filter(|p| p.name == pinned).collect();
-    rewrite_slice(&c, "dns", &keep);
-    std::thread::sleep(Duration::from_millis(1000));
-    rewrite_slice(&c, "dns", &all);
-    std::thread::sleep(Duration::from_millis(1000));
+    change(&keep);
+    change(&all);
     // Now the flow's own backend leaves.
     let rest: Vec<_> = all.iter().copied().filter(|p| p.name != pinned).collect();
-    rewrite_slice(&c, "dns", &rest);
-    let out = child.wait_with_output().unwrap();
-    let events =
-        integration_tests::probe::parse_attempts(&String::from_utf8_lossy(&out.stdout)).unwrap();
+    let cut_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    change(&rest);
+    // Replies until 3 s after the change, 6 s in all at least.
+    let end_ms = (cut_ms + 3000.0).max(6000.0);
+    let mut events = Vec::new();
+    loop {
+        let a = probe
+            .next_attempt(Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("{e:#}\n{}", show(&events)));
+        let done = a.elapsed_ms > end_ms;
+        events.push(a);
+        if done {
+            break;
+        }
+    }
     let replies: Vec<&Attempt> = events.iter().filter(|e| e.ok).collect();
     assert!(replies.len() > 60, "{}", show(&events));
-    // Until the last change (about 3 s in) every reply came from the first backend.
-    let before: Vec<_> = replies.iter().filter(|e| e.elapsed_ms < 2900.0).collect();
+    // Until the last change every reply came from the first backend.
+    let before: Vec<_> = replies
+        .iter()
+        .filter(|e| e.elapsed_ms < cut_ms - 100.0)
+        .collect();
     assert!(
         before
             .iter()
@@ -333,8 +377,11 @@ fn existing_flows_stay_on_their_backend() {
         "flow moved while its backend stayed: {}",
         show(&events)
     );
-    // After it: another backend, within a second of the change.
-    let after: Vec<_> = replies.iter().filter(|e| e.elapsed_ms > 4500.0).collect();
+    // After it: another backend, within 1.5 s of the change.
+    let after: Vec<_> = replies
+        .iter()
+        .filter(|e| e.elapsed_ms > cut_ms + 1500.0)
+        .collect();
     assert!(!after.is_empty(), "{}", show(&events));
     assert!(
         after
@@ -447,11 +494,7 @@ fn raw_syn(netns: &str, dst_mac: &str, src: [u8; 4], dst: [u8; 4], port: u16) ->
         .split(':')
         .map(|h| u8::from_str_radix(h, 16).unwrap())
         .collect();
-    std::thread::spawn(move || {
-        use std::os::fd::AsRawFd as _;
-        let f = std::fs::File::open(format!("/run/netns/{netns}")).unwrap();
-        // SAFETY: setns on an open descriptor, this thread only.
-        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
+    in_netns(&netns, move || {
         let sport: u16 = 40000 + (std::process::id() % 20000) as u16;
         let mut tcp = Vec::new();
         tcp.extend(sport.to_be_bytes());
@@ -537,8 +580,7 @@ fn raw_syn(netns: &str, dst_mac: &str, src: [u8; 4], dst: [u8; 4], port: u16) ->
             false
         }
     })
-    .join()
-    .unwrap()
+    .unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// Pods and host processes reaching a NodePort, LoadBalancer IP or
@@ -693,15 +735,7 @@ fn cluster_mode_learns_node_addresses_from_the_node_object() {
     let mut c = Cluster::new("clnp", &[1]).expect("topology");
     c.serve_all().unwrap();
     let ns = c.nodes[0].netns.clone();
-    let api = std::thread::spawn(move || {
-        use std::os::fd::AsRawFd as _;
-        let f = std::fs::File::open(format!("/run/netns/{ns}")).unwrap();
-        // SAFETY: setns on an open descriptor, this thread only.
-        assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0);
-        integration_tests::apiserver::ApiServer::start()
-    })
-    .join()
-    .unwrap();
+    let api = in_netns(&ns, integration_tests::apiserver::ApiServer::start).unwrap();
     let pod = c.pod("n1p0").clone();
     let mut objs = c.node_objects();
     objs.push(service(

@@ -23,7 +23,6 @@
 //! request/response on one unconnected UDP socket, `sendto` the target each
 //! time.
 use std::{
-    fs::File,
     io::{self, Read as _, Write as _},
     mem,
     net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
@@ -126,20 +125,8 @@ fn main() -> Result<()> {
 /// Joins the cgroup (before anything else, so every socket is subject to its
 /// programs), enters the network namespace, pins the process to one core.
 fn enter(cgroup: Option<&Path>, netns: Option<&str>, cpu: Option<usize>) -> Result<()> {
-    if let Some(cg) = cgroup {
-        let procs = cg.join("cgroup.procs");
-        std::fs::write(&procs, format!("{}\n", std::process::id()))
-            .with_context(|| format!("joining the cgroup: writing {}", procs.display()))?;
-    }
-    if let Some(ns) = netns {
-        let path = Path::new("/run/netns").join(ns);
-        let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: setns on a descriptor we hold open. Only this thread moves,
-        // and the server starts its threads after this.
-        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            bail!("setns({}): {}", path.display(), io::Error::last_os_error());
-        }
-    }
+    // Only this thread moves, and the server starts its threads after this.
+    integration_tests::netns::enter(cgroup, netns)?;
     if let Some(cpu) = cpu {
         // SAFETY: a zeroed cpu_set_t is valid; CPU_SET writes inside it.
         unsafe {

@@ -24,11 +24,10 @@
 //!   every socket sends one datagram and waits for its answer; prints
 //!   `{"round":0,"backends":["b1",null,...]}` per round.
 use std::{
-    fs::File,
     io::{self, BufWriter, Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-    path::{Path, PathBuf},
+    path::PathBuf,
     time::{Duration, Instant},
 };
 
@@ -60,8 +59,9 @@ enum Cmd {
     Flows(FlowsArgs),
 }
 
+/// Where a client runs (joined in this order) and what it talks to.
 #[derive(Debug, Args)]
-struct HoldUdpArgs {
+struct Place {
     /// cgroup v2 directory to join first.
     #[arg(long)]
     cgroup: Option<PathBuf>,
@@ -71,6 +71,21 @@ struct HoldUdpArgs {
     /// `IP:PORT` or `[IPv6]:PORT`.
     #[arg(long)]
     target: String,
+}
+
+impl Place {
+    /// Joins the cgroup, then the network namespace (in that order: the
+    /// cgroup file is reachable from any namespace, and every socket made
+    /// afterwards belongs to both).
+    fn enter(&self) -> Result<()> {
+        integration_tests::netns::enter(self.cgroup.as_deref(), self.netns.as_deref())
+    }
+}
+
+#[derive(Debug, Args)]
+struct HoldUdpArgs {
+    #[command(flatten)]
+    at: Place,
     /// Time between sends; the socket waits in recv() in between.
     #[arg(long, default_value_t = 100)]
     interval_ms: u64,
@@ -81,13 +96,8 @@ struct HoldUdpArgs {
 
 #[derive(Debug, Args)]
 struct FlowsArgs {
-    #[arg(long)]
-    cgroup: Option<PathBuf>,
-    #[arg(long)]
-    netns: Option<String>,
-    /// `IP:PORT` or `[IPv6]:PORT`.
-    #[arg(long)]
-    target: String,
+    #[command(flatten)]
+    at: Place,
     /// How many sockets (flows).
     #[arg(long, default_value_t = 100)]
     sockets: usize,
@@ -130,15 +140,8 @@ enum Family {
 
 #[derive(Debug, Args)]
 struct ClientArgs {
-    /// cgroup v2 directory to join first.
-    #[arg(long)]
-    cgroup: Option<PathBuf>,
-    /// Network namespace (`ip netns` name) to enter after joining the cgroup.
-    #[arg(long)]
-    netns: Option<String>,
-    /// `IP:PORT` or `[IPv6]:PORT`.
-    #[arg(long)]
-    target: String,
+    #[command(flatten)]
+    at: Place,
     #[arg(long, value_enum, default_value = "tcp")]
     proto: Proto,
     #[arg(long, default_value_t = 1)]
@@ -280,26 +283,6 @@ fn serve(a: ServeArgs) -> Result<()> {
 
 // ---------------------------------------------------------------- client
 
-/// Joins the cgroup, then the network namespace (in that order: the cgroup
-/// file is reachable from any namespace, and every socket made afterwards
-/// belongs to both).
-fn enter(cgroup: Option<&Path>, netns: Option<&str>) -> Result<()> {
-    if let Some(cg) = cgroup {
-        let procs = cg.join("cgroup.procs");
-        std::fs::write(&procs, format!("{}\n", std::process::id()))
-            .with_context(|| format!("joining the cgroup: writing {}", procs.display()))?;
-    }
-    if let Some(ns) = netns {
-        let path = Path::new("/run/netns").join(ns);
-        let f = File::open(&path).with_context(|| format!("opening {}", path.display()))?;
-        // SAFETY: setns on a descriptor we hold open; affects this (only) thread.
-        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            bail!("setns({}): {}", path.display(), io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
 fn errno_name(e: &io::Error, stage: &str) -> String {
     let Some(code) = e.raw_os_error() else {
         return match e.kind() {
@@ -411,8 +394,8 @@ fn resolve_target(target: &str, family: Option<Family>) -> Result<SocketAddr> {
 }
 
 fn client(a: ClientArgs) -> Result<()> {
-    let target = resolve_target(&a.target, a.family)?;
-    enter(a.cgroup.as_deref(), a.netns.as_deref())?;
+    let target = resolve_target(&a.at.target, a.family)?;
+    a.at.enter()?;
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
     let mut out = BufWriter::new(io::stdout().lock());
     let began = Instant::now();
@@ -429,21 +412,10 @@ fn client(a: ClientArgs) -> Result<()> {
         };
         let elapsed_ms = (start.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0;
         let attempt = match r {
-            Ok(ans) => {
-                let reply = ans.reply.trim().to_string();
-                let (backend, port, seen_from) = split_reply(&reply);
-                Attempt {
-                    ok: true,
-                    backend: Some(backend),
-                    backend_port: port,
-                    seen_from,
-                    reply: Some(reply),
-                    peer: Some(ans.peer.to_string()),
-                    source: ans.source.map(|s| s.to_string()),
-                    elapsed_ms,
-                    ..Default::default()
-                }
-            }
+            Ok(ans) => Attempt {
+                elapsed_ms,
+                ..answered(&ans.reply, ans.peer, ans.source)
+            },
             Err((stage, e)) => Attempt {
                 ok: false,
                 error: Some(errno_name(&e, stage)),
@@ -501,8 +473,8 @@ fn ms_since(t: Instant) -> f64 {
 /// `elapsed_ms` is the time since the start. After an error the socket is
 /// replaced by a new one, connected again.
 fn hold_udp(a: HoldUdpArgs) -> Result<()> {
-    let target = resolve_target(&a.target, None)?;
-    enter(a.cgroup.as_deref(), a.netns.as_deref())?;
+    let target = resolve_target(&a.at.target, None)?;
+    a.at.enter()?;
     let began = Instant::now();
     let end = began + Duration::from_millis(a.duration_ms);
     let interval = Duration::from_millis(a.interval_ms.max(1));
@@ -596,8 +568,8 @@ fn hold_udp(a: HoldUdpArgs) -> Result<()> {
 /// to the target and waits for the answer. Prints
 /// `{"round":N,"backends":["b1",null,...]}` (null: no answer).
 fn flows(a: FlowsArgs) -> Result<()> {
-    let target = resolve_target(&a.target, None)?;
-    enter(a.cgroup.as_deref(), a.netns.as_deref())?;
+    let target = resolve_target(&a.at.target, None)?;
+    a.at.enter()?;
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
     let socks: Vec<UdpSocket> = (0..a.sockets)
         .map(|_| {
