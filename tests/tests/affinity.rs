@@ -9,8 +9,7 @@ use std::{
 
 use common::*;
 use integration_tests::{
-    cluster::{metric, poll_tcp, with_client_ip_affinity},
-    manifests::{Endpoint, EndpointSlice},
+    cluster::{metric, poll_tcp, ready_slice, with_client_ip_affinity},
     netns::{pod_v4, pod_v6},
     require_root, wait_until, Attempt, Client, Env, Proto, Spread,
 };
@@ -18,18 +17,36 @@ use serde_json::Value;
 
 /// `web` with sessionAffinity ClientIP and `timeout` seconds, on `hosts`.
 fn sticky_web(env: &Env, timeout: u32, hosts: &[&str]) -> Vec<Value> {
-    let slice = EndpointSlice::new("demo", "web-abcde", "web")
-        .port("http", 8080, "TCP")
-        .port("dns", 8080, "UDP")
-        .endpoints(
-            hosts
-                .iter()
-                .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
-        );
     vec![
         with_client_ip_affinity(web_service().to_value(), timeout),
-        slice.to_value(),
+        ready_slice(env, "web", "web-abcde", &WEB_PORTS, hosts),
     ]
+}
+
+/// `Env::new(tag, backends)` with `sticky_web(timeout, hosts)` and the
+/// agent started.
+fn sticky_env(tag: &str, backends: u8, timeout: u32, hosts: &[&str]) -> Env {
+    let mut env = Env::new(tag, backends).unwrap();
+    env.manifests
+        .write("web.yaml", &sticky_web(&env, timeout, hosts))
+        .unwrap();
+    env.start_agent().unwrap();
+    env
+}
+
+/// `n` client hosts `c{i}` from 10.244.1.101 on, and `client`.
+fn clients_and_client(env: &mut Env, n: u8) -> Vec<String> {
+    let mut clients = add_clients(env, "c", 101, n);
+    clients.push("client".into());
+    clients
+}
+
+/// The backend each of `clients` sticks to over 3 TCP connects.
+fn round(env: &Env, clients: &[String]) -> Vec<String> {
+    clients
+        .iter()
+        .map(|c| single_backend(c, &tcp_from(env, c, 3)))
+        .collect()
 }
 
 /// Adds client hosts `name{i}` at 10.244.1.{first+i}, i in 0..n.
@@ -82,11 +99,7 @@ fn affinity_entries(env: &Env) -> usize {
 #[test]
 fn a_client_sticks_and_clients_spread() {
     require_root!();
-    let mut env = Env::new("affst", 3).unwrap();
-    env.manifests
-        .write("web.yaml", &sticky_web(&env, 60, &["b1", "b2", "b3"]))
-        .unwrap();
-    env.start_agent().unwrap();
+    let mut env = sticky_env("affst", 3, 60, &["b1", "b2", "b3"]);
 
     let b = single_backend("client, TCP", &env.tcp("10.96.0.10:80", 50));
     let u = single_backend(
@@ -128,27 +141,15 @@ fn a_client_sticks_and_clients_spread() {
 #[test]
 fn the_choice_is_fresh_after_the_timeout_and_never_within() {
     require_root!();
-    let mut env = Env::new("afftm", 3).unwrap();
-    env.manifests
-        .write("web.yaml", &sticky_web(&env, 2, &["b1", "b2", "b3"]))
-        .unwrap();
-    env.start_agent().unwrap();
-    let mut clients = add_clients(&mut env, "c", 101, 9);
-    clients.push("client".into());
-
-    let round = |env: &Env| -> Vec<String> {
-        clients
-            .iter()
-            .map(|c| single_backend(c, &tcp_from(env, c, 3)))
-            .collect()
-    };
+    let mut env = sticky_env("afftm", 3, 2, &["b1", "b2", "b3"]);
+    let clients = clients_and_client(&mut env, 9);
     // Within the timeout, refreshed by each use: 1.5 s apart, twice (3 s
     // after the first choice, which a use 1.5 s in kept alive).
-    let first = round(&env);
+    let first = round(&env, &clients);
     let mut last_round = Instant::now();
     for gap in [1.5, 1.5] {
         std::thread::sleep(Duration::from_secs_f64(gap).saturating_sub(last_round.elapsed()));
-        let again = round(&env);
+        let again = round(&env, &clients);
         last_round = Instant::now();
         assert_eq!(
             first, again,
@@ -158,7 +159,7 @@ fn the_choice_is_fresh_after_the_timeout_and_never_within() {
     // Past the timeout: a fresh choice each; over 10 clients with 3
     // backends, at least one differs (all keep theirs with probability 3^-10).
     std::thread::sleep(Duration::from_millis(2600));
-    let after = round(&env);
+    let after = round(&env, &clients);
     let changed = first.iter().zip(&after).filter(|(a, b)| a != b).count();
     eprintln!(
         "before the timeout: {first:?}\nafter 2.6 s idle:   {after:?}\n{changed} of {} clients changed backend",
@@ -169,18 +170,14 @@ fn the_choice_is_fresh_after_the_timeout_and_never_within() {
         "no client got a fresh choice after the timeout"
     );
     // ... and the fresh choice sticks again.
-    assert_eq!(after, round(&env));
+    assert_eq!(after, round(&env, &clients));
 }
 
 #[test]
 fn removing_the_sticky_backend_moves_the_client_which_then_sticks() {
     require_root!();
-    let mut env = Env::new("affrm", 3).unwrap();
     let all = ["b1", "b2", "b3"];
-    env.manifests
-        .write("web.yaml", &sticky_web(&env, 60, &all))
-        .unwrap();
-    env.start_agent().unwrap();
+    let env = sticky_env("affrm", 3, 60, &all);
     let sticky = single_backend("before", &env.tcp("10.96.0.10:80", 20));
     let rest: Vec<&str> = all.into_iter().filter(|b| *b != sticky).collect();
     env.manifests
@@ -215,11 +212,7 @@ fn removing_the_sticky_backend_moves_the_client_which_then_sticks() {
 #[test]
 fn the_sweeper_keeps_the_affinity_map_bounded_under_client_churn() {
     require_root!();
-    let mut env = Env::new("affsw", 2).unwrap();
-    env.manifests
-        .write("web.yaml", &sticky_web(&env, 1, &["b1", "b2"]))
-        .unwrap();
-    env.start_agent().unwrap();
+    let mut env = sticky_env("affsw", 2, 1, &["b1", "b2"]);
     const WAVE: u8 = 10;
     let mut sizes = Vec::new();
     let mut total = 0usize;
@@ -294,21 +287,10 @@ fn inspected_timeout(env: &Env) -> Option<u64> {
 #[test]
 fn timeout_changes_and_switching_off_apply_on_the_next_sync() {
     require_root!();
-    let mut env = Env::new("affcfg", 3).unwrap();
     let all = ["b1", "b2", "b3"];
-    env.manifests
-        .write("web.yaml", &sticky_web(&env, 3600, &all))
-        .unwrap();
-    env.start_agent().unwrap();
-    let mut clients = add_clients(&mut env, "c", 101, 9);
-    clients.push("client".into());
-    let round = |env: &Env| -> Vec<String> {
-        clients
-            .iter()
-            .map(|c| single_backend(c, &tcp_from(env, c, 3)))
-            .collect()
-    };
-    let first = round(&env);
+    let mut env = sticky_env("affcfg", 3, 3600, &all);
+    let clients = clients_and_client(&mut env, 9);
+    let first = round(&env, &clients);
     assert_eq!(affinity_entries(&env), clients.len());
 
     // 3600 s -> 1 s: the kernel applies the new timeout to existing entries.
@@ -323,7 +305,7 @@ fn timeout_changes_and_switching_off_apply_on_the_next_sync() {
         inspected_timeout(&env)
     );
     std::thread::sleep(Duration::from_millis(1500));
-    let after = round(&env);
+    let after = round(&env, &clients);
     let changed = first.iter().zip(&after).filter(|(a, b)| a != b).count();
     eprintln!(
         "timeout cut to 1 s, 1.5 s idle: {changed} of {} clients changed backend",
@@ -378,19 +360,7 @@ fn clients_stick_to_serving_terminating_endpoints_too() {
     assert_eq!(affinity_entries(&env), 1);
     // Any sync that writes a frontend sweeps: add an unrelated Service.
     env.manifests
-        .write(
-            "other.yaml",
-            &[
-                integration_tests::manifests::Service::new("demo", "other")
-                    .cluster_ip("10.96.0.11")
-                    .port("http", 80, "TCP", serde_json::json!(8080))
-                    .to_value(),
-                EndpointSlice::new("demo", "other-1", "other")
-                    .port("http", 8080, "TCP")
-                    .endpoint(Endpoint::ready(pod_v4(1).into()))
-                    .to_value(),
-            ],
-        )
+        .write("other.yaml", &one_pod_http("other", "10.96.0.11", 1))
         .unwrap();
     poll_tcp(&env, "10.96.0.11:80", 3, Duration::from_secs(5), |s| {
         s.ok() == s.total
@@ -412,24 +382,13 @@ fn clients_stick_to_serving_terminating_endpoints_too() {
 #[test]
 fn stickiness_survives_an_agent_restart() {
     require_root!();
-    let mut env = Env::new("affrs", 3).unwrap();
-    env.manifests
-        .write("web.yaml", &sticky_web(&env, 3600, &["b1", "b2", "b3"]))
-        .unwrap();
-    env.start_agent().unwrap();
-    let mut clients = add_clients(&mut env, "c", 101, 5);
-    clients.push("client".into());
-    let round = |env: &Env| -> Vec<String> {
-        clients
-            .iter()
-            .map(|c| single_backend(c, &tcp_from(env, c, 3)))
-            .collect()
-    };
-    let before = round(&env);
+    let mut env = sticky_env("affrs", 3, 3600, &["b1", "b2", "b3"]);
+    let clients = clients_and_client(&mut env, 5);
+    let before = round(&env, &clients);
     let agent = env.agent.as_mut().unwrap();
     agent.kill().unwrap();
     agent.restart(Duration::from_secs(20)).unwrap();
-    let after = round(&env);
+    let after = round(&env, &clients);
     assert_eq!(
         before, after,
         "clients lost their backends across a restart"

@@ -91,9 +91,7 @@ fn health_pins_inspect_and_clean_shutdown() {
 #[test]
 fn sigterm_keeps_the_datapath_serving_until_cleanup() {
     require_root!();
-    let mut env = Env::new("keep", 2).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let mut env = web_env("keep", 2);
     let pins = env.agent().pin_dir().to_path_buf();
     assert_all_ok("TCP via the agent", &env.tcp("10.96.0.10:80", 10));
 

@@ -70,10 +70,7 @@ fn services_and_slices_follow_the_api() {
             ready_slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
             // Another proxy's Service: never ours.
             with_label(
-                Service::new("demo", "theirs")
-                    .cluster_ip("10.96.0.12")
-                    .port("http", 80, "TCP", json!(8080))
-                    .to_value(),
+                http_service("theirs", "10.96.0.12").to_value(),
                 "service.kubernetes.io/service-proxy-name",
                 "other-proxy",
             ),
@@ -153,13 +150,7 @@ fn services_and_slices_follow_the_api() {
     until_error(&env, "old port 80", "10.96.0.10:80", "ECONNREFUSED");
 
     // The other proxy lets go of its Service: now it is ours.
-    apply(
-        &api,
-        &[Service::new("demo", "theirs")
-            .cluster_ip("10.96.0.12")
-            .port("http", 80, "TCP", json!(8080))
-            .to_value()],
-    );
+    apply(&api, &[http_service("theirs", "10.96.0.12").to_value()]);
     until_backends(&env, "label removed", "10.96.0.12:80", &["b1"]);
 
     // Deleted: one slice, then all, then the Service.
@@ -189,10 +180,7 @@ fn metrics_of_a_cluster_mode_agent() {
                 &["b1", "b2"],
             ),
             // Rejected: not an IP.
-            Service::new("demo", "bad")
-                .cluster_ip("10.96.0.999")
-                .port("http", 80, "TCP", json!(8080))
-                .to_value(),
+            http_service("bad", "10.96.0.999").to_value(),
         ],
     );
     env.start_cluster_agent(&api.url(), AgentOpts::default())
@@ -258,12 +246,7 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
     let api = ApiServer::start();
     let mut env = Env::new("clwatch", 3).unwrap();
     let ports = [("http", 8080, "TCP")];
-    let svc = |name: &str, ip: &str| {
-        Service::new("demo", name)
-            .cluster_ip(ip)
-            .port("http", 80, "TCP", json!(8080))
-            .to_value()
-    };
+    let svc = |name: &str, ip: &str| http_service(name, ip).to_value();
     apply(
         &api,
         &[
@@ -386,10 +369,7 @@ fn api_server_outage_loses_nothing() {
         &[
             web_service().to_value(),
             ready_slice(&env, "web", "web-1", &ports, &["b1", "b2"]),
-            Service::new("demo", "old")
-                .cluster_ip("10.96.0.11")
-                .port("http", 80, "TCP", json!(8080))
-                .to_value(),
+            http_service("old", "10.96.0.11").to_value(),
             ready_slice(&env, "old", "old-1", &ports, &["b1"]),
         ],
     );
@@ -404,10 +384,7 @@ fn api_server_outage_loses_nothing() {
         &api,
         &[
             ready_slice(&env, "web", "web-1", &ports, &["b3"]),
-            Service::new("demo", "new")
-                .cluster_ip("10.96.0.12")
-                .port("http", 80, "TCP", json!(8080))
-                .to_value(),
+            http_service("new", "10.96.0.12").to_value(),
             ready_slice(&env, "new", "new-1", &ports, &["b2"]),
         ],
     );

@@ -12,9 +12,7 @@ use serde_json::json;
 #[test]
 fn tcp_reaches_every_backend_evenly_and_shows_the_vip() {
     require_root!();
-    let mut env = Env::new("tcp", 3).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("tcp", 3);
 
     let a = env.tcp("10.96.0.10:80", 300);
     assert_all_ok("TCP 10.96.0.10:80", &a);
@@ -26,9 +24,7 @@ fn tcp_reaches_every_backend_evenly_and_shows_the_vip() {
 #[test]
 fn udp_reaches_every_backend_evenly_and_answers_from_the_vip() {
     require_root!();
-    let mut env = Env::new("udp", 3).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("udp", 3);
 
     let a = env.attempts(Proto::Udp, "10.96.0.10:53", 300);
     assert_all_ok("UDP sendto/recvfrom", &a);
@@ -55,9 +51,7 @@ fn service_without_endpoints_is_refused_at_once() {
     env.manifests
         .write(
             "empty.yaml",
-            &[Service::new("demo", "empty")
-                .cluster_ip("10.96.0.20")
-                .port("http", 80, "TCP", json!(8080))
+            &[http_service("empty", "10.96.0.20")
                 .port("dns", 53, "UDP", json!(8080))
                 .to_value()],
         )
@@ -67,10 +61,7 @@ fn service_without_endpoints_is_refused_at_once() {
         .write(
             "hollow.yaml",
             &[
-                Service::new("demo", "hollow")
-                    .cluster_ip("10.96.0.21")
-                    .port("http", 80, "TCP", json!(8080))
-                    .to_value(),
+                http_service("hollow", "10.96.0.21").to_value(),
                 EndpointSlice::new("demo", "hollow-1", "hollow")
                     .address_type("IPv4")
                     .port("http", 8080, "TCP")
@@ -105,9 +96,7 @@ fn service_without_endpoints_is_refused_at_once() {
 #[test]
 fn port_the_service_does_not_have_is_refused() {
     require_root!();
-    let mut env = Env::new("noport", 2).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("noport", 2);
 
     // The Service works ...
     assert_all_ok("TCP 10.96.0.10:80", &env.tcp("10.96.0.10:80", 10));
@@ -180,10 +169,7 @@ fn unready_endpoints_are_never_chosen() {
             _ => Endpoint::unknown(ip), // no `ready` condition: counts as ready
         }
     });
-    let down =
-        Service::new("demo", "down")
-            .cluster_ip("10.96.0.11")
-            .port("http", 80, "TCP", json!(8080));
+    let down = http_service("down", "10.96.0.11");
     let down_slice = EndpointSlice::new("demo", "down-1", "down")
         .port("http", 8080, "TCP")
         .endpoint(Endpoint::unready(pod_v4(2).into()));
@@ -218,9 +204,7 @@ fn unready_endpoints_are_never_chosen() {
 #[test]
 fn pod_to_pod_traffic_is_untouched() {
     require_root!();
-    let mut env = Env::new("direct", 3).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("direct", 3);
 
     for (proto, target, backend) in [
         (Proto::Tcp, "10.244.1.2:8080", "b2"),
@@ -244,9 +228,7 @@ fn pod_to_pod_traffic_is_untouched() {
 #[test]
 fn vip_without_service_is_unreachable_from_the_client() {
     require_root!();
-    let mut env = Env::new("novip", 1).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("novip", 1);
 
     // The agent is live (10.96.0.10 works), yet an address no Service has is
     // not translated, and the client namespace has no route for it: the

@@ -53,9 +53,7 @@ fn ipv6_clusterip_with_ipv6_pods() {
 #[test]
 fn ipv4_mapped_on_an_inet6_socket_is_balanced_like_ipv4() {
     require_root!();
-    let mut env = Env::new("mapped", 3).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("mapped", 3);
 
     for (proto, target) in [
         (Proto::Tcp, "10.96.0.10:80"),

@@ -6,34 +6,34 @@ mod common;
 
 use std::{collections::BTreeMap, time::Duration};
 
+use common::*;
 use integration_tests::{
-    cluster::{flows, frontend_backends, with_maglev},
-    manifests::{Endpoint, EndpointSlice, Service},
+    cluster::{flows, frontend_backends, ready_slice, with_maglev},
     require_root, wait_until, AgentOpts, Env,
 };
-use serde_json::{json, Value};
+use serde_json::Value;
 
 const N: usize = 5;
 const SOCKETS: usize = 400;
 
 fn web(env: &Env, hosts: &[String], maglev: bool) -> Vec<Value> {
-    let svc = Service::new("demo", "web")
-        .cluster_ip("10.96.0.10")
-        .port("http", 80, "TCP", json!(8080))
-        .port("dns", 53, "UDP", json!(8080))
-        .to_value();
-    let slice = EndpointSlice::new("demo", "web-abcde", "web")
-        .port("http", 8080, "TCP")
-        .port("dns", 8080, "UDP")
-        .endpoints(
-            hosts
-                .iter()
-                .map(|h| Endpoint::ready(env.topo.host(h).ipv4.into())),
-        );
+    let svc = web_service().to_value();
     vec![
         if maglev { with_maglev(svc) } else { svc },
-        slice.to_value(),
+        ready_slice(env, "web", "web-abcde", &WEB_PORTS, hosts),
     ]
+}
+
+/// Each backend's share of the sockets in `m` is within `range`.
+fn assert_shares(what: &str, m: &BTreeMap<String, usize>, range: std::ops::RangeInclusive<f64>) {
+    for (b, n) in m {
+        let share = *n as f64 / SOCKETS as f64;
+        assert!(
+            range.contains(&share),
+            "{what}{b} has {:.1}% of the sockets",
+            share * 100.0
+        );
+    }
 }
 
 fn spread(round: &[Option<String>]) -> BTreeMap<String, usize> {
@@ -155,22 +155,8 @@ fn maglev_keeps_most_flows_when_a_backend_leaves() {
         "{collateral} sockets on surviving backends moved"
     );
     // Each backend's share stays near 1/N (400 sockets: sd ~2%).
-    for (b, n) in &before {
-        let share = *n as f64 / SOCKETS as f64;
-        assert!(
-            (0.10..=0.30).contains(&share),
-            "{b} has {:.1}% of the sockets",
-            share * 100.0
-        );
-    }
-    for (b, n) in &after {
-        let share = *n as f64 / SOCKETS as f64;
-        assert!(
-            (0.14..=0.36).contains(&share),
-            "after: {b} has {:.1}% of the sockets",
-            share * 100.0
-        );
-    }
+    assert_shares("", &before, 0.10..=0.30);
+    assert_shares("after: ", &after, 0.14..=0.36);
 }
 
 #[test]

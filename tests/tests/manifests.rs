@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 use common::*;
 use integration_tests::{
     manifests::{Endpoint, EndpointSlice, Service},
-    netns::pod_v4,
     require_root, wait_until, Env, Proto, Spread,
 };
 use serde_json::json;
@@ -121,9 +120,7 @@ fn endpoint_slice_edits_apply_live() {
 #[test]
 fn services_come_and_go_with_their_files() {
     require_root!();
-    let mut env = Env::new("churn", 2).unwrap();
-    env.manifests.write("web.yaml", &web(&env)).unwrap();
-    env.start_agent().unwrap();
+    let env = web_env("churn", 2);
 
     let target = "10.96.0.40:80";
     assert_all_fail("before api.json", &env.tcp(target, 2), "ENETUNREACH");
@@ -131,13 +128,7 @@ fn services_come_and_go_with_their_files() {
     let list = json!({
         "apiVersion": "v1",
         "kind": "List",
-        "items": [
-            Service::new("demo", "api").cluster_ip("10.96.0.40").port("http", 80, "TCP", json!(8080)).to_value(),
-            EndpointSlice::new("demo", "api-1", "api")
-                .port("http", 8080, "TCP")
-                .endpoint(Endpoint::ready(pod_v4(2).into()))
-                .to_value(),
-        ],
+        "items": one_pod_http("api", "10.96.0.40", 2),
     });
     env.manifests.write_json("api.json", &list).unwrap();
     let took = poll(&env, target, 5, Duration::from_secs(5), |s| {
@@ -184,10 +175,7 @@ fn bad_manifests_leave_good_services_served() {
     .unwrap();
     m.write(
         "badip.yaml",
-        &[Service::new("demo", "badip")
-            .cluster_ip("10.96.0.999")
-            .port("http", 80, "TCP", json!(8080))
-            .to_value()],
+        &[http_service("badip", "10.96.0.999").to_value()],
     )
     .unwrap();
     env.start_agent().unwrap();
@@ -201,28 +189,13 @@ fn bad_manifests_leave_good_services_served() {
     m.write_raw("later.yaml", "kind: [\n  - :\n").unwrap();
     m.write(
         "later-ip.yaml",
-        &[Service::new("demo", "notanip")
-            .cluster_ip("not-an-ip")
-            .port("http", 80, "TCP", json!(8080))
-            .to_value()],
+        &[http_service("notanip", "not-an-ip").to_value()],
     )
     .unwrap();
     // ... and a good Service after it: once that is served, the bad files
     // have been through a sync too.
-    m.write(
-        "good2.yaml",
-        &[
-            Service::new("demo", "good2")
-                .cluster_ip("10.96.0.41")
-                .port("http", 80, "TCP", json!(8080))
-                .to_value(),
-            EndpointSlice::new("demo", "good2-1", "good2")
-                .port("http", 8080, "TCP")
-                .endpoint(Endpoint::ready(pod_v4(1).into()))
-                .to_value(),
-        ],
-    )
-    .unwrap();
+    m.write("good2.yaml", &one_pod_http("good2", "10.96.0.41", 1))
+        .unwrap();
     let took = poll(&env, "10.96.0.41:80", 5, Duration::from_secs(5), |s| {
         s.count("b1") == s.total
     });

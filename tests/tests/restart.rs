@@ -19,6 +19,19 @@ fn slice(env: &Env, service: &str, ports: &[(&str, u16, &str)], hosts: &[&str]) 
     ready_slice(env, service, &format!("{service}-1"), ports, hosts)
 }
 
+/// The slice of `web` (both ports) on `hosts`.
+fn web_slice(env: &Env, hosts: &[&str]) -> Value {
+    slice(env, "web", &WEB_PORTS, hosts)
+}
+
+/// `web` on `hosts` in the API server, and an agent watching it.
+fn web_cluster(api: &ApiServer, env: &mut Env, hosts: &[&str]) {
+    api.apply(&web_service().to_value()).unwrap();
+    api.apply(&web_slice(env, hosts)).unwrap();
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+}
+
 /// The `key=N` fields of the first "synced" line in `log`.
 fn synced_counts(log: &str) -> Option<(usize, usize, usize)> {
     let line = log.lines().find(|l| l.contains(" synced"))?;
@@ -36,20 +49,10 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     require_root!();
     let api = ApiServer::start();
     let mut env = Env::new("restart", 3).unwrap();
-    let svc = |name: &str, ip: &str| {
-        Service::new("demo", name)
-            .cluster_ip(ip)
-            .port("http", 80, "TCP", json!(8080))
-            .to_value()
-    };
+    let svc = |name: &str, ip: &str| http_service(name, ip).to_value();
     for o in [
         web_service().to_value(),
-        slice(
-            &env,
-            "web",
-            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
-            &["b1", "b2", "b3"],
-        ),
+        web_slice(&env, &["b1", "b2", "b3"]),
         svc("api", "10.96.0.11"),
         slice(&env, "api", &[("http", 8080, "TCP")], &["b1"]),
         svc("db", "10.96.0.13"),
@@ -133,30 +136,13 @@ fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
     require_root!();
     let api = ApiServer::start();
     let mut env = Env::new("restart-away", 3).unwrap();
-    for o in [
-        web_service().to_value(),
-        slice(
-            &env,
-            "web",
-            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
-            &["b1", "b2"],
-        ),
-    ] {
-        api.apply(&o).unwrap();
-    }
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
+    web_cluster(&api, &mut env, &["b1", "b2"]);
     assert_all_ok("before", &env.tcp("10.96.0.10:80", 10));
 
     // The agent crashes, and comes back while the API server is away: it
     // cannot list, so it must leave the adopted maps alone (an early sync
     // from an empty store would delete every Service).
-    let moved = slice(
-        &env,
-        "web",
-        &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
-        &["b3"],
-    );
+    let moved = web_slice(&env, &["b3"]);
     let agent = env.agent.as_mut().unwrap();
     let offset = agent.log().len();
     agent.kill().unwrap();
@@ -254,19 +240,7 @@ fn a_restart_that_recreates_the_maps_fails_no_connect() {
     // serving from the old maps until the new ones are filled.
     let api = ApiServer::start();
     let mut env = Env::new("restart-layout", 2).unwrap();
-    for o in [
-        web_service().to_value(),
-        slice(
-            &env,
-            "web",
-            &[("http", 8080, "TCP"), ("dns", 8080, "UDP")],
-            &["b1", "b2"],
-        ),
-    ] {
-        api.apply(&o).unwrap();
-    }
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
+    web_cluster(&api, &mut env, &["b1", "b2"]);
     assert_all_ok("before", &env.tcp("10.96.0.10:80", 5));
     let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", 1500, 1000).unwrap();
     std::thread::sleep(Duration::from_millis(300));

@@ -3,10 +3,17 @@
 
 use std::net::SocketAddr;
 
-use integration_tests::{manifests::Service, Attempt, Env, Spread};
+use integration_tests::{
+    manifests::{Endpoint, EndpointSlice, Service},
+    netns::pod_v4,
+    Attempt, Env, Spread,
+};
 use serde_json::{json, Value};
 
 pub const VIP: &str = "10.96.0.10";
+
+/// The target ports of `web_service()`: (name, port, protocol).
+pub const WEB_PORTS: [(&str, u16, &str); 2] = [("http", 8080, "TCP"), ("dns", 8080, "UDP")];
 
 /// Service `demo/web`: ClusterIP 10.96.0.10, `http` 80/TCP and `dns`
 /// 53/UDP, both to target port 8080.
@@ -17,13 +24,41 @@ pub fn web_service() -> Service {
         .port("dns", 53, "UDP", json!(8080))
 }
 
+/// Service `demo/{name}` at ClusterIP `ip`, `http` 80/TCP to target port
+/// 8080.
+pub fn http_service(name: &str, ip: &str) -> Service {
+    Service::new("demo", name)
+        .cluster_ip(ip)
+        .port("http", 80, "TCP", json!(8080))
+}
+
+/// `http_service(name, ip)` and its slice `{name}-1` with the one ready
+/// endpoint [`pod_v4`]`(pod)`.
+pub fn one_pod_http(name: &str, ip: &str, pod: u8) -> Vec<Value> {
+    vec![
+        http_service(name, ip).to_value(),
+        EndpointSlice::new("demo", &format!("{name}-1"), name)
+            .port("http", 8080, "TCP")
+            .endpoint(Endpoint::ready(pod_v4(pod).into()))
+            .to_value(),
+    ]
+}
+
 /// `web_service()` and a slice with every backend ready.
 pub fn web(env: &Env) -> Vec<Value> {
     vec![
         web_service().to_value(),
-        env.slice("web", &[("http", 8080, "TCP"), ("dns", 8080, "UDP")])
-            .to_value(),
+        env.slice("web", &WEB_PORTS).to_value(),
     ]
+}
+
+/// `Env::new(tag, backends)` serving `web(env)` from `web.yaml`, with the
+/// agent started.
+pub fn web_env(tag: &str, backends: u8) -> Env {
+    let mut env = Env::new(tag, backends).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    env.start_agent().unwrap();
+    env
 }
 
 pub fn sa(s: &str) -> SocketAddr {
