@@ -41,6 +41,20 @@ fn clients_and_client(env: &mut Env, n: u8) -> Vec<String> {
     clients
 }
 
+/// After `idle_ms` of idleness, a [`round`], and how many clients it found
+/// on another backend than in `first`.
+fn round_after(
+    env: &Env,
+    clients: &[String],
+    first: &[String],
+    idle_ms: u64,
+) -> (Vec<String>, usize) {
+    std::thread::sleep(Duration::from_millis(idle_ms));
+    let after = round(env, clients);
+    let changed = first.iter().zip(&after).filter(|(a, b)| a != b).count();
+    (after, changed)
+}
+
 /// The backend each of `clients` sticks to over 3 TCP connects.
 fn round(env: &Env, clients: &[String]) -> Vec<String> {
     clients
@@ -158,9 +172,7 @@ fn the_choice_is_fresh_after_the_timeout_and_never_within() {
     }
     // Past the timeout: a fresh choice each; over 10 clients with 3
     // backends, at least one differs (all keep theirs with probability 3^-10).
-    std::thread::sleep(Duration::from_millis(2600));
-    let after = round(&env, &clients);
-    let changed = first.iter().zip(&after).filter(|(a, b)| a != b).count();
+    let (after, changed) = round_after(&env, &clients, &first, 2600);
     eprintln!(
         "before the timeout: {first:?}\nafter 2.6 s idle:   {after:?}\n{changed} of {} clients changed backend",
         clients.len()
@@ -304,9 +316,7 @@ fn timeout_changes_and_switching_off_apply_on_the_next_sync() {
         "timeoutSeconds 1 not programmed: {:?}",
         inspected_timeout(&env)
     );
-    std::thread::sleep(Duration::from_millis(1500));
-    let after = round(&env, &clients);
-    let changed = first.iter().zip(&after).filter(|(a, b)| a != b).count();
+    let (_, changed) = round_after(&env, &clients, &first, 1500);
     eprintln!(
         "timeout cut to 1 s, 1.5 s idle: {changed} of {} clients changed backend",
         clients.len()

@@ -26,6 +26,16 @@ fn attached(cgroup: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
+/// SIGTERM to the agent; it exits 0.
+fn stop_with_exit_0(env: &mut Env) {
+    let status = env.agent.as_mut().unwrap().stop().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "exit status after SIGTERM: {status}"
+    );
+}
+
 #[test]
 fn health_pins_inspect_and_clean_shutdown() {
     require_root!();
@@ -66,12 +76,7 @@ fn health_pins_inspect_and_clean_shutdown() {
 
     assert_all_ok("TCP via the agent", &env.tcp("10.96.0.10:80", 20));
 
-    let status = env.agent.as_mut().unwrap().stop().unwrap();
-    assert_eq!(
-        status.code(),
-        Some(0),
-        "exit status after SIGTERM: {status}"
-    );
+    stop_with_exit_0(&mut env);
     assert!(
         !pins.exists(),
         "the agent left {} behind: the contract (and README) says SIGTERM detaches \
@@ -95,12 +100,7 @@ fn sigterm_keeps_the_datapath_serving_until_cleanup() {
     let pins = env.agent().pin_dir().to_path_buf();
     assert_all_ok("TCP via the agent", &env.tcp("10.96.0.10:80", 10));
 
-    let status = env.agent.as_mut().unwrap().stop().unwrap();
-    assert_eq!(
-        status.code(),
-        Some(0),
-        "exit status after SIGTERM: {status}"
-    );
+    stop_with_exit_0(&mut env);
     assert!(
         pins.join("LB_SERVICES").exists(),
         "pins removed on a plain SIGTERM"

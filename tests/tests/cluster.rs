@@ -24,6 +24,13 @@ fn apply(api: &ApiServer, objs: &[Value]) {
     }
 }
 
+/// Applies `objs`, then starts the agent against `api`.
+fn start_with(api: &ApiServer, objs: &[Value], env: &mut Env) {
+    apply(api, objs);
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+}
+
 /// Polls until a batch at `target` reaches exactly `backends` (all of them,
 /// nothing else, no failure).
 fn until_backends(env: &Env, what: &str, target: &str, backends: &[&str]) {
@@ -63,7 +70,7 @@ fn services_and_slices_follow_the_api() {
             .port("dns", 53, "UDP", json!("web"))
     };
     let ports = [("http", 8080, "TCP"), ("dns", 8080, "UDP")];
-    apply(
+    start_with(
         &api,
         &[
             web().to_value(),
@@ -82,18 +89,15 @@ fn services_and_slices_follow_the_api() {
                 &["b1"],
             ),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
 
     // Created: both ports, only the endpoints listed.
     let a = env.tcp("10.96.0.10:80", 60);
-    assert_all_ok("TCP after the first list", &a);
-    assert_spread("TCP after the first list", &a, &["b1", "b2"], 0.2);
+    assert_ok_spread("TCP after the first list", &a, &["b1", "b2"], 0.2);
     assert_peer("TCP after the first list", &a, "10.96.0.10:80");
     let a = env.attempts(Proto::Udp, "10.96.0.10:53", 40);
-    assert_all_ok("UDP after the first list", &a);
-    assert_spread("UDP after the first list", &a, &["b1", "b2"], 0.2);
+    assert_ok_spread("UDP after the first list", &a, &["b1", "b2"], 0.2);
     assert_all_fail(
         "a Service labelled service-proxy-name",
         &env.tcp("10.96.0.12:80", 3),
@@ -166,9 +170,8 @@ fn services_and_slices_follow_the_api() {
 #[test]
 fn metrics_of_a_cluster_mode_agent() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("clmet", 2).unwrap();
-    apply(
+    let (api, mut env) = api_and_env("clmet", 2);
+    start_with(
         &api,
         &[
             web_service().to_value(),
@@ -182,9 +185,8 @@ fn metrics_of_a_cluster_mode_agent() {
             // Rejected: not an IP.
             http_service("bad", "10.96.0.999").to_value(),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
     assert_all_ok("TCP", &env.tcp("10.96.0.10:80", 10));
     let m = metrics(&env);
     eprintln!("/metrics:\n{m}");
@@ -243,11 +245,10 @@ fn metrics_of_a_cluster_mode_agent() {
 #[test]
 fn watch_expiry_compaction_dropped_connections_and_slowness() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("clwatch", 3).unwrap();
+    let (api, mut env) = api_and_env("clwatch", 3);
     let ports = [("http", 8080, "TCP")];
     let svc = |name: &str, ip: &str| http_service(name, ip).to_value();
-    apply(
+    start_with(
         &api,
         &[
             svc("a", "10.96.0.10"),
@@ -255,9 +256,8 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
             svc("b", "10.96.0.11"),
             ready_slice(&env, "b", "b-1", &ports, &["b3"]),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
     until_backends(&env, "start", "10.96.0.10:80", &["b1", "b2"]);
     until_backends(&env, "start", "10.96.0.11:80", &["b3"]);
     let restarts = || metric_sum(&metrics(&env), "lb_watch_restarts_total");
@@ -361,10 +361,9 @@ fn watch_expiry_compaction_dropped_connections_and_slowness() {
 #[test]
 fn api_server_outage_loses_nothing() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("clgone", 3).unwrap();
+    let (api, mut env) = api_and_env("clgone", 3);
     let ports = [("http", 8080, "TCP")];
-    apply(
+    start_with(
         &api,
         &[
             web_service().to_value(),
@@ -372,9 +371,8 @@ fn api_server_outage_loses_nothing() {
             http_service("old", "10.96.0.11").to_value(),
             ready_slice(&env, "old", "old-1", &ports, &["b1"]),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
     until_backends(&env, "start", "10.96.0.10:80", &["b1", "b2"]);
 
     api.go_away();
@@ -427,8 +425,7 @@ fn api_server_outage_loses_nothing() {
 #[test]
 fn terminating_endpoints_serve_until_a_ready_one_appears() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("clkep", 3).unwrap();
+    let (api, mut env) = api_and_env("clkep", 3);
     let ports = [("http", 8080, "TCP")];
     let b = |h: &str| -> std::net::IpAddr {
         integration_tests::netns::pod_v4(h[1..].parse().unwrap()).into()
@@ -437,9 +434,7 @@ fn terminating_endpoints_serve_until_a_ready_one_appears() {
     let s = ready_slice(&env, "web", "web-1", &ports, &["b1", "b2", "b3"]);
     let s = with_conditions(s, &[b("b1"), b("b2")], false, true, true);
     let s = with_conditions(s, &[b("b3")], false, false, true);
-    apply(&api, &[web_service().to_value(), s]);
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
+    start_with(&api, &[web_service().to_value(), s], &mut env);
     let a = env.tcp("10.96.0.10:80", 80);
     assert_all_ok("only serving-terminating endpoints", &a);
     assert_spread(
@@ -468,22 +463,20 @@ fn terminating_endpoints_serve_until_a_ready_one_appears() {
 #[test]
 fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("cludp", 3).unwrap();
+    let (api, mut env) = api_and_env("cludp", 3);
     let ports = [("dns", 8080, "UDP")];
     let dns =
         Service::new("demo", "dns")
             .cluster_ip("10.96.0.53")
             .port("dns", 53, "UDP", json!(8080));
-    apply(
+    start_with(
         &api,
         &[
             dns.to_value(),
             ready_slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
 
     let probe = integration_tests::cluster::hold_udp(&env, "10.96.0.53:53", 100, 30_000).unwrap();
     let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
@@ -562,8 +555,7 @@ fn backend_sets_change_atomically_under_load() {
     // Connects in a loop while the API flips each Service between backend
     // sets every 100 ms: a connect that met a half-written set would be
     // refused or go nowhere. One random Service, one Maglev.
-    let api = ApiServer::start();
-    let mut env = Env::new("clchurn", 4).unwrap();
+    let (api, mut env) = api_and_env("clchurn", 4);
     let ports = [("http", 8080, "TCP"), ("dns", 8080, "UDP")];
     let svc = |name: &str, ip: &str| {
         Service::new("demo", name)
@@ -573,7 +565,7 @@ fn backend_sets_change_atomically_under_load() {
             .to_value()
     };
     let sets: [&[&str]; 4] = [&["b1", "b2"], &["b2", "b3", "b4"], &["b4"], &["b1", "b3"]];
-    apply(
+    start_with(
         &api,
         &[
             svc("rand", "10.96.0.10"),
@@ -581,9 +573,8 @@ fn backend_sets_change_atomically_under_load() {
             integration_tests::cluster::with_maglev(svc("mag", "10.96.0.11")),
             ready_slice(&env, "mag", "mag-1", &ports, sets[0]),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
     use integration_tests::cluster::paced_client;
     let clients = [
         paced_client(&env, Proto::Tcp, "10.96.0.10:80", 1500, 2000).unwrap(),
@@ -626,8 +617,7 @@ fn backend_sets_change_atomically_under_load() {
 #[test]
 fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("cludp6", 2).unwrap();
+    let (api, mut env) = api_and_env("cludp6", 2);
     let slice6 = |env: &Env, hosts: &[&str]| {
         EndpointSlice::new("demo", "dns6-1", "dns6")
             .address_type("IPv6")
@@ -639,7 +629,7 @@ fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
             )
             .to_value()
     };
-    apply(
+    start_with(
         &api,
         &[
             Service::new("demo", "dns6")
@@ -648,9 +638,8 @@ fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
                 .to_value(),
             slice6(&env, &["b1", "b2"]),
         ],
+        &mut env,
     );
-    env.start_cluster_agent(&api.url(), AgentOpts::default())
-        .unwrap();
     let probe =
         integration_tests::cluster::hold_udp(&env, "[fd00:96::53]:53", 100, 30_000).unwrap();
     let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
@@ -672,8 +661,7 @@ fn connected_udp6_socket_to_a_departed_backend_is_destroyed() {
 #[test]
 fn a_large_list_is_programmed_whole_and_relisted_without_rewrites() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("cllarge", 2).unwrap();
+    let (api, mut env) = api_and_env("cllarge", 2);
     const N: usize = 1200;
     let vip = |i: usize| format!("10.96.{}.{}", 10 + i / 250, 1 + i % 250);
     for i in 0..N {

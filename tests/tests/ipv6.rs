@@ -37,15 +37,13 @@ fn ipv6_clusterip_with_ipv6_pods() {
     env.start_agent().unwrap();
 
     let a = env.tcp("[fd00:96::10]:80", 150);
-    assert_all_ok("TCP [fd00:96::10]:80", &a);
-    assert_spread("TCP [fd00:96::10]:80", &a, &["b1", "b2", "b3"], 0.15);
+    assert_ok_spread("TCP [fd00:96::10]:80", &a, &["b1", "b2", "b3"], 0.15);
     assert_peer("TCP getpeername", &a, "[fd00:96::10]:80");
 
     for proto in [Proto::Udp, Proto::UdpConnected] {
         let what = format!("{proto:?} [fd00:96::10]:53");
         let a = env.attempts(proto, "[fd00:96::10]:53", 90);
-        assert_all_ok(&what, &a);
-        assert_spread(&what, &a, &["b1", "b2", "b3"], 0.10);
+        assert_ok_spread(&what, &a, &["b1", "b2", "b3"], 0.10);
         assert_peer(&what, &a, "[fd00:96::10]:53");
     }
 }
@@ -67,8 +65,7 @@ fn ipv4_mapped_on_an_inet6_socket_is_balanced_like_ipv4() {
             .family(Family::V4Mapped)
             .run(target, 120)
             .unwrap();
-        assert_all_ok(&what, &a);
-        assert_spread(&what, &a, &["b1", "b2", "b3"], 0.12);
+        assert_ok_spread(&what, &a, &["b1", "b2", "b3"], 0.12);
         // The socket is AF_INET6: it sees the VIP in its mapped form.
         let mapped = format!("[::ffff:{}]:{}", sa(target).ip(), sa(target).port());
         for x in &a {
@@ -97,8 +94,7 @@ fn dual_stack_service_serves_both_families() {
 
     for target in ["10.96.0.10:80", "[fd00:96::10]:80"] {
         let a = env.tcp(target, 60);
-        assert_all_ok(target, &a);
-        assert_spread(target, &a, &["b1", "b2"], 0.2);
+        assert_ok_spread(target, &a, &["b1", "b2"], 0.2);
         assert_peer(target, &a, target);
     }
 }

@@ -24,6 +24,18 @@ fn web(env: &Env, hosts: &[String], maglev: bool) -> Vec<Value> {
     ]
 }
 
+/// `Env::new(tag, N)` serving `web(.., maglev)` on `b1..bN` (returned),
+/// with the agent started.
+fn maglev_env(tag: &str, maglev: bool) -> (Env, Vec<String>) {
+    let mut env = Env::new(tag, N as u8).unwrap();
+    let hosts: Vec<String> = (1..=N).map(|i| format!("b{i}")).collect();
+    env.manifests
+        .write("web.yaml", &web(&env, &hosts, maglev))
+        .unwrap();
+    env.start_agent().unwrap();
+    (env, hosts)
+}
+
 /// Each backend's share of the sockets in `m` is within `range`.
 fn assert_shares(what: &str, m: &BTreeMap<String, usize>, range: std::ops::RangeInclusive<f64>) {
     for (b, n) in m {
@@ -122,12 +134,7 @@ fn measure(
 #[test]
 fn maglev_keeps_most_flows_when_a_backend_leaves() {
     require_root!();
-    let mut env = Env::new("maglev", N as u8).unwrap();
-    let hosts: Vec<String> = (1..=N).map(|i| format!("b{i}")).collect();
-    env.manifests
-        .write("web.yaml", &web(&env, &hosts, true))
-        .unwrap();
-    env.start_agent().unwrap();
+    let (env, hosts) = maglev_env("maglev", true);
     let inspect = env.agent().inspect_services_raw(false).unwrap();
     assert!(
         inspect.contains("maglev"),
@@ -164,12 +171,7 @@ fn random_selection_moves_flows_and_the_global_flag_selects_maglev() {
     require_root!();
     // The same measurement without Maglev, for contrast: unconnected UDP
     // datagrams are balanced one by one, so sockets wander.
-    let mut env = Env::new("random", N as u8).unwrap();
-    let hosts: Vec<String> = (1..=N).map(|i| format!("b{i}")).collect();
-    env.manifests
-        .write("web.yaml", &web(&env, &hosts, false))
-        .unwrap();
-    env.start_agent().unwrap();
+    let (mut env, hosts) = maglev_env("random", false);
     let (changed, on_removed, _, _) = measure(&env, &hosts, "b3", false, false);
     println!(
         "random remap: {changed} of {SOCKETS} sockets changed backend ({:.1}%), {on_removed} were on b3",

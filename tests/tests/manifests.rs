@@ -55,8 +55,7 @@ fn endpoint_slice_edits_apply_live() {
         .unwrap();
     env.start_agent().unwrap();
     let a = env.tcp("10.96.0.10:80", 150);
-    assert_all_ok("before the edit", &a);
-    assert_spread("before the edit", &a, &["b1", "b2", "b3"], 0.15);
+    assert_ok_spread("before the edit", &a, &["b1", "b2", "b3"], 0.15);
 
     // Remove b3 from the slice.
     env.manifests
@@ -75,11 +74,9 @@ fn endpoint_slice_edits_apply_live() {
         "the removal took {took:?}"
     );
     let a = env.tcp("10.96.0.10:80", 150);
-    assert_all_ok("after removing b3", &a);
-    assert_spread("after removing b3", &a, &["b1", "b2"], 0.30);
+    assert_ok_spread("after removing b3", &a, &["b1", "b2"], 0.30);
     let a = env.attempts(Proto::Udp, "10.96.0.10:53", 60);
-    assert_all_ok("UDP after removing b3", &a);
-    assert_spread("UDP after removing b3", &a, &["b1", "b2"], 0.2);
+    assert_ok_spread("UDP after removing b3", &a, &["b1", "b2"], 0.2);
 
     // Put it back.
     env.manifests
@@ -95,8 +92,7 @@ fn endpoint_slice_edits_apply_live() {
         "the addition took {took:?}"
     );
     let a = env.tcp("10.96.0.10:80", 150);
-    assert_all_ok("after restoring b3", &a);
-    assert_spread("after restoring b3", &a, &["b1", "b2", "b3"], 0.15);
+    assert_ok_spread("after restoring b3", &a, &["b1", "b2", "b3"], 0.15);
 
     // Mark b1 unready in place.
     let s = env.slice_of("web", &ports, |h| {
@@ -181,8 +177,7 @@ fn bad_manifests_leave_good_services_served() {
     env.start_agent().unwrap();
 
     let a = env.tcp("10.96.0.10:80", 60);
-    assert_all_ok("good Service next to bad files", &a);
-    assert_spread("good Service next to bad files", &a, &["b1", "b2"], 0.2);
+    assert_ok_spread("good Service next to bad files", &a, &["b1", "b2"], 0.2);
 
     // More bad input while running.
     let m = &env.manifests;

@@ -47,8 +47,7 @@ fn synced_counts(log: &str) -> Option<(usize, usize, usize)> {
 #[test]
 fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("restart", 3).unwrap();
+    let (api, mut env) = api_and_env("restart", 3);
     let svc = |name: &str, ip: &str| http_service(name, ip).to_value();
     for o in [
         web_service().to_value(),
@@ -134,8 +133,7 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
 #[test]
 fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("restart-away", 3).unwrap();
+    let (api, mut env) = api_and_env("restart-away", 3);
     web_cluster(&api, &mut env, &["b1", "b2"]);
     assert_all_ok("before", &env.tcp("10.96.0.10:80", 10));
 
@@ -185,8 +183,7 @@ fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
 #[test]
 fn udp_sockets_of_backends_that_left_while_the_agent_was_down_are_destroyed() {
     require_root!();
-    let api = ApiServer::start();
-    let mut env = Env::new("restart-udp", 3).unwrap();
+    let (api, mut env) = api_and_env("restart-udp", 3);
     let ports = [("dns", 8080, "UDP")];
     let all = ["b1", "b2", "b3"];
     api.apply(
@@ -238,8 +235,7 @@ fn a_restart_that_recreates_the_maps_fails_no_connect() {
     // A new version whose maps differ (here: another --max-services) must
     // recreate them, and they start empty: the old programs have to keep
     // serving from the old maps until the new ones are filled.
-    let api = ApiServer::start();
-    let mut env = Env::new("restart-layout", 2).unwrap();
+    let (api, mut env) = api_and_env("restart-layout", 2);
     web_cluster(&api, &mut env, &["b1", "b2"]);
     assert_all_ok("before", &env.tcp("10.96.0.10:80", 5));
     let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", 1500, 1000).unwrap();

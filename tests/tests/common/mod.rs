@@ -4,6 +4,7 @@
 use std::net::SocketAddr;
 
 use integration_tests::{
+    apiserver::ApiServer,
     manifests::{Endpoint, EndpointSlice, Service},
     netns::pod_v4,
     Attempt, Env, Spread,
@@ -61,6 +62,12 @@ pub fn web_env(tag: &str, backends: u8) -> Env {
     env
 }
 
+/// A fake API server, then `Env::new(tag, backends)`.
+pub fn api_and_env(tag: &str, backends: u8) -> (ApiServer, Env) {
+    let api = ApiServer::start();
+    (api, Env::new(tag, backends).unwrap())
+}
+
 pub fn sa(s: &str) -> SocketAddr {
     s.parse().unwrap_or_else(|e| panic!("{s}: {e}"))
 }
@@ -98,6 +105,12 @@ pub fn assert_peer(what: &str, attempts: &[Attempt], peer: &str) {
             "{what}: the application must see the frontend, not a backend: {a:?}"
         );
     }
+}
+
+/// Every attempt succeeded, and they spread as [`assert_spread`] checks.
+pub fn assert_ok_spread(what: &str, attempts: &[Attempt], backends: &[&str], min_share: f64) {
+    assert_all_ok(what, attempts);
+    assert_spread(what, attempts, backends, min_share);
 }
 
 /// Each of `backends` got at least `min_share` of the attempts, and nothing
