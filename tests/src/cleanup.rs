@@ -78,6 +78,20 @@ fn run_one(id: u64) {
     }
 }
 
+/// On Ctrl-C (and SIGTERM): `first()`, `message` on stderr, every pending
+/// action ([`run_all`]), then exit 130.
+pub fn teardown_on_ctrl_c(
+    message: &'static str,
+    first: impl Fn() + Send + 'static,
+) -> Result<(), ctrlc::Error> {
+    ctrlc::set_handler(move || {
+        first();
+        eprintln!("{message}");
+        run_all();
+        std::process::exit(130);
+    })
+}
+
 /// Runs every pending action, newest first (the reverse of creation, so an
 /// agent is stopped before its cgroup goes). For a signal handler.
 pub fn run_all() {

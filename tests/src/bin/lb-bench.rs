@@ -299,6 +299,35 @@ fn percentile(sorted: &[u32], p: f64) -> f64 {
     sorted[i] as f64 / 1e3
 }
 
+/// Counts error `e` of `stage`; the first one is kept.
+fn fail(report: &mut Report, e: io::Error, stage: &str) {
+    report.errors += 1;
+    if report.first_error.is_none() {
+        report.first_error = Some(format!("{stage}: {e}"));
+    }
+}
+
+/// One operation begun at `t0`: its latency, or its error (of `stage`);
+/// whether it succeeded.
+fn record<T>(
+    r: io::Result<T>,
+    t0: Instant,
+    stage: &str,
+    lat: &mut Vec<u32>,
+    report: &mut Report,
+) -> bool {
+    match r {
+        Ok(_) => {
+            lat.push(t0.elapsed().as_nanos() as u32);
+            true
+        }
+        Err(e) => {
+            fail(report, e, stage);
+            false
+        }
+    }
+}
+
 fn client(mode: Mode, targets: &[SocketAddrV4], lim: &Limits) -> Report {
     let target = targets[0];
     let addrs: Vec<libc::sockaddr_in> = targets.iter().map(|t| sockaddr(*t)).collect();
@@ -316,12 +345,6 @@ fn client(mode: Mode, targets: &[SocketAddrV4], lim: &Limits) -> Report {
         ..Default::default()
     };
     let mut buf = [0u8; 2048];
-    let fail = |report: &mut Report, e: io::Error, stage: &str| {
-        report.errors += 1;
-        if report.first_error.is_none() {
-            report.first_error = Some(format!("{stage}: {e}"));
-        }
-    };
     // rr and udp keep one socket for the whole run.
     let mut rr = None;
     let mut udp = None;
@@ -360,46 +383,28 @@ fn client(mode: Mode, targets: &[SocketAddrV4], lim: &Limits) -> Report {
                     false
                 }
             },
-            Mode::Crr => match connect(&pick(), lim.timeout)
-                .and_then(|mut s| transact(&mut s, &REQUEST, &mut buf))
-            {
-                Ok(_) => {
-                    lat.push(t0.elapsed().as_nanos() as u32);
-                    true
-                }
-                Err(e) => {
-                    fail(&mut report, e, "crr");
-                    false
-                }
-            },
+            Mode::Crr => record(
+                connect(&pick(), lim.timeout)
+                    .and_then(|mut s| transact(&mut s, &REQUEST, &mut buf)),
+                t0,
+                "crr",
+                &mut lat,
+                &mut report,
+            ),
             Mode::Rr => {
                 let Some(s) = rr.as_mut() else { break };
-                match transact(s, &REQUEST, &mut buf) {
-                    Ok(_) => {
-                        lat.push(t0.elapsed().as_nanos() as u32);
-                        true
-                    }
-                    Err(e) => {
-                        fail(&mut report, e, "rr");
-                        break;
-                    }
+                let r = transact(s, &REQUEST, &mut buf);
+                if !record(r, t0, "rr", &mut lat, &mut report) {
+                    break;
                 }
+                true
             }
             Mode::Udp => {
                 let Some(s) = udp.as_ref() else { break };
-                match s
+                let r = s
                     .send_to(&REQUEST, SocketAddr::V4(target))
-                    .and_then(|_| s.recv_from(&mut buf))
-                {
-                    Ok(_) => {
-                        lat.push(t0.elapsed().as_nanos() as u32);
-                        true
-                    }
-                    Err(e) => {
-                        fail(&mut report, e, "udp");
-                        false
-                    }
-                }
+                    .and_then(|_| s.recv_from(&mut buf));
+                record(r, t0, "udp", &mut lat, &mut report)
             }
             Mode::Until => unreachable!(),
         };

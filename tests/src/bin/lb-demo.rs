@@ -67,11 +67,8 @@ fn main() -> ExitCode {
         eprintln!("lb-demo: needs root (network namespaces, cgroups, eBPF); try `sudo -E cargo xtask demo`");
         return ExitCode::FAILURE;
     }
-    if let Err(e) = ctrlc::set_handler(|| {
+    if let Err(e) = cleanup::teardown_on_ctrl_c("\nlb-demo: interrupted, cleaning up", || {
         INTERRUPTED.store(true, Ordering::SeqCst);
-        eprintln!("\nlb-demo: interrupted, cleaning up");
-        cleanup::run_all();
-        std::process::exit(130);
     }) {
         eprintln!("lb-demo: warning: no Ctrl-C handler ({e}); an interrupt may leave namespaces behind until the next run");
     }
@@ -123,18 +120,16 @@ fn show_spread(title: &str, attempts: &[Attempt]) {
 }
 
 fn round(client: &Client, args: &Args, label: &str) -> Result<()> {
-    let t = Instant::now();
-    let tcp = client
-        .clone()
-        .proto(Proto::Tcp)
-        .run(&format!("{VIP}:80"), args.tcp)?;
-    let tcp_time = t.elapsed();
-    let t = Instant::now();
-    let udp = client
-        .clone()
-        .proto(Proto::Udp)
-        .run(&format!("{VIP}:53"), args.udp)?;
-    let udp_time = t.elapsed();
+    let timed = |proto: Proto, port: u16, count: usize| -> Result<_> {
+        let t = Instant::now();
+        let attempts = client
+            .clone()
+            .proto(proto)
+            .run(&format!("{VIP}:{port}"), count)?;
+        Ok((attempts, t.elapsed()))
+    };
+    let (tcp, tcp_time) = timed(Proto::Tcp, 80, args.tcp)?;
+    let (udp, udp_time) = timed(Proto::Udp, 53, args.udp)?;
     show_spread(
         &format!(
             "{} TCP connects to {VIP}:80{label} ({tcp_time:.0?}):",

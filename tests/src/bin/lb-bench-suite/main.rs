@@ -182,6 +182,30 @@ pub struct Cost {
     pub run_time_ns: u64,
 }
 
+/// What the arms of a scale point are set up from.
+pub struct ArmCtx<'a> {
+    pub opts: &'a Opts,
+    pub scenario: &'a Scenario,
+    pub cache: &'a Path,
+    pub bench_bin: &'a Path,
+}
+
+impl<'a> ArmCtx<'a> {
+    pub fn new(
+        opts: &'a Opts,
+        scenario: &'a Scenario,
+        cache: &'a Path,
+        bench_bin: &'a Path,
+    ) -> Self {
+        ArmCtx {
+            opts,
+            scenario,
+            cache,
+            bench_bin,
+        }
+    }
+}
+
 /// How an arm fared at one scale point before any traffic.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Setup {
@@ -200,13 +224,29 @@ pub const SKIPPED_EARLIER: &str =
     "skipped: did not load at the previous scale point within the time limit";
 
 impl Setup {
-    pub fn skipped_earlier(services: usize, arm: ArmKind) -> Self {
+    /// Nothing measured yet.
+    pub fn new(services: usize, arm: ArmKind) -> Self {
         Setup {
             services,
             arm,
             load_s: None,
-            skipped: Some(SKIPPED_EARLIER.into()),
+            skipped: None,
             rss_mib: None,
+        }
+    }
+
+    pub fn skipped_earlier(services: usize, arm: ArmKind) -> Self {
+        Setup {
+            skipped: Some(SKIPPED_EARLIER.into()),
+            ..Setup::new(services, arm)
+        }
+    }
+
+    /// The outcome of [`load_rules`]: how long it took, or why it failed.
+    pub fn loaded(&mut self, r: Result<f64, String>) {
+        match r {
+            Ok(s) => self.load_s = Some(s),
+            Err(e) => self.skipped = Some(e),
         }
     }
 }
@@ -278,11 +318,7 @@ const FILLER_ENDPOINTS: usize = 2;
 
 fn main() {
     let opts = Opts::parse();
-    if let Err(e) = ctrlc::set_handler(|| {
-        eprintln!("\ninterrupted: tearing down");
-        cleanup::run_all();
-        std::process::exit(130);
-    }) {
+    if let Err(e) = cleanup::teardown_on_ctrl_c("\ninterrupted: tearing down", || {}) {
         eprintln!("warning: no Ctrl-C handler: {e}");
     }
     let r = run(&opts);
@@ -919,23 +955,11 @@ fn run_bench_client(
     })
 }
 
-fn setup_arm(
-    opts: &Opts,
-    kind: ArmKind,
-    scenario: &Scenario,
-    cache: &Path,
-    bench_bin: &Path,
-) -> Result<(Arm, Setup)> {
-    let tag = format!("b{}-{}", scenario.services, kind.short());
-    let (topo, server) = testbed(&tag, bench_bin, opts.target_endpoints)?;
+fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(Arm, Setup)> {
+    let tag = format!("b{}-{}", at.scenario.services, kind.short());
+    let (topo, server) = testbed(&tag, at.bench_bin, at.opts.target_endpoints)?;
     let vip_tcp = SocketAddrV4::new(TARGET_VIP, TARGET_PORT);
-    let mut setup = Setup {
-        services: scenario.services,
-        arm: kind,
-        load_s: None,
-        skipped: None,
-        rss_mib: None,
-    };
+    let mut setup = Setup::new(at.scenario.services, kind);
     let mut arm = Arm {
         kind,
         agent: None,
@@ -953,19 +977,15 @@ fn setup_arm(
             let b = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), BACKEND_PORT);
             arm.tcp = b;
             arm.udp = b;
-            arm.direct = scenario
-                .target
-                .iter()
-                .map(|a| SocketAddrV4::new(*a, BACKEND_PORT))
-                .collect();
+            arm.direct = at.scenario.backends();
         }
         ArmKind::Ours => {
             let (cg, dir, agent, took) = start_ours(
                 &tag,
-                scenario,
-                cache,
+                at.scenario,
+                at.cache,
                 &[],
-                Duration::from_secs(opts.load_timeout),
+                Duration::from_secs(at.opts.load_timeout),
             )?;
             setup.load_s = Some(took);
             setup.rss_mib = vm_hwm_mib(agent.pid());
@@ -975,16 +995,13 @@ fn setup_arm(
             arm._dir = Some(dir);
         }
         _ => {
-            let file = ruleset_file(kind, scenario, cache)?;
-            match load_rules(
+            let file = ruleset_file(kind, at.scenario, at.cache)?;
+            setup.loaded(load_rules(
                 kind,
                 arm.client_ns(),
                 &file,
-                Duration::from_secs(opts.load_timeout),
-            ) {
-                Ok(s) => setup.load_s = Some(s),
-                Err(e) => setup.skipped = Some(e),
-            }
+                Duration::from_secs(at.opts.load_timeout),
+            ));
         }
     }
     Ok((arm, setup))
@@ -1015,22 +1032,15 @@ fn datapath_point(
         FILLER_ENDPOINTS,
         rules::target_endpoints(opts.target_endpoints),
     );
-    let mut arms = set_up_arms(
-        "",
-        services,
-        skip,
-        &mut results.setups,
-        |kind| setup_arm(opts, kind, &scenario, cache, bench_bin),
-        |arm| sanity(bench_bin, arm),
-    )?;
+    let at = ArmCtx::new(opts, &scenario, cache, bench_bin);
+    let mut arms = set_up_arms("", services, bench_bin, skip, &mut results.setups, |kind| {
+        setup_arm(&at, kind)
+    })?;
     // The datapath needs no agent (programs and maps are pinned). Paused,
     // its periodic full resync of the manifests directory (seconds of CPU
     // at 100 000 Services) cannot take one of the two cores from whichever
     // arm is being measured.
-    let paused: Vec<u32> = arms
-        .iter()
-        .filter_map(|a| a.agent.as_ref().map(|ag| ag.pid()))
-        .collect();
+    let paused: Vec<u32> = arms.iter().flat_map(Measured::agent_pids).collect();
     let measured = while_paused(&paused, || {
         measure_rounds(
             "",
@@ -1082,6 +1092,10 @@ fn datapath_point(
 pub trait Measured {
     fn kind(&self) -> ArmKind;
     fn measure(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run>;
+    /// A short run that must work before the arm is measured.
+    fn sanity(&self, bench_bin: &Path) -> Result<()>;
+    /// The pids of the arm's agents (paused while it is measured).
+    fn agent_pids(&self) -> Vec<u32>;
 }
 
 impl Measured for Arm {
@@ -1091,6 +1105,14 @@ impl Measured for Arm {
 
     fn measure(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run> {
         run_client(bench_bin, self, mode, ms)
+    }
+
+    fn sanity(&self, bench_bin: &Path) -> Result<()> {
+        sanity(bench_bin, self)
+    }
+
+    fn agent_pids(&self) -> Vec<u32> {
+        self.agent.iter().map(|ag| ag.pid()).collect()
     }
 }
 
@@ -1204,14 +1226,15 @@ pub fn check_sanity(kind: ArmKind, mode: Mode, r: Run) -> Result<()> {
 
 /// Sets up every arm of a scale point but those that did not load at a
 /// smaller one (`skip`, which grows by the ones that do not load now); each
-/// arm that loaded must pass `check` (a short run) before it is measured.
-pub fn set_up_arms<A>(
+/// arm that loaded must pass its [`sanity`](Measured::sanity) run before it
+/// is measured.
+pub fn set_up_arms<A: Measured>(
     label: &str,
     services: usize,
+    bench_bin: &Path,
     skip: &mut Vec<ArmKind>,
     setups: &mut Vec<Setup>,
     mut set_up: impl FnMut(ArmKind) -> Result<(A, Setup)>,
-    mut check: impl FnMut(&A) -> Result<()>,
 ) -> Result<Vec<A>> {
     let mut arms = Vec::new();
     for kind in ArmKind::ALL {
@@ -1243,7 +1266,7 @@ pub fn set_up_arms<A>(
         let ok = setup.skipped.is_none();
         setups.push(setup);
         if ok {
-            check(&arm)
+            arm.sanity(bench_bin)
                 .with_context(|| format!("{label}{} at {services} Services", kind.label()))?;
             arms.push(arm);
         }

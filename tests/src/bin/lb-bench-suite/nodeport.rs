@@ -35,9 +35,9 @@ use serde_json::json;
 
 use crate::{
     capacity_args, check_sanity, cost_run_ms, filler_file, load_rules, measure_rounds, rules,
-    rules::{Scenario, BACKEND_PORT},
-    run_bench_client, say, set_up_arms, spawn_server, vm_hwm_mib, while_paused, with_bpf_stats,
-    ArmKind, KillOnDrop, Measured, Mode, Opts, Run, Sample, Setup, FILLER_ENDPOINTS,
+    rules::Scenario, run_bench_client, say, set_up_arms, spawn_server, vm_hwm_mib, while_paused,
+    with_bpf_stats, ArmCtx, ArmKind, KillOnDrop, Measured, Mode, Opts, Run, Sample, Setup,
+    FILLER_ENDPOINTS,
 };
 
 /// The target's node port.
@@ -133,6 +133,14 @@ impl Measured for NpArm {
         };
         run_bench_client(bench_bin, self.client_ns(), None, targets, mode, ms)
     }
+
+    fn sanity(&self, bench_bin: &Path) -> Result<()> {
+        sanity(bench_bin, self)
+    }
+
+    fn agent_pids(&self) -> Vec<u32> {
+        self.cluster.agents.iter().map(|ag| ag.pid()).collect()
+    }
 }
 
 fn ruleset_file(kind: ArmKind, scenario: &Scenario, cache: &Path) -> Result<PathBuf> {
@@ -216,17 +224,11 @@ fn tc_programs(pin_dir: &Path) -> Result<Vec<(String, u32)>> {
     Ok(out)
 }
 
-fn setup_arm(
-    opts: &Opts,
-    kind: ArmKind,
-    scenario: &Scenario,
-    cache: &Path,
-    bench_bin: &Path,
-) -> Result<(NpArm, Setup)> {
-    let tag = format!("np{}-{}", scenario.services, kind.short());
+fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
+    let tag = format!("np{}-{}", at.scenario.services, kind.short());
     // n1: the node under test, no pods; n2: one pod holding the endpoints.
     let cluster = Cluster::new(&tag, &[0, 1])?;
-    for a in scenario.target.iter().skip(1) {
+    for a in at.scenario.target.iter().skip(1) {
         cluster.add_pod_address("n2p0", *a)?;
     }
     let n1 = cluster.nodes[0].netns.clone();
@@ -253,14 +255,8 @@ fn setup_arm(
         "via",
         &node_v4(1).to_string(),
     ])?;
-    let server = spawn_server(bench_bin, &cluster.pod("n2p0").netns.clone())?;
-    let mut setup = Setup {
-        services: scenario.services,
-        arm: kind,
-        load_s: None,
-        skipped: None,
-        rss_mib: None,
-    };
+    let server = spawn_server(at.bench_bin, &cluster.pod("n2p0").netns.clone())?;
+    let mut setup = Setup::new(at.scenario.services, kind);
     let node_port = SocketAddrV4::new(node_v4(1), NODE_PORT);
     let mut arm = NpArm {
         kind,
@@ -273,47 +269,45 @@ fn setup_arm(
         ArmKind::Direct => {
             let client_ns = arm.cluster.client_netns.clone();
             arm.cluster.route_via(&client_ns, "10.244.2.0/24", 1)?;
-            arm.targets = scenario
-                .target
-                .iter()
-                .map(|a| SocketAddrV4::new(*a, BACKEND_PORT))
-                .collect();
+            arm.targets = at.scenario.backends();
         }
         ArmKind::Ours => {
             // The same filler manifests as the ClusterIP experiment (cached
             // under its scenario), a Node object for n1, the NodePort target.
             let clusterip = Scenario::new(
-                scenario.services,
-                scenario.endpoints,
-                rules::target_endpoints(opts.target_endpoints),
+                at.scenario.services,
+                at.scenario.endpoints,
+                rules::target_endpoints(at.opts.target_endpoints),
             );
             let dir = arm.cluster.manifests_dir().to_path_buf();
-            if scenario.services > 1 {
-                fs::copy(filler_file(&clusterip, cache)?, dir.join("fillers.json"))?;
+            if at.scenario.services > 1 {
+                fs::copy(filler_file(&clusterip, at.cache)?, dir.join("fillers.json"))?;
             }
             let nodes =
                 json!({"apiVersion": "v1", "kind": "List", "items": arm.cluster.node_objects()});
             arm.cluster.manifests.write_json("nodes.json", &nodes)?;
             arm.cluster.manifests.write_json(
                 "target.json",
-                &Scenario::target_nodeport_manifests(&scenario.target, NODE_PORT, "n2"),
+                &Scenario::target_nodeport_manifests(&at.scenario.target, NODE_PORT, "n2"),
             )?;
-            let mut extra = capacity_args(scenario.services, scenario.endpoints);
+            let mut extra = capacity_args(at.scenario.services, at.scenario.endpoints);
             extra.extend(["--devices".to_string(), "eth0".to_string()]);
             let t0 = Instant::now();
             arm.cluster
-                .start_agent_on(1, &extra, Duration::from_secs(opts.load_timeout))?;
+                .start_agent_on(1, &extra, Duration::from_secs(at.opts.load_timeout))?;
             setup.load_s = Some(t0.elapsed().as_secs_f64());
             let agent = &arm.cluster.agents[0];
             setup.rss_mib = vm_hwm_mib(agent.pid());
             arm.tc_progs = tc_programs(agent.pin_dir())?;
         }
         _ => {
-            let file = ruleset_file(kind, scenario, cache)?;
-            match load_rules(kind, &n1, &file, Duration::from_secs(opts.load_timeout)) {
-                Ok(s) => setup.load_s = Some(s),
-                Err(e) => setup.skipped = Some(e),
-            }
+            let file = ruleset_file(kind, at.scenario, at.cache)?;
+            setup.loaded(load_rules(
+                kind,
+                &n1,
+                &file,
+                Duration::from_secs(at.opts.load_timeout),
+            ));
         }
     }
     Ok((arm, setup))
@@ -352,21 +346,19 @@ fn point(
 ) -> Result<()> {
     say(format!("=== NodePort: {services} Services ==="));
     let scenario = Scenario::new(services, FILLER_ENDPOINTS, endpoints(opts.target_endpoints));
+    let at = ArmCtx::new(opts, &scenario, cache, bench_bin);
     let mut arms = set_up_arms(
         "NodePort ",
         services,
+        bench_bin,
         skip,
         &mut np.setups,
-        |kind| setup_arm(opts, kind, &scenario, cache, bench_bin),
-        |arm| sanity(bench_bin, arm),
+        |kind| setup_arm(&at, kind),
     )?;
     // As in the ClusterIP experiment: the datapath needs no agent, and its
     // periodic resync would take a core from whichever arm runs. Paused, it
     // does not sweep conntrack either: LB_CONNTRACK is an LRU map.
-    let paused: Vec<u32> = arms
-        .iter()
-        .flat_map(|a| a.cluster.agents.iter().map(|ag| ag.pid()))
-        .collect();
+    let paused: Vec<u32> = arms.iter().flat_map(Measured::agent_pids).collect();
     while_paused(&paused, || {
         rounds(opts, bench_bin, services, seed, &mut arms, np)
     })?;

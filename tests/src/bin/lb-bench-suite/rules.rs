@@ -4,7 +4,7 @@
 //! nftables mode. Generated once and cached under `target/bench-cache/`.
 use std::{
     fmt::Write as _,
-    net::Ipv4Addr,
+    net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
 };
 
@@ -32,6 +32,16 @@ pub struct Scenario {
     pub services: usize,
     pub endpoints: usize,
     pub target: Vec<Ipv4Addr>,
+}
+
+impl Scenario {
+    /// The target's endpoints, at the backend port.
+    pub fn backends(&self) -> Vec<SocketAddrV4> {
+        self.target
+            .iter()
+            .map(|a| SocketAddrV4::new(*a, BACKEND_PORT))
+            .collect()
+    }
 }
 
 /// The EndpointSlice of the target Service with endpoints `eps`.
