@@ -372,17 +372,18 @@ impl Agent {
 
     /// `lb-agent inspect affinity --bpffs PIN --json`, parsed.
     pub fn inspect_affinity(&self) -> Result<Vec<serde_json::Value>> {
-        let mut c = Command::new(&self.bin);
-        c.args(["inspect", "affinity", "--json", "--bpffs"])
-            .arg(&self.pin_dir);
-        let out = cmd::run(&mut c)?;
-        serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))
+        self.inspect_list("affinity")
     }
 
     /// `lb-agent inspect conntrack --bpffs PIN --json`, parsed.
     pub fn inspect_conntrack(&self) -> Result<Vec<serde_json::Value>> {
+        self.inspect_list("conntrack")
+    }
+
+    /// `lb-agent inspect WHAT --json --bpffs PIN`, parsed.
+    fn inspect_list(&self, what: &str) -> Result<Vec<serde_json::Value>> {
         let mut c = Command::new(&self.bin);
-        c.args(["inspect", "conntrack", "--json", "--bpffs"])
+        c.args(["inspect", what, "--json", "--bpffs"])
             .arg(&self.pin_dir);
         let out = cmd::run(&mut c)?;
         serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))

@@ -112,14 +112,18 @@ fn find_bin(name: &str, env_var: &str, fallbacks: &[PathBuf]) -> Result<PathBuf>
     )
 }
 
+/// The directory of the running executable.
+fn exe_dir() -> Option<PathBuf> {
+    std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(PathBuf::from))
+}
+
 /// `lb-agent`: `$LB_AGENT_BIN`, `$LB_BIN_DIR/lb-agent`, beside the running
 /// executable, `<workspace>/target/release/lb-agent`.
 pub fn agent_bin() -> Result<PathBuf> {
     let mut fallbacks = Vec::new();
-    if let Some(dir) = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(PathBuf::from))
-    {
+    if let Some(dir) = exe_dir() {
         fallbacks.push(dir.join("lb-agent"));
     }
     fallbacks.push(workspace_root().join("target/release/lb-agent"));
@@ -131,10 +135,7 @@ pub fn agent_bin() -> Result<PathBuf> {
 /// `<workspace>/target/{release,debug}/lb-probe`.
 pub fn probe_bin() -> Result<PathBuf> {
     let mut fallbacks = Vec::new();
-    if let Some(dir) = std::env::current_exe()
-        .ok()
-        .and_then(|e| e.parent().map(PathBuf::from))
-    {
+    if let Some(dir) = exe_dir() {
         fallbacks.push(dir.join("lb-probe"));
         if let Some(up) = dir.parent() {
             fallbacks.push(up.join("lb-probe"));

@@ -85,6 +85,12 @@ pub(crate) fn wire_eth0(
     Ok(())
 }
 
+/// Locks `m`, also when a thread panicked holding it (teardown state must
+/// stay usable while unwinding).
+pub(crate) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Moves the calling thread (only) into network namespace `netns`
 /// (`/run/netns/NAME`).
 pub fn enter_netns(netns: &str) -> Result<()> {
@@ -192,7 +198,7 @@ pub fn delete_netns(netns: &str) {
 }
 
 fn teardown(state: &Mutex<State>) {
-    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    let mut st = lock(&state);
     for (_, child) in st.children.iter_mut() {
         let _ = child.kill();
         let _ = child.wait();
@@ -248,11 +254,7 @@ impl Topology {
 
     fn add_netns(&self, netns: &str) -> Result<()> {
         cmd::ip(&["netns", "add", netns])?;
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .netns
-            .push(netns.to_string());
+        lock(&self.state).netns.push(netns.to_string());
         Ok(())
     }
 
@@ -300,11 +302,7 @@ impl Topology {
 
     /// Every namespace this topology made (switch included).
     pub fn netns_names(&self) -> Vec<String> {
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .netns
-            .clone()
+        lock(&self.state).netns.clone()
     }
 
     /// `ip netns exec <host's netns> ARGS...`
@@ -332,11 +330,7 @@ impl Topology {
         let pid = child.id();
         let stdout = child.stdout.take().expect("piped");
         // Keep the child before waiting, so that a failure below still kills it.
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .children
-            .push((name.to_string(), child));
+        lock(&self.state).children.push((name.to_string(), child));
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
             let mut first = String::new();
@@ -363,7 +357,7 @@ impl Topology {
 
     /// Pids of the serve processes that are still running.
     pub fn server_pids(&self) -> Vec<u32> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut st = lock(&self.state);
         st.children
             .iter_mut()
             .filter_map(|(_, c)| matches!(c.try_wait(), Ok(None)).then(|| c.id()))

@@ -33,7 +33,7 @@ use crate::{
     cgroup::CgroupGuard,
     cleanup::{self, CleanupHandle},
     cmd,
-    netns::{add_addrs, add_routes, add_switch, wire_eth0},
+    netns::{add_addrs, add_routes, add_switch, lock, wire_eth0},
     probe::{parse_attempts, Attempt},
 };
 
@@ -74,7 +74,7 @@ struct State {
 }
 
 fn teardown(state: &Mutex<State>) {
-    let mut st = state.lock().unwrap_or_else(|e| e.into_inner());
+    let mut st = lock(&state);
     for c in st.children.iter_mut() {
         let _ = c.kill();
         let _ = c.wait();
@@ -185,12 +185,7 @@ impl Cluster {
     /// Waits until no namespace has a tentative IPv6 address (link-local
     /// DAD): until then the first IPv6 packets may be lost.
     fn wait_settled(&self) -> Result<()> {
-        let all = self
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .netns
-            .clone();
+        let all = lock(&self.state).netns.clone();
         let settled =
             crate::wait_until(Duration::from_secs(10), Duration::from_millis(100), || {
                 all.iter().all(|ns| {
@@ -207,11 +202,7 @@ impl Cluster {
 
     fn add_netns(&self, ns: &str) -> Result<()> {
         ip(&["netns", "add", ns])?;
-        self.state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .netns
-            .push(ns.to_string());
+        lock(&self.state).netns.push(ns.to_string());
         Ok(())
     }
 
@@ -317,11 +308,7 @@ impl Cluster {
                 .spawn()
                 .with_context(|| format!("serving in {}", pod.name))?;
             let stdout = child.stdout.take().expect("piped");
-            self.state
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .children
-                .push(child);
+            lock(&self.state).children.push(child);
             let mut line = String::new();
             std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
             if !line.contains("\"listening\"") {

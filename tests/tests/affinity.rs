@@ -34,6 +34,13 @@ fn sticky_env(tag: &str, backends: u8, timeout: u32, hosts: &[&str]) -> Env {
     env
 }
 
+/// `sticky_env(tag, 3, timeout, b1..b3)` and `clients_and_client(n)`.
+fn sticky_clients(tag: &str, timeout: u32, n: u8) -> (Env, Vec<String>) {
+    let mut env = sticky_env(tag, 3, timeout, &["b1", "b2", "b3"]);
+    let clients = clients_and_client(&mut env, n);
+    (env, clients)
+}
+
 /// `n` client hosts `c{i}` from 10.244.1.101 on, and `client`.
 fn clients_and_client(env: &mut Env, n: u8) -> Vec<String> {
     let mut clients = add_clients(env, "c", 101, n);
@@ -155,8 +162,7 @@ fn a_client_sticks_and_clients_spread() {
 #[test]
 fn the_choice_is_fresh_after_the_timeout_and_never_within() {
     require_root!();
-    let mut env = sticky_env("afftm", 3, 2, &["b1", "b2", "b3"]);
-    let clients = clients_and_client(&mut env, 9);
+    let (env, clients) = sticky_clients("afftm", 2, 9);
     // Within the timeout, refreshed by each use: 1.5 s apart, twice (3 s
     // after the first choice, which a use 1.5 s in kept alive).
     let first = round(&env, &clients);
@@ -300,8 +306,7 @@ fn inspected_timeout(env: &Env) -> Option<u64> {
 fn timeout_changes_and_switching_off_apply_on_the_next_sync() {
     require_root!();
     let all = ["b1", "b2", "b3"];
-    let mut env = sticky_env("affcfg", 3, 3600, &all);
-    let clients = clients_and_client(&mut env, 9);
+    let (env, clients) = sticky_clients("affcfg", 3600, 9);
     let first = round(&env, &clients);
     assert_eq!(affinity_entries(&env), clients.len());
 
@@ -392,8 +397,7 @@ fn clients_stick_to_serving_terminating_endpoints_too() {
 #[test]
 fn stickiness_survives_an_agent_restart() {
     require_root!();
-    let mut env = sticky_env("affrs", 3, 3600, &["b1", "b2", "b3"]);
-    let clients = clients_and_client(&mut env, 5);
+    let (mut env, clients) = sticky_clients("affrs", 3600, 5);
     let before = round(&env, &clients);
     let agent = env.agent.as_mut().unwrap();
     agent.kill().unwrap();

@@ -26,6 +26,14 @@ fn attached(cgroup: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
+/// Nothing is attached to the cgroup any more (`when`), and the VIP is an
+/// unrouted address (`what`).
+fn assert_detached(env: &Env, when: &str, what: &str) {
+    let progs = attached(env.cgroup.path());
+    assert!(progs.is_empty(), "still attached {when}: {progs:?}");
+    assert_all_fail(what, &env.tcp("10.96.0.10:80", 3), "ENETUNREACH");
+}
+
 /// SIGTERM to the agent; it exits 0.
 fn stop_with_exit_0(env: &mut Env) {
     let status = env.agent.as_mut().unwrap().stop().unwrap();
@@ -83,14 +91,8 @@ fn health_pins_inspect_and_clean_shutdown() {
          the programs and removes the pin directory",
         pins.display()
     );
-    let progs = attached(env.cgroup.path());
-    assert!(progs.is_empty(), "still attached after exit: {progs:?}");
     // Detached: the VIP is an unrouted address again.
-    assert_all_fail(
-        "TCP after the agent stopped",
-        &env.tcp("10.96.0.10:80", 3),
-        "ENETUNREACH",
-    );
+    assert_detached(&env, "after exit", "TCP after the agent stopped");
 }
 
 #[test]
@@ -126,11 +128,5 @@ fn sigterm_keeps_the_datapath_serving_until_cleanup() {
     .unwrap_or_else(|e| panic!("{e:#}"));
     eprintln!("cleanup: {out}");
     assert!(!pins.exists(), "cleanup left {}", pins.display());
-    let progs = attached(env.cgroup.path());
-    assert!(progs.is_empty(), "still attached after cleanup: {progs:?}");
-    assert_all_fail(
-        "TCP after cleanup",
-        &env.tcp("10.96.0.10:80", 3),
-        "ENETUNREACH",
-    );
+    assert_detached(&env, "after cleanup", "TCP after cleanup");
 }

@@ -42,6 +42,15 @@ fn slice_without(env: &Env, ports: &[(&str, u16, &str)], skip: &str) -> Endpoint
     }
 }
 
+/// Polls 10.96.0.10:80 (batches of 30) until `done`, which must hold
+/// within 5 s (else `late`) and took less than 2.5 s (`change`).
+fn within_2500ms(env: &Env, label: &str, late: &str, change: &str, done: impl Fn(&Spread) -> bool) {
+    let took = poll(env, "10.96.0.10:80", 30, Duration::from_secs(5), done);
+    eprintln!("{label} after {took:?}");
+    let took = took.expect(late);
+    assert!(took < Duration::from_millis(2500), "{change} took {took:?}");
+}
+
 #[test]
 fn endpoint_slice_edits_apply_live() {
     require_root!();
@@ -64,14 +73,12 @@ fn endpoint_slice_edits_apply_live() {
             &[slice_without(&env, &ports, "b3").to_value()],
         )
         .unwrap();
-    let took = poll(&env, "10.96.0.10:80", 30, Duration::from_secs(5), |s| {
-        s.ok() == s.total && s.count("b3") == 0
-    });
-    eprintln!("b3 removed: no longer chosen after {took:?}");
-    let took = took.expect("b3 still chosen 5 s after it left the EndpointSlice");
-    assert!(
-        took < Duration::from_millis(2500),
-        "the removal took {took:?}"
+    within_2500ms(
+        &env,
+        "b3 removed: no longer chosen",
+        "b3 still chosen 5 s after it left the EndpointSlice",
+        "the removal",
+        |s| s.ok() == s.total && s.count("b3") == 0,
     );
     let a = env.tcp("10.96.0.10:80", 150);
     assert_ok_spread("after removing b3", &a, &["b1", "b2"], 0.30);
@@ -82,14 +89,12 @@ fn endpoint_slice_edits_apply_live() {
     env.manifests
         .write("web-slice.yaml", &[env.slice("web", &ports).to_value()])
         .unwrap();
-    let took = poll(&env, "10.96.0.10:80", 30, Duration::from_secs(5), |s| {
-        s.count("b3") > 0
-    });
-    eprintln!("b3 back: chosen again after {took:?}");
-    let took = took.expect("b3 not chosen 5 s after it came back");
-    assert!(
-        took < Duration::from_millis(2500),
-        "the addition took {took:?}"
+    within_2500ms(
+        &env,
+        "b3 back: chosen again",
+        "b3 not chosen 5 s after it came back",
+        "the addition",
+        |s| s.count("b3") > 0,
     );
     let a = env.tcp("10.96.0.10:80", 150);
     assert_ok_spread("after restoring b3", &a, &["b1", "b2", "b3"], 0.15);

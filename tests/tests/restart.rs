@@ -24,12 +24,15 @@ fn web_slice(env: &Env, hosts: &[&str]) -> Value {
     slice(env, "web", &WEB_PORTS, hosts)
 }
 
-/// `web` on `hosts` in the API server, and an agent watching it.
-fn web_cluster(api: &ApiServer, env: &mut Env, hosts: &[&str]) {
+/// An API server with `web` on `hosts`, and `Env::new(tag, backends)` with
+/// an agent watching it.
+fn web_cluster(tag: &str, backends: u8, hosts: &[&str]) -> (ApiServer, Env) {
+    let (api, mut env) = api_and_env(tag, backends);
     api.apply(&web_service().to_value()).unwrap();
-    api.apply(&web_slice(env, hosts)).unwrap();
+    api.apply(&web_slice(&env, hosts)).unwrap();
     env.start_cluster_agent(&api.url(), AgentOpts::default())
         .unwrap();
+    (api, env)
 }
 
 /// The `key=N` fields of the first "synced" line in `log`.
@@ -133,8 +136,7 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
 #[test]
 fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
     require_root!();
-    let (api, mut env) = api_and_env("restart-away", 3);
-    web_cluster(&api, &mut env, &["b1", "b2"]);
+    let (api, mut env) = web_cluster("restart-away", 3, &["b1", "b2"]);
     assert_all_ok("before", &env.tcp("10.96.0.10:80", 10));
 
     // The agent crashes, and comes back while the API server is away: it
@@ -235,8 +237,7 @@ fn a_restart_that_recreates_the_maps_fails_no_connect() {
     // A new version whose maps differ (here: another --max-services) must
     // recreate them, and they start empty: the old programs have to keep
     // serving from the old maps until the new ones are filled.
-    let (api, mut env) = api_and_env("restart-layout", 2);
-    web_cluster(&api, &mut env, &["b1", "b2"]);
+    let (api, mut env) = web_cluster("restart-layout", 2, &["b1", "b2"]);
     assert_all_ok("before", &env.tcp("10.96.0.10:80", 5));
     let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", 1500, 1000).unwrap();
     std::thread::sleep(Duration::from_millis(300));
