@@ -3,6 +3,8 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::datapath::loader::Capacity;
+
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 
 #[derive(Debug, Parser)]
@@ -74,7 +76,7 @@ pub struct RunArgs {
     pub algorithm: AlgorithmArg,
     /// Length of each Maglev lookup table: a prime, one of
     /// 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521.
-    #[arg(long, default_value_t = crate::maglev::DEFAULT_TABLE_SIZE, value_parser = maglev_size)]
+    #[arg(long, default_value_t = crate::semantics::maglev::DEFAULT_TABLE_SIZE, value_parser = maglev_size)]
     pub maglev_table_size: u16,
     #[command(flatten)]
     pub capacity: Capacity,
@@ -93,11 +95,11 @@ pub struct NorthSouthArgs {
     /// Serve NodePorts only on node addresses within these prefixes
     /// (comma-separated), like kube-proxy's --nodeport-addresses.
     #[arg(long, value_delimiter = ',')]
-    pub nodeport_addresses: Vec<crate::northsouth::Cidr>,
+    pub nodeport_addresses: Vec<crate::semantics::northsouth::Cidr>,
     /// Opt-in CVE-2020-8554 mitigation: externalIPs outside these prefixes
     /// are refused, with a warning naming the Service.
     #[arg(long, value_delimiter = ',')]
-    pub allowed_external_ip_cidrs: Vec<crate::northsouth::Cidr>,
+    pub allowed_external_ip_cidrs: Vec<crate::semantics::northsouth::Cidr>,
     /// Idle lifetime of a TCP flow in the tc path's conntrack.
     #[arg(long, default_value = "6h", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_timeout: Duration,
@@ -110,8 +112,8 @@ pub struct NorthSouthArgs {
 }
 
 impl NorthSouthArgs {
-    pub fn timeouts(&self) -> crate::tc::Timeouts {
-        crate::tc::Timeouts {
+    pub fn timeouts(&self) -> crate::datapath::tc::Timeouts {
+        crate::datapath::tc::Timeouts {
             tcp: self.conntrack_tcp_timeout,
             tcp_close: self.conntrack_tcp_close_timeout,
             udp: self.conntrack_udp_timeout,
@@ -125,83 +127,43 @@ pub enum AlgorithmArg {
     Maglev,
 }
 
-impl From<AlgorithmArg> for crate::model::Algorithm {
+impl From<AlgorithmArg> for crate::semantics::model::Algorithm {
     fn from(a: AlgorithmArg) -> Self {
         match a {
-            AlgorithmArg::Random => crate::model::Algorithm::Random,
-            AlgorithmArg::Maglev => crate::model::Algorithm::Maglev,
+            AlgorithmArg::Random => crate::semantics::model::Algorithm::Random,
+            AlgorithmArg::Maglev => crate::semantics::model::Algorithm::Maglev,
         }
     }
 }
 
 fn maglev_size(s: &str) -> Result<u16, String> {
     let n: u16 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
-    if crate::maglev::TABLE_SIZES.contains(&n) {
+    if crate::semantics::maglev::TABLE_SIZES.contains(&n) {
         Ok(n)
     } else {
         Err(format!(
             "{n} is not one of the supported primes {:?}",
-            crate::maglev::TABLE_SIZES
+            crate::semantics::maglev::TABLE_SIZES
         ))
-    }
-}
-
-/// Map sizes; the defaults are `lb_common::capacity`.
-#[derive(Debug, Clone, Args)]
-pub struct Capacity {
-    #[arg(long, default_value_t = lb_common::capacity::SERVICES)]
-    pub max_services: u32,
-    #[arg(long, default_value_t = lb_common::capacity::BACKENDS)]
-    pub max_backends: u32,
-    /// Backend slots over all Services; twice the backends leaves room for a
-    /// set and its replacement.
-    #[arg(long, default_value_t = lb_common::capacity::SLOTS)]
-    pub max_slots: u32,
-    #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
-    pub max_reverse_sockets: u32,
-    #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
-    pub max_affinity: u32,
-    /// Flows of the tc path (two entries each: forward and reply).
-    #[arg(long, default_value_t = lb_common::capacity::CONNTRACK)]
-    pub max_conntrack: u32,
-}
-
-impl Default for Capacity {
-    fn default() -> Self {
-        Self {
-            max_services: lb_common::capacity::SERVICES,
-            max_backends: lb_common::capacity::BACKENDS,
-            max_slots: lb_common::capacity::SLOTS,
-            max_reverse_sockets: lb_common::capacity::REV_SOCK,
-            max_affinity: lb_common::capacity::AFFINITY,
-            max_conntrack: lb_common::capacity::CONNTRACK,
-        }
     }
 }
 
 #[derive(Debug, Subcommand)]
 pub enum InspectWhat {
     /// Every frontend with its backends, like `ipvsadm -Ln`.
-    Services {
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
-        /// Machine-readable output.
-        #[arg(long)]
-        json: bool,
-    },
+    Services(InspectArgs),
     /// Live sessionAffinity entries: client, Service, backend and age.
-    Affinity {
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
-        #[arg(long)]
-        json: bool,
-    },
+    Affinity(InspectArgs),
     /// Flows of the tc path (NodePort, LoadBalancer, externalIP): both
     /// directions, their translation and idle time.
-    Conntrack {
-        #[arg(long, default_value = DEFAULT_BPFFS)]
-        bpffs: PathBuf,
-        #[arg(long)]
-        json: bool,
-    },
+    Conntrack(InspectArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct InspectArgs {
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    pub bpffs: PathBuf,
+    /// Machine-readable output.
+    #[arg(long)]
+    pub json: bool,
 }

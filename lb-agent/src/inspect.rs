@@ -1,29 +1,65 @@
 //! `lb-agent inspect`: what the datapath does, read from the pinned maps
-//! alone, so it works with or without a running agent.
+//! alone, so it works with or without a running agent. Each subject
+//! (`Services`, `Affinity`, `Conntrack`) reads its views and renders them as
+//! a table; [`show`] prints either that table or the views as JSON.
 use std::{
     collections::BTreeMap,
     fmt::Write as _,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    net::{IpAddr, SocketAddr},
     path::Path,
 };
 
 use anyhow::Context as _;
+use aya::maps::{HashMap, MapData};
 use lb_common::{
-    affinity_client, backend_flags, is_ipv4_mapped, service_flags, BackendId, BackendSlotKey,
+    affinity_client, backend_flags, ct_flags, map_names, proto, service_flags, BackendId,
+    BackendSlotKey, CtEntry, CtKey,
 };
 use serde::Serialize;
 
 use crate::{
-    datapath::PinnedMaps,
-    model::{Protocol, Scope},
+    base::addr::ip_from_bytes,
+    base::clock::monotonic_now_ns,
+    cli::{InspectArgs, InspectWhat},
+    datapath::{loader::PinnedMaps, tc},
+    semantics::model::{Protocol, Scope},
 };
 
-pub fn ip_from_bytes(b: &[u8; 16]) -> IpAddr {
-    if is_ipv4_mapped(b) {
-        IpAddr::V4(Ipv4Addr::new(b[12], b[13], b[14], b[15]))
+/// One thing `lb-agent inspect` shows.
+pub trait Subject {
+    type View: Serialize;
+    fn read(dir: &Path) -> anyhow::Result<Vec<Self::View>>;
+    fn render(views: &[Self::View]) -> String;
+}
+
+/// Every frontend with its backends.
+pub struct Services;
+/// sessionAffinity entries.
+pub struct Affinity;
+/// Flows of the tc path.
+pub struct Conntrack;
+
+/// `S` read from the pins under `dir`, as a table or as pretty JSON.
+pub fn show<S: Subject>(dir: &Path, json: bool) -> anyhow::Result<String> {
+    let views = S::read(dir)?;
+    Ok(if json {
+        serde_json::to_string_pretty(&views)? + "\n"
     } else {
-        IpAddr::V6(Ipv6Addr::from(*b))
+        S::render(&views)
+    })
+}
+
+/// What `lb-agent inspect <what>` prints.
+pub fn show_what(what: &InspectWhat) -> anyhow::Result<String> {
+    match what {
+        InspectWhat::Services(a) => show_args::<Services>(a),
+        InspectWhat::Affinity(a) => show_args::<Affinity>(a),
+        InspectWhat::Conntrack(a) => show_args::<Conntrack>(a),
     }
+}
+
+fn show_args<S: Subject>(args: &InspectArgs) -> anyhow::Result<String> {
+    show::<S>(&args.bpffs, args.json)
 }
 
 #[derive(Debug, Serialize)]
@@ -52,111 +88,106 @@ pub struct FrontendView {
     pub missing_slots: Vec<u32>,
 }
 
-pub fn read_services(dir: &Path) -> anyhow::Result<Vec<FrontendView>> {
-    let maps = PinnedMaps::open(dir)?;
-    let mut out = BTreeMap::new();
-    for entry in maps.services.iter() {
-        let (key, value) = entry.context("reading LB_SERVICES")?;
-        let mut flags = Vec::new();
-        for (bit, name) in [
-            (service_flags::WILDCARD, "vip"),
-            (service_flags::AFFINITY, "affinity"),
-            (service_flags::MAGLEV, "maglev"),
-        ] {
-            if value.flags & bit != 0 {
-                flags.push(name);
-            }
-        }
-        let mut backends = Vec::new();
-        let mut missing_slots = Vec::new();
-        for slot in 0..(value.active as u32 + value.terminating as u32) {
-            let slot_key = BackendSlotKey {
-                backend_set: value.backend_set,
-                slot,
-            };
-            let Ok(s) = maps.slots.get(&slot_key, 0) else {
-                missing_slots.push(slot);
-                continue;
-            };
-            let Ok(b) = maps.backends.get(&BackendId { id: s.backend_id }, 0) else {
-                missing_slots.push(slot);
-                continue;
-            };
-            backends.push(BackendView {
-                id: s.backend_id,
-                addr: ip_from_bytes(&b.addr),
-                port: b.port,
-                state: if slot < value.active as u32 {
-                    "active"
-                } else {
-                    "terminating"
-                },
-                local: b.flags & backend_flags::LOCAL != 0,
-            });
-        }
-        let view = FrontendView {
-            addr: ip_from_bytes(&key.addr),
-            port: key.port,
-            protocol: Protocol::from_number(key.proto),
-            scope: Scope::from_number(key.scope),
-            service_id: value.id,
-            backend_set: value.backend_set,
-            flags,
-            affinity_timeout: (value.flags & service_flags::AFFINITY != 0)
-                .then_some(value.affinity_timeout),
-            backends,
-            missing_slots,
-        };
-        out.insert((key.scope, key.addr, key.port, key.proto), view);
-    }
-    Ok(out.into_values().collect())
-}
+impl Subject for Services {
+    type View = FrontendView;
 
-/// A table in the spirit of `ipvsadm -Ln`.
-pub fn render_services(views: &[FrontendView]) -> String {
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{:<8} {:<40} {:<6} {:<8} BACKENDS",
-        "SCOPE", "FRONTEND", "ID", "FLAGS"
-    );
-    for v in views {
-        let frontend = match (v.addr, v.protocol) {
-            (IpAddr::V4(a), Some(p)) => format!("{a}:{}/{p}", v.port),
-            (IpAddr::V6(a), Some(p)) => format!("[{a}]:{}/{p}", v.port),
-            (a, None) => format!("{a} (other ports refused)"),
-        };
-        let scope = match v.scope {
-            Some(Scope::Internal) => "internal",
-            Some(Scope::External) => "external",
-            None => "?",
-        };
-        let flags = if v.flags.is_empty() {
-            "-".to_owned()
-        } else {
-            v.flags.join(",")
-        };
+    fn read(dir: &Path) -> anyhow::Result<Vec<FrontendView>> {
+        let maps = PinnedMaps::open(dir)?;
+        let mut out = BTreeMap::new();
+        for entry in maps.services.iter() {
+            let (key, value) = entry.context("reading LB_SERVICES")?;
+            let flags = flag_names(
+                value.flags,
+                &[
+                    (service_flags::WILDCARD, "vip"),
+                    (service_flags::AFFINITY, "affinity"),
+                    (service_flags::MAGLEV, "maglev"),
+                ],
+            );
+            let mut backends = Vec::new();
+            let mut missing_slots = Vec::new();
+            for slot in 0..(value.active as u32 + value.terminating as u32) {
+                let slot_key = BackendSlotKey {
+                    backend_set: value.backend_set,
+                    slot,
+                };
+                let Ok(s) = maps.slots.get(&slot_key, 0) else {
+                    missing_slots.push(slot);
+                    continue;
+                };
+                let Ok(b) = maps.backends.get(&BackendId { id: s.backend_id }, 0) else {
+                    missing_slots.push(slot);
+                    continue;
+                };
+                backends.push(BackendView {
+                    id: s.backend_id,
+                    addr: ip_from_bytes(&b.addr),
+                    port: b.port,
+                    state: if slot < value.active as u32 {
+                        "active"
+                    } else {
+                        "terminating"
+                    },
+                    local: b.flags & backend_flags::LOCAL != 0,
+                });
+            }
+            let view = FrontendView {
+                addr: ip_from_bytes(&key.addr),
+                port: key.port,
+                protocol: Protocol::from_number(key.proto),
+                scope: Scope::from_number(key.scope),
+                service_id: value.id,
+                backend_set: value.backend_set,
+                flags,
+                affinity_timeout: (value.flags & service_flags::AFFINITY != 0)
+                    .then_some(value.affinity_timeout),
+                backends,
+                missing_slots,
+            };
+            out.insert((key.scope, key.addr, key.port, key.proto), view);
+        }
+        Ok(out.into_values().collect())
+    }
+
+    /// A table in the spirit of `ipvsadm -Ln`.
+    fn render(views: &[FrontendView]) -> String {
+        let mut s = String::new();
         let _ = writeln!(
             s,
-            "{scope:<8} {frontend:<40} {:<6} {flags:<8}",
-            v.service_id
+            "{:<8} {:<40} {:<6} {:<8} BACKENDS",
+            "SCOPE", "FRONTEND", "ID", "FLAGS"
         );
-        if v.backends.is_empty() && !v.flags.contains(&"vip") {
-            let _ = writeln!(s, "{:>66}", "(no backends: connects are refused)");
-        }
-        for b in &v.backends {
-            let addr = match b.addr {
-                IpAddr::V4(a) => format!("{a}:{}", b.port),
-                IpAddr::V6(a) => format!("[{a}]:{}", b.port),
+        for v in views {
+            let frontend = match (v.addr, v.protocol) {
+                (IpAddr::V4(a), Some(p)) => format!("{a}:{}/{p}", v.port),
+                (IpAddr::V6(a), Some(p)) => format!("[{a}]:{}/{p}", v.port),
+                (a, None) => format!("{a} (other ports refused)"),
             };
-            let local = if b.local { " local" } else { "" };
-            let _ = writeln!(s, "{:>66}{addr} ({}{local})", "-> ", b.state);
+            let scope = match v.scope {
+                Some(Scope::Internal) => "internal",
+                Some(Scope::External) => "external",
+                None => "?",
+            };
+            let flags = flags_column(&v.flags);
+            let _ = writeln!(
+                s,
+                "{scope:<8} {frontend:<40} {:<6} {flags:<8}",
+                v.service_id
+            );
+            if v.backends.is_empty() && !v.flags.contains(&"vip") {
+                let _ = writeln!(s, "{:>66}", "(no backends: connects are refused)");
+            }
+            for b in &v.backends {
+                let addr = SocketAddr::new(b.addr, b.port);
+                let local = if b.local { " local" } else { "" };
+                let _ = writeln!(s, "{:>66}{addr} ({}{local})", "-> ", b.state);
+            }
+            for slot in &v.missing_slots {
+                let _ = writeln!(s, "{:>66}slot {slot} MISSING", "-> ");
+            }
         }
-        for slot in &v.missing_slots {
-            let _ = writeln!(s, "{:>66}slot {slot} MISSING", "-> ");
-        }
+        s
     }
-    s
 }
 
 #[derive(Debug, Serialize)]
@@ -170,63 +201,168 @@ pub struct AffinityView {
     pub age_ms: u64,
 }
 
-pub fn read_affinity(dir: &Path) -> anyhow::Result<Vec<AffinityView>> {
-    let maps = PinnedMaps::open(dir)?;
-    let now = crate::affinity::monotonic_now_ns();
-    let mut out = Vec::new();
-    for entry in maps.affinity.iter() {
-        let (key, value) = entry.context("reading LB_AFFINITY")?;
-        let client = if key.kind == affinity_client::NETNS_COOKIE {
-            let mut cookie = [0u8; 8];
-            cookie.copy_from_slice(&key.client[..8]);
-            format!("netns:{}", u64::from_le_bytes(cookie))
-        } else {
-            format!("ip:{}", ip_from_bytes(&key.client))
-        };
-        let backend = maps
-            .backends
-            .get(
-                &BackendId {
-                    id: value.backend_id,
-                },
-                0,
-            )
-            .ok()
-            .map(|b| match ip_from_bytes(&b.addr) {
-                IpAddr::V4(a) => format!("{a}:{}", b.port),
-                IpAddr::V6(a) => format!("[{a}]:{}", b.port),
-            });
-        out.push(AffinityView {
-            client,
-            service_id: key.service_id,
-            backend_id: value.backend_id,
-            backend,
-            age_ms: now.saturating_sub(value.last_used_ns) / 1_000_000,
-        });
-    }
-    out.sort_by(|a, b| (a.service_id, &a.client).cmp(&(b.service_id, &b.client)));
-    Ok(out)
-}
+impl Subject for Affinity {
+    type View = AffinityView;
 
-pub fn render_affinity(views: &[AffinityView]) -> String {
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{:<28} {:<8} {:<28} {:>10}",
-        "CLIENT", "SERVICE", "BACKEND", "AGE"
-    );
-    for v in views {
-        let backend = v
-            .backend
-            .clone()
-            .unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
-        let age = format!("{:.1}s", v.age_ms as f64 / 1000.0);
+    fn read(dir: &Path) -> anyhow::Result<Vec<AffinityView>> {
+        let maps = PinnedMaps::open(dir)?;
+        let now = monotonic_now_ns();
+        let mut out = Vec::new();
+        for entry in maps.affinity.iter() {
+            let (key, value) = entry.context("reading LB_AFFINITY")?;
+            let client = if key.kind == affinity_client::NETNS_COOKIE {
+                let mut cookie = [0u8; 8];
+                cookie.copy_from_slice(&key.client[..8]);
+                format!("netns:{}", u64::from_le_bytes(cookie))
+            } else {
+                format!("ip:{}", ip_from_bytes(&key.client))
+            };
+            let backend = maps
+                .backends
+                .get(
+                    &BackendId {
+                        id: value.backend_id,
+                    },
+                    0,
+                )
+                .ok()
+                .map(|b| sockaddr(&b.addr, b.port));
+            out.push(AffinityView {
+                client,
+                service_id: key.service_id,
+                backend_id: value.backend_id,
+                backend,
+                age_ms: now.saturating_sub(value.last_used_ns) / 1_000_000,
+            });
+        }
+        out.sort_by(|a, b| (a.service_id, &a.client).cmp(&(b.service_id, &b.client)));
+        Ok(out)
+    }
+
+    fn render(views: &[AffinityView]) -> String {
+        let mut s = String::new();
         let _ = writeln!(
             s,
             "{:<28} {:<8} {:<28} {:>10}",
-            v.client, v.service_id, backend, age
+            "CLIENT", "SERVICE", "BACKEND", "AGE"
         );
+        for v in views {
+            let backend = v
+                .backend
+                .clone()
+                .unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
+            let age = format!("{:.1}s", v.age_ms as f64 / 1000.0);
+            let _ = writeln!(
+                s,
+                "{:<28} {:<8} {:<28} {:>10}",
+                v.client, v.service_id, backend, age
+            );
+        }
+        let _ = writeln!(s, "{} entries", views.len());
+        s
     }
-    let _ = writeln!(s, "{} entries", views.len());
-    s
+}
+
+/// One conntrack entry for `inspect conntrack`.
+#[derive(Debug, serde::Serialize)]
+pub struct CtView {
+    pub direction: &'static str,
+    pub proto: &'static str,
+    pub src: String,
+    pub dst: String,
+    pub nat_src: String,
+    pub nat_dst: String,
+    pub service_id: u32,
+    pub backend_id: u32,
+    pub flags: Vec<&'static str>,
+    pub idle_ms: u64,
+}
+
+fn sockaddr(a: &[u8; 16], port: u16) -> String {
+    SocketAddr::new(ip_from_bytes(a), port).to_string()
+}
+
+impl Subject for Conntrack {
+    type View = CtView;
+
+    fn read(dir: &Path) -> anyhow::Result<Vec<CtView>> {
+        let map: HashMap<MapData, CtKey, CtEntry> =
+            HashMap::try_from(tc::open(dir, map_names::CONNTRACK)?)?;
+        let now = monotonic_now_ns();
+        let mut views: Vec<CtView> = map
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, e)| {
+                let flags = flag_names(
+                    e.flags,
+                    &[
+                        (ct_flags::SNAT, "snat"),
+                        (ct_flags::LOCAL, "local"),
+                        (ct_flags::CLOSING, "closing"),
+                    ],
+                );
+                CtView {
+                    direction: if e.flags & ct_flags::REPLY != 0 {
+                        "reply"
+                    } else {
+                        "forward"
+                    },
+                    proto: if k.proto == proto::TCP { "TCP" } else { "UDP" },
+                    src: sockaddr(&k.src, k.sport),
+                    dst: sockaddr(&k.dst, k.dport),
+                    nat_src: sockaddr(&e.nat_src, e.nat_sport),
+                    nat_dst: sockaddr(&e.nat_dst, e.nat_dport),
+                    service_id: e.service_id,
+                    backend_id: e.backend_id,
+                    flags,
+                    idle_ms: now.saturating_sub(e.last_seen_ns) / 1_000_000,
+                }
+            })
+            .collect();
+        views.sort_by(|a, b| (a.direction, &a.src, &a.dst).cmp(&(b.direction, &b.src, &b.dst)));
+        Ok(views)
+    }
+
+    fn render(views: &[CtView]) -> String {
+        let mut out = format!(
+            "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<14} {:>9}\n",
+            "DIR", "PROTO", "SRC", "DST", "NAT SRC", "NAT DST", "SVC", "FLAGS", "IDLE ms"
+        );
+        for v in views {
+            let flags = flags_column(&v.flags);
+            out += &format!(
+                "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<14} {:>9}\n",
+                v.direction,
+                v.proto,
+                v.src,
+                v.dst,
+                v.nat_src,
+                v.nat_dst,
+                v.service_id,
+                flags,
+                v.idle_ms
+            );
+        }
+        out
+    }
+}
+
+/// The names of the bits of `flags` that are set, in `table`'s order.
+fn flag_names<T>(flags: T, table: &[(T, &'static str)]) -> Vec<&'static str>
+where
+    T: Copy + Default + PartialEq + std::ops::BitAnd<Output = T>,
+{
+    table
+        .iter()
+        .filter(|&&(bit, _)| flags & bit != T::default())
+        .map(|&(_, name)| name)
+        .collect()
+}
+
+fn flags_column(flags: &[&str]) -> String {
+    if flags.is_empty() {
+        "-".to_owned()
+    } else {
+        flags.join(",")
+    }
 }

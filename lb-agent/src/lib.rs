@@ -1,20 +1,23 @@
 //! The agent: keeps the kernel's load-balancing maps in sync with Services.
-pub mod affinity;
-pub mod batch;
+//!
+//! Folders are layers; a module may use the ones below it, never one above
+//! (`tests/layers.rs` checks it):
+//!
+//! | layer | holds |
+//! |---|---|
+//! | `cli`, `inspect`, `run` | the command line, `lb-agent inspect`, and the wiring of `run` |
+//! | `serve` | health, readiness, metrics and health-check node ports over HTTP |
+//! | `datapath` | loading and pinning, the reconciler, tc, affinity, socket destruction |
+//! | `semantics` | pure Kubernetes semantics: objects in, desired state out |
+//! | `input` | manifests directory, API watchers, and the store they feed |
+//! | `base` | address conversions, the kernel clock, the metrics registry |
+//!
+//! `serve` and `datapath` do not use each other.
+pub mod base;
 pub mod cli;
-pub mod cluster;
 pub mod datapath;
-pub mod health;
-pub mod healthcheck;
+pub mod input;
 pub mod inspect;
-pub mod maglev;
-pub mod manifest;
-pub mod metrics;
-pub mod model;
-pub mod northsouth;
-pub mod reconcile;
 pub mod run;
-pub mod sockets;
-pub mod store;
-pub mod tc;
-pub mod translate;
+pub mod semantics;
+pub mod serve;

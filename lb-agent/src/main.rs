@@ -1,8 +1,9 @@
 use anyhow::Context as _;
 use clap::Parser as _;
 use lb_agent::{
-    cli::{Cli, Command, InspectWhat},
-    datapath, inspect, run,
+    cli::{Cli, Command},
+    datapath::loader,
+    inspect, run,
 };
 use tracing_subscriber::EnvFilter;
 
@@ -21,38 +22,13 @@ fn main() -> anyhow::Result<()> {
             .build()
             .context("starting the runtime")?
             .block_on(run::run(*args)),
-        Command::Inspect { what } => match what {
-            InspectWhat::Services { bpffs, json } => {
-                let views = inspect::read_services(&bpffs)?;
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&views)?);
-                } else {
-                    print!("{}", inspect::render_services(&views));
-                }
-                Ok(())
-            }
-            InspectWhat::Conntrack { bpffs, json } => {
-                let views = lb_agent::tc::read_conntrack(&bpffs)?;
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&views)?);
-                } else {
-                    print!("{}", lb_agent::tc::render_conntrack(&views));
-                }
-                Ok(())
-            }
-            InspectWhat::Affinity { bpffs, json } => {
-                let views = inspect::read_affinity(&bpffs)?;
-                if json {
-                    println!("{}", serde_json::to_string_pretty(&views)?);
-                } else {
-                    print!("{}", inspect::render_affinity(&views));
-                }
-                Ok(())
-            }
-        },
+        Command::Inspect { what } => {
+            print!("{}", inspect::show_what(&what)?);
+            Ok(())
+        }
         Command::Cleanup { bpffs } => {
-            let links = datapath::detach_pinned_links(&bpffs)?;
-            datapath::remove_pins(&bpffs)?;
+            let links = loader::detach_pinned_links(&bpffs)?;
+            loader::remove_pins(&bpffs)?;
             eprintln!(
                 "detached {links} program links and removed {}",
                 bpffs.display()

@@ -12,18 +12,19 @@ use notify::{RecommendedWatcher, RecursiveMode, Watcher as _};
 use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 
 use crate::{
-    cli::{Capacity, NorthSouthArgs, RunArgs},
-    cluster::{self, ApiAccess, SharedState},
-    datapath::{self, Datapath},
-    health::{self, Readiness},
-    healthcheck::HealthCheckServers,
-    manifest,
-    metrics::{MapLabel, Metrics, RejectLabel},
-    model::{Algorithm, Frontend},
-    northsouth::{self, Cidr},
-    reconcile::Reconciler,
-    store::{Changes, Rejection, Store},
-    translate::{TranslateOptions, Translator},
+    base::metrics::{MapLabel, Metrics, RejectLabel},
+    cli::{NorthSouthArgs, RunArgs},
+    datapath::loader::Capacity,
+    datapath::loader::{self, Datapath},
+    datapath::reconcile::Reconciler,
+    input::manifest,
+    input::store::{Changes, Rejection, Store},
+    input::watch::{self, ApiAccess, SharedState},
+    semantics::model::{Algorithm, Frontend},
+    semantics::northsouth::{self, Cidr},
+    semantics::translate::{TranslateOptions, Translator},
+    serve::health::{self, Readiness},
+    serve::healthcheck::HealthCheckServers,
 };
 
 /// How long a replaced backend set stays readable after the switch. A
@@ -116,7 +117,7 @@ struct Syncer {
     metrics: Metrics,
     north_south: NorthSouthArgs,
     /// The tc maps; `None` when they could not be opened (logged).
-    tc: Option<crate::tc::TcMaps>,
+    tc: Option<crate::datapath::tc::TcMaps>,
     /// Devices the tc programs are attached to; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
     health_checks: HealthCheckServers,
@@ -196,7 +197,7 @@ impl Syncer {
     fn sync(&mut self, full: bool) {
         let started = Instant::now();
         let node_name = self.node_name.clone();
-        let interfaces = crate::tc::interface_addresses().unwrap_or_else(|e| {
+        let interfaces = crate::datapath::tc::interface_addresses().unwrap_or_else(|e| {
             tracing::warn!("listing the network devices: {e:#}");
             Default::default()
         });
@@ -298,7 +299,7 @@ impl Syncer {
 
     fn record(
         &self,
-        report: &crate::reconcile::SyncReport,
+        report: &crate::datapath::reconcile::SyncReport,
         rejections: &[Rejection],
         took: Duration,
     ) {
@@ -342,7 +343,10 @@ impl Syncer {
     /// Connected UDP sockets keep talking to the backend they were sent to;
     /// when it left their Service, destroy them so the application sees an
     /// error and reconnects through the hook to a live backend.
-    fn destroy_departed_udp(&mut self, departed: &BTreeSet<(u32, crate::model::BackendAddr)>) {
+    fn destroy_departed_udp(
+        &mut self,
+        departed: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
+    ) {
         let targets: BTreeSet<std::net::SocketAddr> = departed
             .iter()
             .map(|(_, b)| std::net::SocketAddr::new(b.addr, b.port))
@@ -350,7 +354,7 @@ impl Syncer {
         let maps = self.datapath.maps();
         let cgroup = self.cgroup.clone();
         let report = tokio::task::block_in_place(|| {
-            crate::sockets::destroy_udp_sockets(&cgroup, &targets, |sock| {
+            crate::datapath::sockets::destroy_udp_sockets(&cgroup, &targets, |sock| {
                 let Some(service_id) = maps.service_of_socket(sock.cookie, sock.dst) else {
                     // Not sent through us (a direct pod-to-pod socket).
                     return false;
@@ -363,10 +367,10 @@ impl Syncer {
                 };
                 departed.contains(&(
                     service_id,
-                    crate::model::BackendAddr {
+                    crate::semantics::model::BackendAddr {
                         addr: ip,
                         port: sock.dst.port(),
-                        protocol: crate::model::Protocol::Udp,
+                        protocol: crate::semantics::model::Protocol::Udp,
                     },
                 ))
             })
@@ -392,7 +396,7 @@ impl Syncer {
         &mut self,
         net: &NodeNet,
         ranges: &std::collections::BTreeMap<Frontend, Vec<Cidr>>,
-        departed: &BTreeSet<(u32, crate::model::BackendAddr)>,
+        departed: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
     ) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
@@ -415,7 +419,7 @@ impl Syncer {
         }
         if self.tc_devices.as_ref() != Some(&net.devices) {
             let links = self.datapath.pin_dir().join("links");
-            match crate::tc::attach(self.datapath.ebpf_mut(), &links, &net.devices) {
+            match crate::datapath::tc::attach(self.datapath.ebpf_mut(), &links, &net.devices) {
                 Ok(replaced) => {
                     tracing::info!(
                         devices = ?net.devices,
@@ -510,7 +514,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let cgroup = match args.cgroup.clone() {
         Some(c) => c,
-        None => datapath::cgroup2_root()?,
+        None => loader::cgroup2_root()?,
     };
     let metrics = Metrics::new();
     let ready = Readiness::default();
@@ -534,9 +538,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 kubeconfig: args.kubeconfig.clone(),
                 api_server: args.k8s_api_server.clone(),
             };
-            let client = cluster::client(&access).await?;
+            let client = watch::client(&access).await?;
             let state: SharedState = Arc::new(Mutex::new(Default::default()));
-            cluster::start(
+            watch::start(
                 client,
                 &node_name,
                 state.clone(),
@@ -549,7 +553,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     let (mut datapath, mut adopted) = Datapath::load_detached(&args.bpffs, &args.capacity)?;
     if let Some(logger) = adopted.logger.take() {
-        datapath::forward_kernel_logs(logger)?;
+        loader::forward_kernel_logs(logger)?;
     }
     for r in &adopted.recreated {
         tracing::warn!("map layout changed since the last run, recreated: {r}");
@@ -593,7 +597,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         problems: ProblemLog::default(),
         metrics,
         north_south: args.north_south.clone(),
-        tc: match crate::tc::TcMaps::open(&args.bpffs) {
+        tc: match crate::datapath::tc::TcMaps::open(&args.bpffs) {
             Ok(m) => Some(m),
             Err(e) => {
                 tracing::error!("the tc path is disabled: {e:#}");

@@ -25,7 +25,10 @@ use lb_common::{
     ServiceValue,
 };
 
-use crate::model::{Algorithm, BackendAddr, DesiredState, Frontend, FrontendState, Scope};
+use crate::{
+    base::addr::addr_bytes,
+    semantics::model::{Algorithm, BackendAddr, DesiredState, Frontend, FrontendState, Scope},
+};
 
 /// A map operation failed; `what` names the object it was for.
 #[derive(Debug, thiserror::Error)]
@@ -51,24 +54,15 @@ pub trait MapOps {
     /// The default is the per-element loop, which the unit tests observe
     /// write by write.
     fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> BatchResult {
-        for (i, (k, v)) in items.iter().enumerate() {
-            self.put_backend(*k, *v).map_err(|e| (i, e))?;
-        }
-        Ok(())
+        each(items, |k, v| self.put_backend(k, v))
     }
     /// Like [`put_backends`](Self::put_backends), for backend slots.
     fn put_slots(&mut self, items: &[(BackendSlotKey, BackendSlot)]) -> BatchResult {
-        for (i, (k, v)) in items.iter().enumerate() {
-            self.put_slot(*k, *v).map_err(|e| (i, e))?;
-        }
-        Ok(())
+        each(items, |k, v| self.put_slot(k, v))
     }
     /// Like [`put_backends`](Self::put_backends), for frontends.
     fn put_services(&mut self, items: &[(ServiceKey, ServiceValue)]) -> BatchResult {
-        for (i, (k, v)) in items.iter().enumerate() {
-            self.put_service(*k, *v).map_err(|e| (i, e))?;
-        }
-        Ok(())
+        each(items, |k, v| self.put_service(k, v))
     }
     /// Deletes every slot in `keys`; one already gone is what we want, and
     /// other failures are left for the next retire. Best effort.
@@ -82,12 +76,35 @@ pub trait MapOps {
 /// A batch write: `Err((written, error))` when the element at `written` failed.
 pub type BatchResult = Result<(), (usize, std::io::Error)>;
 
-pub fn addr_bytes(addr: IpAddr) -> [u8; 16] {
-    match addr {
-        IpAddr::V4(a) => lb_common::ipv4_mapped(a.octets()),
-        // Already mapped (as a dual-stack socket reports it) or native v6.
-        IpAddr::V6(a) => a.octets(),
+/// `write` for each item in order, stopping at the first failure.
+fn each<K: Copy, V: Copy>(
+    items: &[(K, V)],
+    mut write: impl FnMut(K, V) -> std::io::Result<()>,
+) -> BatchResult {
+    for (i, &(k, v)) in items.iter().enumerate() {
+        write(k, v).map_err(|e| (i, e))?;
     }
+    Ok(())
+}
+
+/// Writes `items` with one `batch` call, then each item the batch did not
+/// write with `one` of its own, so that every failure names its element.
+/// Returns each item's result, in order.
+fn batch_then_each<O: MapOps, K: Copy, V: Copy>(
+    ops: &mut O,
+    items: &[(K, V)],
+    batch: fn(&mut O, &[(K, V)]) -> BatchResult,
+    one: fn(&mut O, K, V) -> std::io::Result<()>,
+) -> Vec<std::io::Result<()>> {
+    let batched = match batch(ops, items) {
+        Ok(()) => items.len(),
+        Err((written, _)) => written,
+    };
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, &(k, v))| if i < batched { Ok(()) } else { one(ops, k, v) })
+        .collect()
 }
 
 pub fn service_key(f: &Frontend) -> ServiceKey {
@@ -337,11 +354,11 @@ impl Reconciler {
         let slots: BTreeMap<BackendSlotKey, u32> =
             slots.into_iter().map(|(k, v)| (k, v.backend_id)).collect();
         for (id, value) in backends {
-            let Some(protocol) = crate::model::Protocol::from_number(value.proto) else {
+            let Some(protocol) = crate::semantics::model::Protocol::from_number(value.proto) else {
                 continue;
             };
             let addr = BackendAddr {
-                addr: crate::inspect::ip_from_bytes(&value.addr),
+                addr: crate::base::addr::ip_from_bytes(&value.addr),
                 port: value.port,
                 protocol,
             };
@@ -351,7 +368,7 @@ impl Reconciler {
         }
         let backend_ids: BTreeSet<u32> = r.used_backend_ids.used.clone();
         for (key, value) in services {
-            let addr = crate::inspect::ip_from_bytes(&key.addr);
+            let addr = crate::base::addr::ip_from_bytes(&key.addr);
             let Some(scope) = Scope::from_number(key.scope) else {
                 continue;
             };
@@ -359,7 +376,7 @@ impl Reconciler {
                 r.vips.insert((addr, scope));
                 continue;
             }
-            let Some(protocol) = crate::model::Protocol::from_number(key.proto) else {
+            let Some(protocol) = crate::semantics::model::Protocol::from_number(key.proto) else {
                 continue;
             };
             let len = value.active as u32 + value.terminating as u32 + value.maglev_size as u32;
@@ -521,17 +538,8 @@ impl Reconciler {
             .iter()
             .map(|(_, id, v, _)| (BackendId { id: *id }, *v))
             .collect();
-        let batched = match ops.put_backends(&items) {
-            Ok(()) => items.len(),
-            Err((written, _)) => written,
-        };
-        for (i, (addr, id, value, fresh)) in pending.into_iter().enumerate() {
-            // Past a failed batch, one by one, so each failure names its object.
-            let written = if i < batched {
-                Ok(())
-            } else {
-                ops.put_backend(BackendId { id }, value)
-            };
+        let written = batch_then_each(ops, &items, MapOps::put_backends, MapOps::put_backend);
+        for ((addr, id, value, fresh), written) in pending.into_iter().zip(written) {
             match written {
                 Ok(()) => {
                     self.backends.insert(addr, ProgrammedBackend { id, value });
@@ -606,11 +614,13 @@ impl Reconciler {
             .filter(|p| !p.adopt_only)
             .map(|p| (service_key(&p.frontend), p.value))
             .collect();
-        let batched = match ops.put_services(&service_items) {
-            Ok(()) => service_items.len(),
-            Err((written, _)) => written,
-        };
-        let mut n = 0;
+        let mut written = batch_then_each(
+            ops,
+            &service_items,
+            MapOps::put_services,
+            MapOps::put_service,
+        )
+        .into_iter();
         for plan in ready {
             if plan.adopt_only {
                 let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
@@ -619,25 +629,22 @@ impl Reconciler {
                 report.frontends_adopted += 1;
                 continue;
             }
-            let i = n;
-            n += 1;
-            if i >= batched {
-                if let Err(source) = ops.put_service(service_key(&plan.frontend), plan.value) {
-                    if plan.fresh_set {
-                        self.retiring.push((plan.set, plan.slots.len() as u32));
-                    }
-                    if plan.fresh_id {
-                        self.used_service_ids.remove(&plan.id);
-                    }
-                    report.errors.push(
-                        MapWriteError {
-                            what: format!("frontend {} ({})", plan.frontend, plan.state.service),
-                            source,
-                        }
-                        .to_string(),
-                    );
-                    continue;
+            let written = written.next().expect("one result per written plan");
+            if let Err(source) = written {
+                if plan.fresh_set {
+                    self.retiring.push((plan.set, plan.slots.len() as u32));
                 }
+                if plan.fresh_id {
+                    self.used_service_ids.remove(&plan.id);
+                }
+                report.errors.push(
+                    MapWriteError {
+                        what: format!("frontend {} ({})", plan.frontend, plan.state.service),
+                        source,
+                    }
+                    .to_string(),
+                );
+                continue;
             }
             self.commit(plan, &mut report);
         }
@@ -658,16 +665,8 @@ impl Reconciler {
             .iter()
             .map(|(addr, scope)| (vip_key(*addr, *scope), marker))
             .collect();
-        let batched = match ops.put_services(&vip_items) {
-            Ok(()) => vip_items.len(),
-            Err((written, _)) => written,
-        };
-        for (i, (addr, scope)) in new_vips.into_iter().enumerate() {
-            let written = if i < batched {
-                Ok(())
-            } else {
-                ops.put_service(vip_key(addr, scope), marker)
-            };
+        let written = batch_then_each(ops, &vip_items, MapOps::put_services, MapOps::put_service);
+        for ((addr, scope), written) in new_vips.into_iter().zip(written) {
             match written {
                 Ok(()) => {
                     self.vips.insert((addr, scope));
@@ -738,7 +737,7 @@ impl Reconciler {
         keep: &[u32],
         report: &mut SyncReport,
     ) {
-        if frontend.protocol != crate::model::Protocol::Udp {
+        if frontend.protocol != crate::semantics::model::Protocol::Udp {
             return;
         }
         let serving = (p.value.active as usize + p.value.terminating as usize).min(p.slots.len());
@@ -797,7 +796,7 @@ impl Reconciler {
             let names: Vec<String> = state.active.iter().map(|r| r.backend.to_string()).collect();
             let active_ids = slots[..state.active.len()].to_vec();
             slots.extend(
-                crate::maglev::build(&names, self.maglev_size)
+                crate::semantics::maglev::build(&names, self.maglev_size)
                     .into_iter()
                     .map(|i| active_ids[i as usize]),
             );
@@ -891,7 +890,7 @@ impl Reconciler {
 
     /// The affinity policy of every programmed frontend that has one, by
     /// service id, for the affinity sweeper.
-    pub fn affinity_policies(&self) -> BTreeMap<u32, crate::affinity::AffinityPolicy> {
+    pub fn affinity_policies(&self) -> BTreeMap<u32, crate::datapath::affinity::AffinityPolicy> {
         self.frontends
             .values()
             .filter_map(|p| {
@@ -899,14 +898,14 @@ impl Reconciler {
                     return None;
                 }
                 let timeout_s = p.value.affinity_timeout;
-                let active_backends = crate::affinity::selectable_backends(
+                let active_backends = crate::datapath::affinity::selectable_backends(
                     &p.slots,
                     p.value.active,
                     p.value.terminating,
                 );
                 Some((
                     p.id,
-                    crate::affinity::AffinityPolicy {
+                    crate::datapath::affinity::AffinityPolicy {
                         timeout_s,
                         active_backends,
                     },
@@ -988,7 +987,7 @@ mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::model::{BackendRef, FrontendKind, Protocol, ServiceName};
+    use crate::semantics::model::{BackendRef, FrontendKind, Protocol, ServiceName};
 
     /// Maps as plain collections. After every single write it checks what a
     /// concurrent connect could observe: each frontend's slots all resolve

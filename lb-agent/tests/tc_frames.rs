@@ -14,7 +14,11 @@ use lb_common::{
     BackendSlotKey, CtEntry, CtKey, ServiceKey, ServiceValue, TcConfig,
 };
 
-use crate::{datapath::EBPF_OBJECT, reconcile::addr_bytes};
+use lb_agent::{
+    base::addr::addr_bytes,
+    datapath::{loader::EBPF_OBJECT, tc},
+    semantics::{maglev, model},
+};
 
 const UNSPEC: u32 = u32::MAX;
 const OK: u32 = 0;
@@ -229,7 +233,7 @@ impl Fixture {
             .map_max_entries(map_names::SOURCE_RANGES, 64)
             .load(EBPF_OBJECT)
             .expect("loading the object");
-        for name in [crate::tc::INGRESS, crate::tc::EGRESS] {
+        for name in [tc::INGRESS, tc::EGRESS] {
             let p: &mut SchedClassifier = ebpf.program_mut(name).unwrap().try_into().unwrap();
             p.load()
                 .unwrap_or_else(|e| panic!("verifying {name}: {e:?}"));
@@ -629,12 +633,12 @@ fn source_ranges() {
     let mut fx = Fixture::new();
     fx.backend(1, "10.244.1.10", 8080, proto::TCP, true);
     fx.frontend("203.0.113.10", 80, proto::TCP, 1, &[1]);
-    let mut maps = crate::tc::SourceRangeWriter::from_ebpf(&mut fx.ebpf);
-    let f = crate::model::Frontend {
+    let mut maps = tc::SourceRangeWriter::from_ebpf(&mut fx.ebpf);
+    let f = model::Frontend {
         addr: ip("203.0.113.10"),
         port: 80,
-        protocol: crate::model::Protocol::Tcp,
-        scope: crate::model::Scope::External,
+        protocol: model::Protocol::Tcp,
+        scope: model::Scope::External,
     };
     let wanted = std::collections::BTreeMap::from([(f, vec!["192.168.77.0/25".parse().unwrap()])]);
     assert!(maps.sync(&wanted).is_empty());
@@ -796,7 +800,7 @@ fn maglev_selection_is_a_function_of_the_tuple() {
     }
     fx.frontend(NODE4, 30080, proto::TCP, 5, &[1, 2, 3]);
     let size = 251u16;
-    let table = crate::maglev::build(&names, size);
+    let table = maglev::build(&names, size);
     let key = ServiceKey {
         addr: addr_bytes(ip(NODE4)),
         port: 30080,

@@ -21,10 +21,42 @@ use lb_common::{
 };
 
 use crate::{
-    affinity::{self, AffinityPolicy, Stale, SweepReport},
-    cli::Capacity,
-    reconcile::MapOps,
+    datapath::affinity::{self, AffinityPolicy, Stale, SweepReport},
+    datapath::reconcile::MapOps,
 };
+
+/// Map sizes; the defaults are `lb_common::capacity`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct Capacity {
+    #[arg(long, default_value_t = lb_common::capacity::SERVICES)]
+    pub max_services: u32,
+    #[arg(long, default_value_t = lb_common::capacity::BACKENDS)]
+    pub max_backends: u32,
+    /// Backend slots over all Services; twice the backends leaves room for a
+    /// set and its replacement.
+    #[arg(long, default_value_t = lb_common::capacity::SLOTS)]
+    pub max_slots: u32,
+    #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
+    pub max_reverse_sockets: u32,
+    #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
+    pub max_affinity: u32,
+    /// Flows of the tc path (two entries each: forward and reply).
+    #[arg(long, default_value_t = lb_common::capacity::CONNTRACK)]
+    pub max_conntrack: u32,
+}
+
+impl Default for Capacity {
+    fn default() -> Self {
+        Self {
+            max_services: lb_common::capacity::SERVICES,
+            max_backends: lb_common::capacity::BACKENDS,
+            max_slots: lb_common::capacity::SLOTS,
+            max_reverse_sockets: lb_common::capacity::REV_SOCK,
+            max_affinity: lb_common::capacity::AFFINITY,
+            max_conntrack: lb_common::capacity::CONNTRACK,
+        }
+    }
+}
 
 /// The compiled kernel programs (`lb-ebpf`), embedded by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
@@ -134,7 +166,7 @@ impl PinnedMaps {
     pub fn service_of_socket(&self, cookie: u64, dst: std::net::SocketAddr) -> Option<u32> {
         let key = lb_common::ReverseSockKey {
             cookie,
-            addr: crate::reconcile::addr_bytes(dst.ip()),
+            addr: crate::base::addr::addr_bytes(dst.ip()),
             port: dst.port(),
             _pad: [0; 6],
         };
@@ -146,7 +178,7 @@ impl PinnedMaps {
         &mut self,
         policies: &std::collections::BTreeMap<u32, AffinityPolicy>,
     ) -> SweepReport {
-        let now = affinity::monotonic_now_ns();
+        let now = crate::base::clock::monotonic_now_ns();
         // Entries the kernel adds meanwhile are simply seen next time.
         let entries: Vec<(AffinityKey, AffinityEntry)> =
             self.affinity.iter().filter_map(Result::ok).collect();
@@ -170,82 +202,63 @@ impl PinnedMaps {
     }
 }
 
-/// What a map must look like to be adopted: (type, key size, value size,
-/// max entries). `bpf_map_type` numbers: hash 1, array 2, per-CPU array 6,
-/// LRU hash 9, LPM trie 11.
-fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u32); 10] {
-    use std::mem::size_of;
+/// `bpf_map_type` numbers of the maps the object declares.
+mod map_type {
+    pub const HASH: u32 = 1;
+    pub const ARRAY: u32 = 2;
+    pub const PERCPU_ARRAY: u32 = 6;
+    pub const LRU_HASH: u32 = 9;
+    pub const LPM_TRIE: u32 = 11;
+    pub const SK_STORAGE: u32 = 24;
+}
+
+/// What a pinned map must look like to be adopted.
+struct Layout {
+    name: &'static str,
+    map_type: u32,
+    key: usize,
+    value: usize,
+    max_entries: u32,
+}
+
+fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
+    Layout {
+        name,
+        map_type,
+        key: std::mem::size_of::<K>(),
+        value: std::mem::size_of::<V>(),
+        max_entries,
+    }
+}
+
+fn expected_layouts(capacity: &Capacity) -> [Layout; 10] {
+    use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
+    use map_type::*;
+    let c = capacity;
+    let source_ranges = layout::<lb_common::SourceRangeData, u32>(
+        map_names::SOURCE_RANGES,
+        LPM_TRIE,
+        lb_common::capacity::SOURCE_RANGES,
+    );
     [
-        (
-            map_names::SERVICES,
-            1,
-            size_of::<ServiceKey>(),
-            size_of::<ServiceValue>(),
-            capacity.max_services,
-        ),
-        (
-            map_names::SLOTS,
-            1,
-            size_of::<BackendSlotKey>(),
-            size_of::<BackendSlot>(),
-            capacity.max_slots,
-        ),
-        (
-            map_names::BACKENDS,
-            1,
-            size_of::<BackendId>(),
-            size_of::<Backend>(),
-            capacity.max_backends,
-        ),
-        (
+        layout::<ServiceKey, ServiceValue>(map_names::SERVICES, HASH, c.max_services),
+        layout::<BackendSlotKey, BackendSlot>(map_names::SLOTS, HASH, c.max_slots),
+        layout::<BackendId, Backend>(map_names::BACKENDS, HASH, c.max_backends),
+        layout::<ReverseSockKey, ReverseSockValue>(
             map_names::REV_SOCK,
-            9,
-            size_of::<lb_common::ReverseSockKey>(),
-            size_of::<lb_common::ReverseSockValue>(),
-            capacity.max_reverse_sockets,
+            LRU_HASH,
+            c.max_reverse_sockets,
         ),
-        (
-            map_names::SOCK_PEER,
-            24,
-            size_of::<i32>(),
-            size_of::<lb_common::SockPeer>(),
-            0,
-        ),
-        (
-            map_names::AFFINITY,
-            9,
-            size_of::<AffinityKey>(),
-            size_of::<AffinityEntry>(),
-            capacity.max_affinity,
-        ),
-        (
-            map_names::STATS,
-            6,
-            size_of::<u32>(),
-            size_of::<u64>(),
-            lb_common::stat::COUNT,
-        ),
-        (
-            map_names::CONNTRACK,
-            9,
-            size_of::<lb_common::CtKey>(),
-            size_of::<lb_common::CtEntry>(),
-            capacity.max_conntrack,
-        ),
-        (
-            map_names::SOURCE_RANGES,
-            11,
-            4 + size_of::<lb_common::SourceRangeData>(),
-            size_of::<u32>(),
-            lb_common::capacity::SOURCE_RANGES,
-        ),
-        (
-            map_names::TC_CONFIG,
-            2,
-            size_of::<u32>(),
-            size_of::<lb_common::TcConfig>(),
-            1,
-        ),
+        layout::<i32, SockPeer>(map_names::SOCK_PEER, SK_STORAGE, 0),
+        layout::<AffinityKey, AffinityEntry>(map_names::AFFINITY, LRU_HASH, c.max_affinity),
+        layout::<u32, u64>(map_names::STATS, PERCPU_ARRAY, lb_common::stat::COUNT),
+        layout::<CtKey, CtEntry>(map_names::CONNTRACK, LRU_HASH, c.max_conntrack),
+        // An LPM key is the prefix length (u32) and the data.
+        Layout {
+            key: 4 + source_ranges.key,
+            ..source_ranges
+        },
+        layout::<u32, TcConfig>(map_names::TC_CONFIG, ARRAY, 1),
     ]
 }
 
@@ -255,7 +268,14 @@ fn expected_layouts(capacity: &Capacity) -> [(&'static str, u32, usize, usize, u
 fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
     let mut recreated = Vec::new();
     let mut core_changed = false;
-    for (name, map_type, key, value, max) in expected_layouts(capacity) {
+    for Layout {
+        name,
+        map_type,
+        key,
+        value,
+        max_entries: max,
+    } in expected_layouts(capacity)
+    {
         let path = pin_dir.join(name);
         if !path.exists() {
             continue;
@@ -439,18 +459,7 @@ impl Datapath {
                 .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
             let link = FdLink::try_from(program.take_link(link_id)?)
                 .with_context(|| format!("link of {name}"))?;
-            let pin = links_dir.join(name);
-            // bpffs refuses names with a dot.
-            let fresh = links_dir.join(format!("{name}_new"));
-            let _ = fs::remove_file(&fresh);
-            link.pin(&fresh)
-                .with_context(|| format!("pinning the link of {name}"))?;
-            // Only now, with the new program attached, let the old one go.
-            if pin.exists() {
-                fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
-                replaced += 1;
-            }
-            fs::rename(&fresh, &pin).with_context(|| format!("renaming {}", fresh.display()))?;
+            replaced += usize::from(pin_replacing(link, &links_dir, name, name)?);
         }
         Ok(replaced)
     }
@@ -459,7 +468,7 @@ impl Datapath {
         &mut self.maps
     }
 
-    /// The loaded object, for the tc programs (`crate::tc::attach`).
+    /// The loaded object, for the tc programs (`tc::attach`).
     pub fn ebpf_mut(&mut self) -> &mut Ebpf {
         &mut self._ebpf
     }
@@ -479,6 +488,30 @@ impl Datapath {
         drop(_ebpf);
         remove_pins(&pin_dir)
     }
+}
+
+/// Pins `link` as `links_dir/pin_name`, then lets go of the link pinned
+/// there before (detaching its program) only now that the new one is
+/// attached. Returns whether one was replaced; `what` names the link in
+/// errors.
+pub fn pin_replacing(
+    link: FdLink,
+    links_dir: &Path,
+    pin_name: &str,
+    what: &str,
+) -> anyhow::Result<bool> {
+    let pin = links_dir.join(pin_name);
+    // bpffs refuses names with a dot.
+    let fresh = links_dir.join(format!("{pin_name}_new"));
+    let _ = fs::remove_file(&fresh);
+    link.pin(&fresh)
+        .with_context(|| format!("pinning the link of {what}"))?;
+    let replaced = pin.exists();
+    if replaced {
+        fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
+    }
+    fs::rename(&fresh, &pin).with_context(|| format!("renaming {}", fresh.display()))?;
+    Ok(replaced)
 }
 
 /// Detaches pinned program links in `dir/links`, as `lb-agent cleanup` does.
@@ -542,19 +575,22 @@ impl MapOps for PinnedMaps {
         self.backends.remove(&id).map_err(io)
     }
     // Bulk writes: one bpf(2) call per few thousand elements (see `batch`).
-    fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> crate::reconcile::BatchResult {
+    fn put_backends(
+        &mut self,
+        items: &[(BackendId, Backend)],
+    ) -> crate::datapath::reconcile::BatchResult {
         batch_put(self.backends.map(), items)
     }
     fn put_slots(
         &mut self,
         items: &[(BackendSlotKey, BackendSlot)],
-    ) -> crate::reconcile::BatchResult {
+    ) -> crate::datapath::reconcile::BatchResult {
         batch_put(self.slots.map(), items)
     }
     fn put_services(
         &mut self,
         items: &[(ServiceKey, ServiceValue)],
-    ) -> crate::reconcile::BatchResult {
+    ) -> crate::datapath::reconcile::BatchResult {
         batch_put(self.services.map(), items)
     }
     fn del_slots(&mut self, keys: &[BackendSlotKey]) {
@@ -562,7 +598,7 @@ impl MapOps for PinnedMaps {
         let fd = self.slots.map().fd().as_fd();
         let mut rest = keys;
         // A missing slot stops a batch: skip it and go on with the rest.
-        while let Err(e) = crate::batch::delete(fd, rest) {
+        while let Err(e) = crate::datapath::batch::delete(fd, rest) {
             rest = &rest[(e.done + 1).min(rest.len())..];
         }
     }
@@ -570,15 +606,19 @@ impl MapOps for PinnedMaps {
 
 /// `items` into `map` through `batch::update` (keys and values as the
 /// kernel wants them: two arrays).
-fn batch_put<K: Copy, V: Copy>(map: &MapData, items: &[(K, V)]) -> crate::reconcile::BatchResult {
+fn batch_put<K: Copy, V: Copy>(
+    map: &MapData,
+    items: &[(K, V)],
+) -> crate::datapath::reconcile::BatchResult {
     use std::os::fd::AsFd as _;
     let keys: Vec<K> = items.iter().map(|(k, _)| *k).collect();
     let values: Vec<V> = items.iter().map(|(_, v)| *v).collect();
-    crate::batch::update(map.fd().as_fd(), &keys, &values).map_err(|e| (e.done, e.error))
+    crate::datapath::batch::update(map.fd().as_fd(), &keys, &values).map_err(|e| (e.done, e.error))
 }
 
 #[cfg(test)]
 mod tests {
+    use crate::base::testing::lacks_root;
     use super::*;
 
     /// A child cgroup and pin directory that are removed however the test ends.
@@ -594,15 +634,10 @@ mod tests {
         }
     }
 
-    fn is_root() -> bool {
-        // SAFETY: trivial libc call.
-        unsafe { libc::geteuid() == 0 }
-    }
 
     #[test]
     fn programs_pass_the_verifier_attach_and_pin_named_maps() {
-        if !is_root() {
-            eprintln!("SKIPPED: needs root to load BPF programs");
+        if lacks_root("load BPF programs") {
             return;
         }
         let id = std::process::id();

@@ -15,7 +15,7 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{model::ServiceName, northsouth::HealthCheck};
+use crate::{semantics::model::ServiceName, semantics::northsouth::HealthCheck};
 
 /// The status line and body kube-proxy answers for one Service.
 pub fn response(service: &ServiceName, local_endpoints: usize) -> (u16, String) {

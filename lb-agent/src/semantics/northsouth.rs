@@ -13,8 +13,8 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
-    store::{ObjectKey, Rejection, Store},
+    input::store::{ObjectKey, Rejection, Store},
+    semantics::model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
 };
 
 const SOURCE: &str = "translate";
@@ -273,8 +273,8 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Algorithm, FrontendState, Protocol};
-    use crate::store::{Slice, LABEL_SERVICE_NAME};
+    use crate::input::store::{Slice, LABEL_SERVICE_NAME};
+    use crate::semantics::model::{Algorithm, FrontendState, Protocol};
     use k8s_openapi::api::{
         core::v1::{NodeAddress, NodeStatus, Service, ServiceSpec},
         discovery::v1::{Endpoint, EndpointConditions, EndpointSlice},

@@ -24,10 +24,13 @@ use k8s_openapi::{
     apimachinery::pkg::apis::meta::v1::ObjectMeta,
     Metadata,
 };
-use serde::{de::DeserializeOwned, Deserialize};
+use serde::{
+    de::{DeserializeOwned, Error as _, IgnoredAny, MapAccess, Unexpected},
+    Deserialize,
+};
 use serde_json::{value::RawValue, Value};
 
-use crate::store::{Changes, ObjectKey, Rejection, Slice, Store};
+use crate::input::store::{Changes, ObjectKey, Rejection, Slice, Store};
 
 /// The namespace of a namespaced object whose manifest does not say.
 pub const DEFAULT_NAMESPACE: &str = "default";
@@ -1001,60 +1004,53 @@ enum SliceField {
     Other,
 }
 
-impl<'de> Deserialize<'de> for WireSlice {
-    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
-        use serde::de::{Error, IgnoredAny, MapAccess, Unexpected};
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = WireSlice;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("EndpointSlice")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireSlice, A::Error> {
-                let mut address_type: Option<String> = None;
-                let mut endpoints: Option<Vec<WireEndpoint>> = None;
-                let mut metadata: Option<ObjectMeta> = None;
-                let mut ports: Option<Vec<k8s_openapi::api::discovery::v1::EndpointPort>> = None;
-                while let Some(key) = map.next_key::<SliceField>()? {
-                    match key {
-                        SliceField::ApiVersion | SliceField::Kind => {
-                            let (found, want) = match key {
-                                SliceField::ApiVersion => {
-                                    (map.next_value::<String>()?, "discovery.k8s.io/v1")
-                                }
-                                _ => (map.next_value::<String>()?, "EndpointSlice"),
-                            };
-                            if found != want {
-                                return Err(A::Error::invalid_value(
-                                    Unexpected::Str(&found),
-                                    &want,
-                                ));
-                            }
+impl FromMap for WireSlice {
+    const NAME: &'static str = "EndpointSlice";
+    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        let mut address_type: Option<String> = None;
+        let mut endpoints: Option<Vec<WireEndpoint>> = None;
+        let mut metadata: Option<ObjectMeta> = None;
+        let mut ports: Option<Vec<k8s_openapi::api::discovery::v1::EndpointPort>> = None;
+        while let Some(key) = map.next_key::<SliceField>()? {
+            match key {
+                SliceField::ApiVersion | SliceField::Kind => {
+                    let (found, want) = match key {
+                        SliceField::ApiVersion => {
+                            (map.next_value::<String>()?, "discovery.k8s.io/v1")
                         }
-                        SliceField::AddressType => address_type = map.next_value()?,
-                        SliceField::Endpoints => endpoints = map.next_value()?,
-                        SliceField::Metadata => metadata = map.next_value()?,
-                        SliceField::Ports => ports = map.next_value()?,
-                        SliceField::Other => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
+                        _ => (map.next_value::<String>()?, "EndpointSlice"),
+                    };
+                    if found != want {
+                        return Err(A::Error::invalid_value(Unexpected::Str(&found), &want));
                     }
                 }
-                Ok(WireSlice(Slice::new(
-                    metadata.and_then(|m| m.labels),
-                    address_type.unwrap_or_default(),
-                    ports.unwrap_or_default(),
-                    endpoints.unwrap_or_default().into_iter().map(|e| e.0),
-                )))
+                SliceField::AddressType => address_type = map.next_value()?,
+                SliceField::Endpoints => endpoints = map.next_value()?,
+                SliceField::Metadata => metadata = map.next_value()?,
+                SliceField::Ports => ports = map.next_value()?,
+                SliceField::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
             }
         }
-        de.deserialize_struct("EndpointSlice", &[], Visitor)
+        Ok(WireSlice(Slice::new(
+            metadata.and_then(|m| m.labels),
+            address_type.unwrap_or_default(),
+            ports.unwrap_or_default(),
+            endpoints.unwrap_or_default().into_iter().map(|e| e.0),
+        )))
+    }
+}
+
+impl<'de> Deserialize<'de> for WireSlice {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        MapVisitor::<Self>::deserialize(de)
     }
 }
 
 /// One endpoint of a [`WireSlice`]; the fields translation does not read
 /// are decoded for their checks only.
-struct WireEndpoint(crate::store::SliceEndpoint);
+struct WireEndpoint(crate::input::store::SliceEndpoint);
 
 #[derive(Deserialize)]
 #[serde(field_identifier, rename_all = "camelCase")]
@@ -1071,44 +1067,65 @@ enum EndpointField {
     Other,
 }
 
-impl<'de> Deserialize<'de> for WireEndpoint {
-    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+impl FromMap for WireEndpoint {
+    const NAME: &'static str = "Endpoint";
+    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
         use k8s_openapi::api::{core::v1::ObjectReference, discovery::v1::Endpoint};
-        use serde::de::{IgnoredAny, MapAccess};
-        struct Visitor;
-        impl<'de> serde::de::Visitor<'de> for Visitor {
-            type Value = WireEndpoint;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("Endpoint")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<WireEndpoint, A::Error> {
-                let mut ep = Endpoint::default();
-                let mut addresses: Option<Vec<String>> = None;
-                while let Some(key) = map.next_key::<EndpointField>()? {
-                    match key {
-                        EndpointField::Addresses => addresses = map.next_value()?,
-                        EndpointField::Conditions => ep.conditions = map.next_value()?,
-                        EndpointField::DeprecatedTopology => {
-                            map.next_value::<Option<BTreeMap<String, String>>>()?;
-                        }
-                        EndpointField::Hints => ep.hints = map.next_value()?,
-                        EndpointField::Hostname | EndpointField::Zone => {
-                            map.next_value::<Option<String>>()?;
-                        }
-                        EndpointField::NodeName => ep.node_name = map.next_value()?,
-                        EndpointField::TargetRef => {
-                            map.next_value::<Option<ObjectReference>>()?;
-                        }
-                        EndpointField::Other => {
-                            map.next_value::<IgnoredAny>()?;
-                        }
-                    }
+        let mut ep = Endpoint::default();
+        let mut addresses: Option<Vec<String>> = None;
+        while let Some(key) = map.next_key::<EndpointField>()? {
+            match key {
+                EndpointField::Addresses => addresses = map.next_value()?,
+                EndpointField::Conditions => ep.conditions = map.next_value()?,
+                EndpointField::DeprecatedTopology => {
+                    map.next_value::<Option<BTreeMap<String, String>>>()?;
                 }
-                ep.addresses = addresses.unwrap_or_default();
-                Ok(WireEndpoint(ep.into()))
+                EndpointField::Hints => ep.hints = map.next_value()?,
+                EndpointField::Hostname | EndpointField::Zone => {
+                    map.next_value::<Option<String>>()?;
+                }
+                EndpointField::NodeName => ep.node_name = map.next_value()?,
+                EndpointField::TargetRef => {
+                    map.next_value::<Option<ObjectReference>>()?;
+                }
+                EndpointField::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
             }
         }
-        de.deserialize_struct("Endpoint", &[], Visitor)
+        ep.addresses = addresses.unwrap_or_default();
+        Ok(WireEndpoint(ep.into()))
+    }
+}
+
+impl<'de> Deserialize<'de> for WireEndpoint {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        MapVisitor::<Self>::deserialize(de)
+    }
+}
+
+/// A type decoded field by field from a map (a JSON or YAML object).
+trait FromMap: Sized {
+    const NAME: &'static str;
+    fn from_map<'de, A: serde::de::MapAccess<'de>>(map: A) -> Result<Self, A::Error>;
+}
+
+/// The serde visitor of any [`FromMap`] type.
+struct MapVisitor<T>(std::marker::PhantomData<T>);
+
+impl<T: FromMap> MapVisitor<T> {
+    fn deserialize<'de, D: serde::Deserializer<'de>>(de: D) -> Result<T, D::Error> {
+        de.deserialize_struct(T::NAME, &[], Self(std::marker::PhantomData))
+    }
+}
+
+impl<'de, T: FromMap> serde::de::Visitor<'de> for MapVisitor<T> {
+    type Value = T;
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(T::NAME)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+        T::from_map(map)
     }
 }
 

@@ -15,11 +15,11 @@ use std::{
 use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
 
 use crate::{
-    model::{
+    input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
+    semantics::model::{
         Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
         Protocol, Scope, ServiceName,
     },
-    store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
 };
 
 /// Services carrying this label belong to another proxy.
@@ -1205,8 +1205,8 @@ fn select(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::{load_str, Format};
-    use crate::store::Changes;
+    use crate::input::manifest::{load_str, Format};
+    use crate::input::store::Changes;
 
     /// The node every case runs on unless it says otherwise.
     fn node_a() -> NodeInfo {

@@ -15,7 +15,7 @@ use axum::{
     Router,
 };
 
-use crate::metrics::Metrics;
+use crate::base::metrics::Metrics;
 
 /// Set once the first full sync has been programmed.
 #[derive(Clone, Default)]

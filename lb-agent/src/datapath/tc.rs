@@ -1,8 +1,7 @@
 //! The tc path as the agent owns it: attaching `tc_ingress`/`tc_egress` to
 //! the external devices (TCX links pinned in `<bpffs>/links`), the settings
 //! in `LB_TC_CONFIG`, `loadBalancerSourceRanges` in `LB_SOURCE_RANGES`, and
-//! the conntrack map: periodic expiry, UDP flows of departed backends, and
-//! `inspect conntrack`.
+//! the conntrack map: periodic expiry and UDP flows of departed backends.
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::CStr,
@@ -30,10 +29,11 @@ use lb_common::{
 };
 
 use crate::{
-    inspect::ip_from_bytes,
-    model::{BackendAddr, Frontend},
-    northsouth::Cidr,
-    reconcile::addr_bytes,
+    base::addr::addr_bytes,
+    base::addr::ip_from_bytes,
+    datapath::loader::pin_replacing,
+    semantics::model::{BackendAddr, Frontend},
+    semantics::northsouth::Cidr,
 };
 
 pub const INGRESS: &str = "tc_ingress";
@@ -137,16 +137,8 @@ pub fn attach(ebpf: &mut Ebpf, links_dir: &Path, devices: &[String]) -> anyhow::
             let link = FdLink::try_from(program.take_link(id)?)
                 .with_context(|| format!("link of {name} on {dev}"))?;
             let pin_base = pin_name(name, dev);
-            let pin = links_dir.join(&pin_base);
-            let fresh = links_dir.join(format!("{pin_base}_new"));
-            let _ = fs::remove_file(&fresh);
-            link.pin(&fresh)
-                .with_context(|| format!("pinning the link of {name} on {dev}"))?;
-            if pin.exists() {
-                fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
-                replaced += 1;
-            }
-            fs::rename(&fresh, &pin).with_context(|| format!("renaming {}", fresh.display()))?;
+            let what = format!("{name} on {dev}");
+            replaced += usize::from(pin_replacing(link, links_dir, &pin_base, &what)?);
             keep.insert(pin_base);
         }
     }
@@ -221,7 +213,7 @@ pub struct SourceRangeWriter {
     programmed: BTreeSet<(u32, SourceRangeData)>,
 }
 
-fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
+pub fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
     let path = dir.join(name);
     let data = MapData::from_pin(&path)
         .with_context(|| format!("opening pinned map {}", path.display()))?;
@@ -295,7 +287,7 @@ impl TcMaps {
 
     /// Deletes expired entries: (entries left, entries deleted).
     pub fn sweep(&mut self, t: &Timeouts) -> (usize, usize) {
-        let now = crate::affinity::monotonic_now_ns();
+        let now = crate::base::clock::monotonic_now_ns();
         let all: Vec<(CtKey, CtEntry)> = self.conntrack.iter().filter_map(Result::ok).collect();
         let deleted = all
             .iter()
@@ -400,99 +392,6 @@ impl SourceRangeWriter {
         errors
     }
 }
-
-/// One conntrack entry for `inspect conntrack`.
-#[derive(Debug, serde::Serialize)]
-pub struct CtView {
-    pub direction: &'static str,
-    pub proto: &'static str,
-    pub src: String,
-    pub dst: String,
-    pub nat_src: String,
-    pub nat_dst: String,
-    pub service_id: u32,
-    pub backend_id: u32,
-    pub flags: Vec<&'static str>,
-    pub idle_ms: u64,
-}
-
-fn sockaddr(a: &[u8; 16], port: u16) -> String {
-    match ip_from_bytes(a) {
-        IpAddr::V4(v4) => format!("{v4}:{port}"),
-        IpAddr::V6(v6) => format!("[{v6}]:{port}"),
-    }
-}
-
-pub fn read_conntrack(dir: &Path) -> anyhow::Result<Vec<CtView>> {
-    let map: HashMap<MapData, CtKey, CtEntry> =
-        HashMap::try_from(open(dir, map_names::CONNTRACK)?)?;
-    let now = crate::affinity::monotonic_now_ns();
-    let mut views: Vec<CtView> = map
-        .iter()
-        .filter_map(Result::ok)
-        .map(|(k, e)| {
-            let mut flags = Vec::new();
-            for (bit, name) in [
-                (ct_flags::SNAT, "snat"),
-                (ct_flags::LOCAL, "local"),
-                (ct_flags::CLOSING, "closing"),
-            ] {
-                if e.flags & bit != 0 {
-                    flags.push(name);
-                }
-            }
-            CtView {
-                direction: if e.flags & ct_flags::REPLY != 0 {
-                    "reply"
-                } else {
-                    "forward"
-                },
-                proto: if k.proto == proto::TCP { "TCP" } else { "UDP" },
-                src: sockaddr(&k.src, k.sport),
-                dst: sockaddr(&k.dst, k.dport),
-                nat_src: sockaddr(&e.nat_src, e.nat_sport),
-                nat_dst: sockaddr(&e.nat_dst, e.nat_dport),
-                service_id: e.service_id,
-                backend_id: e.backend_id,
-                flags,
-                idle_ms: now.saturating_sub(e.last_seen_ns) / 1_000_000,
-            }
-        })
-        .collect();
-    views.sort_by(|a, b| (a.direction, &a.src, &a.dst).cmp(&(b.direction, &b.src, &b.dst)));
-    Ok(views)
-}
-
-pub fn render_conntrack(views: &[CtView]) -> String {
-    let mut out = format!(
-        "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<14} {:>9}\n",
-        "DIR", "PROTO", "SRC", "DST", "NAT SRC", "NAT DST", "SVC", "FLAGS", "IDLE ms"
-    );
-    for v in views {
-        let flags = if v.flags.is_empty() {
-            "-".to_owned()
-        } else {
-            v.flags.join(",")
-        };
-        out += &format!(
-            "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<14} {:>9}\n",
-            v.direction,
-            v.proto,
-            v.src,
-            v.dst,
-            v.nat_src,
-            v.nat_dst,
-            v.service_id,
-            flags,
-            v.idle_ms
-        );
-    }
-    out
-}
-
-#[cfg(test)]
-#[path = "tc_frames.rs"]
-mod frames;
 
 #[cfg(test)]
 mod tests {

@@ -25,8 +25,8 @@ use kube::{
 use tokio::sync::mpsc;
 
 use crate::{
-    metrics::Metrics,
-    store::{Changes, ObjectKey, Slice, Store},
+    base::metrics::Metrics,
+    input::store::{Changes, ObjectKey, Slice, Store},
 };
 
 /// How to reach the API server.
@@ -114,59 +114,40 @@ trait Stored: Resource<DynamicType = ()> + Clone + Send + Sync + 'static {
     fn note(changes: &mut Changes, key: &ObjectKey);
 }
 
-impl Stored for Service {
-    const KIND: &'static str = "Service";
-    type Kept = Box<Self>;
-    fn keep(self) -> Box<Self> {
-        Box::new(self)
-    }
-    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Box<Self>> {
-        &mut state.store.services
-    }
-    fn listed(state: &mut ClusterState) -> &mut bool {
-        &mut state.services_listed
-    }
-    fn note(changes: &mut Changes, key: &ObjectKey) {
-        changes.services.insert(key.clone());
-    }
+/// `impl Stored` for one kind: where it lives in the store and how a change
+/// to it is recorded.
+macro_rules! stored {
+    ($kind:ty, kept: $kept:ty = $keep:expr, objects: $($objects:ident).+, listed: $listed:ident,
+     note: $note:expr) => {
+        impl Stored for $kind {
+            const KIND: &'static str = stringify!($kind);
+            type Kept = $kept;
+            fn keep(self) -> $kept {
+                $keep(self)
+            }
+            fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, $kept> {
+                &mut state.$($objects).+
+            }
+            fn listed(state: &mut ClusterState) -> &mut bool {
+                &mut state.$listed
+            }
+            fn note(changes: &mut Changes, key: &ObjectKey) {
+                let note: fn(&mut Changes, &ObjectKey) = $note;
+                note(changes, key)
+            }
+        }
+    };
 }
 
-impl Stored for EndpointSlice {
-    const KIND: &'static str = "EndpointSlice";
-    /// Compact on arrival, like the manifests: both modes share one store.
-    type Kept = Slice;
-    fn keep(self) -> Slice {
-        Slice::from(self)
-    }
-    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Slice> {
-        &mut state.store.slices
-    }
-    fn listed(state: &mut ClusterState) -> &mut bool {
-        &mut state.slices_listed
-    }
-    fn note(changes: &mut Changes, key: &ObjectKey) {
-        changes.slices.insert(key.clone());
-    }
-}
-
-/// Nodes are keyed by name alone in the store; this wrapper map keeps the
-/// loop generic and `Store::nodes` is refreshed from it.
-impl Stored for Node {
-    const KIND: &'static str = "Node";
-    type Kept = Self;
-    fn keep(self) -> Self {
-        self
-    }
-    fn objects(state: &mut ClusterState) -> &mut BTreeMap<ObjectKey, Self> {
-        &mut state.node_objects
-    }
-    fn listed(state: &mut ClusterState) -> &mut bool {
-        &mut state.node_listed
-    }
-    fn note(changes: &mut Changes, key: &ObjectKey) {
-        changes.nodes.insert(key.name.clone());
-    }
-}
+stored!(Service, kept: Box<Service> = Box::new, objects: store.services,
+    listed: services_listed, note: |c, k| { c.services.insert(k.clone()); });
+// Compact on arrival, like the manifests: both modes share one store.
+stored!(EndpointSlice, kept: Slice = Slice::from, objects: store.slices,
+    listed: slices_listed, note: |c, k| { c.slices.insert(k.clone()); });
+// Nodes are keyed by name alone in the store; this wrapper map keeps the
+// loop generic and `Store::nodes` is refreshed from it.
+stored!(Node, kept: Node = std::convert::identity, objects: node_objects,
+    listed: node_listed, note: |c, k| { c.nodes.insert(k.name.clone()); });
 
 fn after_change<K: Stored>(state: &mut ClusterState) {
     if K::KIND == "Node" {
@@ -227,8 +208,8 @@ fn apply_event<K: Stored>(
     after_change::<K>(&mut state);
 }
 
-fn kind_label(kind: &'static str) -> crate::metrics::KindLabel {
-    crate::metrics::KindLabel {
+fn kind_label(kind: &'static str) -> crate::base::metrics::KindLabel {
+    crate::base::metrics::KindLabel {
         kind: kind.to_owned(),
     }
 }

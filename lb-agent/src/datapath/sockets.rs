@@ -102,22 +102,21 @@ pub fn destroy_udp_sockets(
     }
     let pids = cgroup_pids(cgroup, &mut report.errors);
     for ns in open_namespaces(&pids, &mut report.errors) {
-        let sock = match sock_diag_socket_in(ns.file) {
-            Ok(sock) => sock,
+        let dumped = sock_diag_socket_in(ns.file)
+            .map_err(|e| format!("enter: {e}"))
+            .and_then(|sock| {
+                let mut diag = SockDiag { sock, seq: 0 };
+                let found = diag
+                    .connected_udp_to(&targets)
+                    .map_err(|e| format!("dump: {e}"))?;
+                Ok((diag, found))
+            });
+        let (mut diag, found) = match dumped {
+            Ok(dumped) => dumped,
             Err(e) => {
                 report
                     .errors
-                    .push(format!("netns {} (pid {}): enter: {e}", ns.inode, ns.pid));
-                continue;
-            }
-        };
-        let mut diag = SockDiag { sock, seq: 0 };
-        let found = match diag.connected_udp_to(&targets) {
-            Ok(found) => found,
-            Err(e) => {
-                report
-                    .errors
-                    .push(format!("netns {} (pid {}): dump: {e}", ns.inode, ns.pid));
+                    .push(format!("netns {} (pid {}): {e}", ns.inode, ns.pid));
                 continue;
             }
         };

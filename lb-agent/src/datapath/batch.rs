@@ -137,60 +137,43 @@ pub fn update<K: Copy, V: Copy>(
     values: &[V],
 ) -> Result<(), BatchError> {
     assert_eq!(keys.len(), values.len(), "one value per key");
-    let mut done = 0;
-    while done < keys.len() {
-        let end = (done + CHUNK).min(keys.len());
-        let (k, v) = (&keys[done..end], &values[done..end]);
-        if batch_supported() {
-            let mut attr = BatchAttr {
-                keys: k.as_ptr() as u64,
-                values: v.as_ptr() as u64,
-                count: k.len() as u32,
-                map_fd: map.as_raw_fd() as u32,
-                elem_flags: batch_flags(),
-                ..Default::default()
-            };
-            match sys_bpf(BPF_MAP_UPDATE_BATCH, &mut attr) {
-                Ok(()) => {
-                    done = end;
-                    continue;
-                }
-                Err(e) if processed(&attr, k.len()) == 0 && unsupported(&e) => {
-                    BATCH_UNSUPPORTED.store(true, Ordering::Relaxed);
-                }
-                Err(error) => {
-                    return Err(BatchError {
-                        done: done + processed(&attr, k.len()),
-                        error,
-                    })
-                }
-            }
-        }
-        update_each(map, k, v).map_err(|e| BatchError {
-            done: done + e.done,
-            error: e.error,
-        })?;
-        done = end;
-    }
-    Ok(())
+    chunked(BPF_MAP_UPDATE_BATCH, map, keys, Some(values), |k, v| {
+        update_each(map, k, v.unwrap_or_default())
+    })
 }
 
 /// Deletes `keys` from the map, in order. A missing key fails the batch with
 /// `ENOENT` at that element, as `BPF_MAP_DELETE_ELEM` would.
 pub fn delete<K: Copy>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
+    chunked::<K, ()>(BPF_MAP_DELETE_BATCH, map, keys, None, |k, _| {
+        delete_each(map, k)
+    })
+}
+
+/// `cmd` over `keys` (and `values`, for updates) in chunks of [`CHUNK`]; a
+/// chunk the kernel refuses as unsupported goes through `each`, one element
+/// at a time, and so do all later ones.
+fn chunked<K: Copy, V: Copy>(
+    cmd: libc::c_long,
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    values: Option<&[V]>,
+    each: impl Fn(&[K], Option<&[V]>) -> Result<(), BatchError>,
+) -> Result<(), BatchError> {
     let mut done = 0;
     while done < keys.len() {
         let end = (done + CHUNK).min(keys.len());
-        let k = &keys[done..end];
+        let (k, v) = (&keys[done..end], values.map(|v| &v[done..end]));
         if batch_supported() {
             let mut attr = BatchAttr {
                 keys: k.as_ptr() as u64,
+                values: v.map_or(0, |v| v.as_ptr() as u64),
                 count: k.len() as u32,
                 map_fd: map.as_raw_fd() as u32,
                 elem_flags: batch_flags(),
                 ..Default::default()
             };
-            match sys_bpf(BPF_MAP_DELETE_BATCH, &mut attr) {
+            match sys_bpf(cmd, &mut attr) {
                 Ok(()) => {
                     done = end;
                     continue;
@@ -206,7 +189,7 @@ pub fn delete<K: Copy>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError
                 }
             }
         }
-        delete_each(map, k).map_err(|e| BatchError {
+        each(k, v).map_err(|e| BatchError {
             done: done + e.done,
             error: e.error,
         })?;
@@ -221,33 +204,37 @@ pub fn update_each<K: Copy, V: Copy>(
     keys: &[K],
     values: &[V],
 ) -> Result<(), BatchError> {
-    for (i, (k, v)) in keys.iter().zip(values).enumerate() {
-        let mut attr = ElemAttr {
-            map_fd: map.as_raw_fd() as u32,
-            key: k as *const K as u64,
-            value: v as *const V as u64,
-            ..Default::default()
-        };
-        sys_bpf(BPF_MAP_UPDATE_ELEM, &mut attr).map_err(|error| BatchError { done: i, error })?;
-    }
-    Ok(())
+    each_elem(BPF_MAP_UPDATE_ELEM, map, keys, |i| {
+        values[i..].as_ptr() as u64
+    })
 }
 
 /// The per-element fallback of [`delete`].
 pub fn delete_each<K: Copy>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
+    each_elem(BPF_MAP_DELETE_ELEM, map, keys, |_| 0)
+}
+
+fn each_elem<K: Copy>(
+    cmd: libc::c_long,
+    map: BorrowedFd<'_>,
+    keys: &[K],
+    value: impl Fn(usize) -> u64,
+) -> Result<(), BatchError> {
     for (i, k) in keys.iter().enumerate() {
         let mut attr = ElemAttr {
             map_fd: map.as_raw_fd() as u32,
             key: k as *const K as u64,
+            value: value(i),
             ..Default::default()
         };
-        sys_bpf(BPF_MAP_DELETE_ELEM, &mut attr).map_err(|error| BatchError { done: i, error })?;
+        sys_bpf(cmd, &mut attr).map_err(|error| BatchError { done: i, error })?;
     }
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
+    use crate::base::testing::lacks_root;
     use std::os::fd::{AsFd as _, FromRawFd as _, OwnedFd};
 
     use super::*;
@@ -296,15 +283,10 @@ mod tests {
         sys_bpf(1, &mut attr).ok().map(|()| value)
     }
 
-    fn is_root() -> bool {
-        // SAFETY: trivial libc call.
-        unsafe { libc::geteuid() == 0 }
-    }
 
     #[test]
     fn batch_update_and_delete_on_a_real_hash_map() {
-        if !is_root() {
-            eprintln!("SKIPPED: needs root to create BPF maps");
+        if lacks_root("create BPF maps") {
             return;
         }
         // More than one chunk, so the chunking is exercised too.
@@ -342,8 +324,7 @@ mod tests {
 
     #[test]
     fn per_element_fallback_matches() {
-        if !is_root() {
-            eprintln!("SKIPPED: needs root to create BPF maps");
+        if lacks_root("create BPF maps") {
             return;
         }
         let map = create_map(1, 64);
@@ -372,8 +353,7 @@ mod tests {
 
     #[test]
     fn refused_batch_falls_back_per_element() {
-        if !is_root() {
-            eprintln!("SKIPPED: needs root to create BPF maps");
+        if lacks_root("create BPF maps") {
             return;
         }
         assert!(unsupported(&io::Error::from_raw_os_error(ENOTSUPP)));

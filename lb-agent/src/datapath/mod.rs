@@ -1,0 +1,12 @@
+//! The kernel side as the agent owns it: loading the embedded object and
+//! pinning its maps (`loader`), writing the difference between desired and
+//! programmed state (`reconcile`, through `batch`), the tc programs and their
+//! conntrack (`tc`), sessionAffinity ageing (`affinity`) and destruction of
+//! connected UDP sockets whose backend left (`sockets`). May use `base` and
+//! `semantics` (the desired state it programs).
+pub mod affinity;
+pub mod batch;
+pub mod loader;
+pub mod reconcile;
+pub mod sockets;
+pub mod tc;
