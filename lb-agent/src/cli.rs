@@ -103,6 +103,10 @@ pub struct NorthSouthArgs {
     /// Idle lifetime of a TCP flow in the tc path's conntrack.
     #[arg(long, default_value = "6h", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_timeout: Duration,
+    /// Lifetime of a TCP flow whose backend has not answered yet (after
+    /// its SYN): what a spoofed SYN costs.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub conntrack_tcp_syn_timeout: Duration,
     /// Lifetime of a TCP flow after FIN or RST.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_close_timeout: Duration,
@@ -115,6 +119,7 @@ impl NorthSouthArgs {
     pub fn timeouts(&self) -> crate::datapath::tc::Timeouts {
         crate::datapath::tc::Timeouts {
             tcp: self.conntrack_tcp_timeout,
+            tcp_syn: self.conntrack_tcp_syn_timeout,
             tcp_close: self.conntrack_tcp_close_timeout,
             udp: self.conntrack_udp_timeout,
         }

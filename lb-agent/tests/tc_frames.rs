@@ -262,6 +262,7 @@ impl Fixture {
             udp_timeout_s: 30,
             snat_port_min,
             snat_port_max,
+            tcp_syn_timeout_s: 60,
         }
     }
 

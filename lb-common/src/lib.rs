@@ -344,6 +344,7 @@ impl CtKey {
 /// | 40     | `udp_timeout_s`     | idle lifetime of a UDP flow              |
 /// | 44     | `snat_port_min`     | SNAT source ports, inclusive range       |
 /// | 46     | `snat_port_max`     |                                          |
+/// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow the backend has not answered yet |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TcConfig {
@@ -354,6 +355,7 @@ pub struct TcConfig {
     pub udp_timeout_s: u32,
     pub snat_port_min: u16,
     pub snat_port_max: u16,
+    pub tcp_syn_timeout_s: u32,
 }
 
 /// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
@@ -380,7 +382,28 @@ pub mod source_range {
     pub const FRONTEND_BITS: u32 = 160;
 }
 
-/// Indexes into the per-CPU `LB_STATS` array.
+/// Ageing of timestamped entries (`bpf_ktime_get_ns`, CLOCK_MONOTONIC),
+/// the same on every CPU and in the agent. Entries are refreshed by many
+/// CPUs at once: one refreshed after this reader took its `now` carries a
+/// stamp later than `now`. It is as fresh as an entry can be, so its age
+/// is 0 (never `now - stamp` wrapped around to centuries).
+pub mod clock {
+    /// How long ago `stamp_ns` was, at `now_ns`; 0 if it is later.
+    #[inline(always)]
+    pub fn age_ns(now_ns: u64, stamp_ns: u64) -> u64 {
+        now_ns.saturating_sub(stamp_ns)
+    }
+
+    /// Whether an entry stamped `stamp_ns` is still live at `now_ns` with
+    /// a lifetime of `timeout_s` seconds (inclusive).
+    #[inline(always)]
+    pub fn within(now_ns: u64, stamp_ns: u64, timeout_s: u32) -> bool {
+        age_ns(now_ns, stamp_ns) <= timeout_s as u64 * 1_000_000_000
+    }
+}
+
+/// Indexes into the per-CPU `LB_STATS` array. Every packet the tc path
+/// drops is counted under exactly one `TC_DROP_*` reason.
 pub mod stat {
     /// connect/sendmsg rewritten to a backend.
     pub const TRANSLATED: u32 = 0;
@@ -392,11 +415,68 @@ pub mod stat {
     pub const AFFINITY_HIT: u32 = 3;
     /// tc path: packets translated (forward or reply).
     pub const TC_TRANSLATED: u32 = 4;
-    /// tc path: new flows dropped (no backend, source range, loopback).
-    pub const TC_DROPPED: u32 = 5;
-    /// tc path: SNAT port allocation failed.
-    pub const TC_SNAT_FAILED: u32 = 6;
-    pub const COUNT: u32 = 7;
+    /// tc path, dropped: the frontend has no backend this node may send to
+    /// (`externalTrafficPolicy: Local` with endpoints on other nodes only).
+    pub const TC_DROP_NO_BACKEND: u32 = 5;
+    /// tc path, dropped: every SNAT port tried was taken.
+    pub const TC_DROP_SNAT_EXHAUSTED: u32 = 6;
+    /// tc path, dropped: masquerade needed but the node has no address of
+    /// the packet's family.
+    pub const TC_DROP_SNAT_NO_ADDRESS: u32 = 7;
+    /// tc path, dropped: the source is outside `loadBalancerSourceRanges`.
+    pub const TC_DROP_SOURCE_RANGE: u32 = 8;
+    /// tc path, dropped: addressed to a loopback address (CVE-2020-8558).
+    pub const TC_DROP_LOOPBACK: u32 = 9;
+    /// tc path, dropped: the backend chosen is of the other IP family.
+    pub const TC_DROP_FAMILY: u32 = 10;
+    /// tc path, dropped: a header rewrite (store or checksum helper) failed.
+    pub const TC_DROP_REWRITE: u32 = 11;
+    /// tc path, dropped: a new flow's conntrack entries could not be written.
+    pub const TC_DROP_CT_FULL: u32 = 12;
+    /// tc path, dropped: a TCP packet without SYN and without a flow
+    /// (netfilter's INVALID, which kube-proxy drops).
+    pub const TC_DROP_INVALID: u32 = 13;
+    /// tc path, dropped: an RST that does not belong to its flow (outside
+    /// the window the other end acknowledged).
+    pub const TC_DROP_BAD_RST: u32 = 14;
+    /// tc path: a SNAT port candidate was taken and the next one tried (not
+    /// a drop).
+    pub const TC_SNAT_RETRY: u32 = 15;
+    /// tc path: answered with a TCP RST or an ICMP port unreachable, for a
+    /// Service without endpoints (kube-proxy's REJECT).
+    pub const TC_REJECTED: u32 = 16;
+    /// tc path, dropped: no route to the backend or client (FIB lookup
+    /// failed other than for the MTU).
+    pub const TC_DROP_NO_ROUTE: u32 = 17;
+    /// tc path: too big for the next hop; answered with ICMP fragmentation
+    /// needed / packet too big (the packet itself is dropped).
+    pub const TC_FRAG_NEEDED: u32 = 18;
+    /// tc path, dropped: a later fragment whose first fragment was not seen.
+    pub const TC_DROP_FRAGMENT: u32 = 19;
+    pub const COUNT: u32 = 20;
+    /// Each counter's name, as `/metrics` and `inspect` show it.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "translated",
+        "refused",
+        "reversed",
+        "affinity_hit",
+        "tc_translated",
+        "tc_drop_no_backend",
+        "tc_drop_snat_exhausted",
+        "tc_drop_snat_no_address",
+        "tc_drop_source_range",
+        "tc_drop_loopback",
+        "tc_drop_family",
+        "tc_drop_rewrite",
+        "tc_drop_ct_full",
+        "tc_drop_invalid",
+        "tc_drop_bad_rst",
+        "tc_snat_retry",
+        "tc_rejected",
+        "tc_drop_no_route",
+        "tc_frag_needed",
+        "tc_drop_fragment",
+    ];
 }
 
 /// The names under which the maps are pinned and show in `bpftool map list`.
@@ -451,7 +531,7 @@ const _: () = {
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 56);
-    assert!(core::mem::size_of::<TcConfig>() == 48);
+    assert!(core::mem::size_of::<TcConfig>() == 52);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
 };
 
@@ -499,7 +579,7 @@ pub mod select {
     /// within `timeout_s` seconds (inclusive, as kube-proxy's `--seconds`).
     #[inline(always)]
     pub fn affinity_live(entry: &AffinityEntry, now_ns: u64, timeout_s: u32) -> bool {
-        now_ns.wrapping_sub(entry.last_used_ns) <= timeout_s as u64 * 1_000_000_000
+        crate::clock::within(now_ns, entry.last_used_ns, timeout_s)
     }
 
     /// A 32-bit mix of the socket-path flow identity (murmur3's finalizer on
@@ -621,6 +701,9 @@ pub mod select {
             };
             assert!(affinity_live(&e, 7_000_000_000, 2));
             assert!(!affinity_live(&e, 7_000_000_001, 2));
+            // Refreshed by another CPU after this one read the clock.
+            assert!(affinity_live(&e, 4_999_999_999, 2));
+            assert!(affinity_live(&e, 0, 0));
         }
 
         #[test]

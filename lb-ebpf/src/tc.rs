@@ -33,7 +33,7 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    ct_flags, is_ipv4_mapped, proto, scope, select, service_flags, source_range, stat, AffinityKey,
+    clock, ct_flags, is_ipv4_mapped, proto, scope, select, service_flags, source_range, stat, AffinityKey,
     Backend, CtEntry, CtKey, ServiceKey, ServiceValue, SourceRangeData, TcConfig,
 };
 
@@ -203,7 +203,7 @@ fn live(e: &CtEntry, now: u64, cfg: &TcConfig, l4proto: u8) -> bool {
     } else {
         cfg.udp_timeout_s
     };
-    now.wrapping_sub(e.last_seen_ns) <= timeout_s as u64 * 1_000_000_000
+    clock::within(now, e.last_seen_ns, timeout_s)
 }
 
 #[inline(always)]
@@ -448,18 +448,18 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         return TC_ACT_UNSPEC;
     }
     if !source_allowed(p) {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_SOURCE_RANGE);
         return TC_ACT_SHOT;
     }
     let chosen = choose(p, &svc, now);
     // No backend (externalTrafficPolicy Local without local endpoints):
     // dropped, as kube-proxy does.
     let Some((backend_id, b)) = chosen else {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_NO_BACKEND);
         return TC_ACT_SHOT;
     };
     if is_ipv4_mapped(&b.addr) == p.v6 {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_FAMILY);
         return TC_ACT_SHOT;
     }
     let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
@@ -482,12 +482,12 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
     } else {
         fwd.nat_src = if p.v6 { cfg.snat_v6 } else { cfg.snat_v4 };
         if fwd.nat_src == [0u8; 16] {
-            count(stat::TC_SNAT_FAILED);
+            count(stat::TC_DROP_SNAT_NO_ADDRESS);
             return TC_ACT_SHOT;
         }
         let port = snat_port(cfg, &fwd.nat_src, &b, p.proto, now);
         if port == 0 {
-            count(stat::TC_SNAT_FAILED);
+            count(stat::TC_DROP_SNAT_EXHAUSTED);
             return TC_ACT_SHOT;
         }
         fwd.nat_sport = port;
@@ -517,7 +517,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
             .insert(key, &scratch.forward, BPF_ANY as u64)
             .is_err()
     {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_CT_FULL);
         return TC_ACT_SHOT;
     }
     finish(ctx, p, &scratch.forward, true)
@@ -526,7 +526,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
 #[inline(always)]
 fn finish(ctx: &TcContext, p: &Pkt, e: &CtEntry, at_ingress: bool) -> i32 {
     if !rewrite(ctx, p, e) {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_REWRITE);
         return TC_ACT_SHOT;
     }
     count(stat::TC_TRANSLATED);
@@ -635,7 +635,7 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
         && ctx.store(ports, &e.nat_dport.to_be(), 0).is_ok()
         && ctx.store(ports + 2, &e.nat_sport.to_be(), 0).is_ok();
     if !ok {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_REWRITE);
         return Some(TC_ACT_SHOT);
     }
     let new_icsum: u16 = ctx.load(inner + 10).ok()?;
@@ -648,7 +648,7 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
         && ctx.l3_csum_replace(ETH_HLEN + 10, old_src as u64, backend as u64, 4).is_ok()
         && ctx.store(ETH_HLEN + 16, &backend, 0).is_ok();
     if !ok {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_REWRITE);
         return Some(TC_ACT_SHOT);
     }
     count(stat::TC_TRANSLATED);
@@ -663,7 +663,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     };
     // CVE-2020-8558: nothing from the wire is served on a loopback address.
     if is_loopback(&p) {
-        count(stat::TC_DROPPED);
+        count(stat::TC_DROP_LOOPBACK);
         return TC_ACT_SHOT;
     }
     // SAFETY: plain helper call.

@@ -44,7 +44,11 @@ const PIN_PREFIX: &str = "tc_";
 /// Conntrack lifetimes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
+    /// An established TCP flow, idle.
     pub tcp: Duration,
+    /// A TCP flow from its first SYN until the backend answers.
+    pub tcp_syn: Duration,
+    /// A TCP flow once both ends sent a FIN, or after a valid RST.
     pub tcp_close: Duration,
     pub udp: Duration,
 }
@@ -277,6 +281,7 @@ impl TcMaps {
             udp_timeout_s: secs(t.udp),
             snat_port_min: self.snat_ports.0,
             snat_port_max: self.snat_ports.1,
+            tcp_syn_timeout_s: secs(t.tcp_syn),
         };
         if self.last_config != Some(cfg) {
             self.config.set(0, cfg, 0).context("writing LB_TC_CONFIG")?;
@@ -445,6 +450,7 @@ mod tests {
     fn lifetimes_by_protocol_and_state() {
         let t = Timeouts {
             tcp: Duration::from_secs(100),
+            tcp_syn: Duration::from_secs(60),
             tcp_close: Duration::from_secs(10),
             udp: Duration::from_secs(30),
         };

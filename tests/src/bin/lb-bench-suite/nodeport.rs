@@ -155,7 +155,7 @@ fn ruleset_file(kind: ArmKind, scenario: &Scenario, cache: &Path) -> Result<Path
 
 /// `lb_common::stat` indices (this crate does not depend on lb-common).
 const STAT_TC_TRANSLATED: u32 = 4;
-const STAT_TC_SNAT_FAILED: u32 = 6;
+const STAT_TC_DROP_SNAT_EXHAUSTED: u32 = 6;
 
 /// Counter `index` of the pinned per-CPU `LB_STATS`, summed over CPUs.
 fn lb_stat(pin_dir: &Path, index: u32) -> Result<u64> {
@@ -366,7 +366,7 @@ fn point(
         let pins = ours.cluster.agents[0].pin_dir();
         match (
             lb_stat(pins, STAT_TC_TRANSLATED),
-            lb_stat(pins, STAT_TC_SNAT_FAILED),
+            lb_stat(pins, STAT_TC_DROP_SNAT_EXHAUSTED),
         ) {
             (Ok(t), Ok(f)) => {
                 say(format!(

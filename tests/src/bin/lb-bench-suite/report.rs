@@ -539,7 +539,7 @@ fn nodeport_section(o: &mut String, r: &Results) {
         let _ = writeln!(
             o,
             "\nlb (ours) at {} Services, over all rounds: {translated} packets translated, **{failed} \
-             new flows dropped for want of a free SNAT port** (`LB_STATS` `TC_SNAT_FAILED`).",
+             new flows dropped for want of a free SNAT port** (`LB_STATS` `TC_DROP_SNAT_EXHAUSTED`).",
             thousands(*n)
         );
     }
