@@ -113,6 +113,11 @@ pub struct NorthSouthArgs {
     /// Idle lifetime of a UDP flow.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub conntrack_udp_timeout: Duration,
+    /// How often expired conntrack and sessionAffinity entries are deleted
+    /// (the kernel ignores them from their timeout on; this bounds how long
+    /// they take room in the maps).
+    #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
+    pub sweep_interval: Duration,
 }
 
 impl NorthSouthArgs {

@@ -12,8 +12,8 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{HashMap, MapData};
 use lb_common::{
-    affinity_client, backend_flags, ct_flags, map_names, proto, service_flags, BackendId,
-    BackendSlotKey, CtEntry, CtKey,
+    affinity_client, backend_flags, clock, ct_flags, ct_state, map_names, proto, service_flags,
+    BackendId, BackendSlotKey, CtEntry, CtKey,
 };
 use serde::Serialize;
 
@@ -232,7 +232,7 @@ impl Subject for Affinity {
                 service_id: key.service_id,
                 backend_id: value.backend_id,
                 backend,
-                age_ms: now.saturating_sub(value.last_used_ns) / 1_000_000,
+                age_ms: clock::age_ns(now, value.last_used_ns) / 1_000_000,
             });
         }
         out.sort_by(|a, b| (a.service_id, &a.client).cmp(&(b.service_id, &b.client)));
@@ -275,7 +275,26 @@ pub struct CtView {
     pub service_id: u32,
     pub backend_id: u32,
     pub flags: Vec<&'static str>,
+    /// TCP: "syn" (the backend has not answered), "established", "fin"
+    /// (this direction sent a FIN, the other has not), "closing" (both did,
+    /// or an RST that belongs to the flow). UDP: "-".
+    pub state: &'static str,
     pub idle_ms: u64,
+}
+
+/// What `inspect conntrack` says of an entry's TCP state.
+fn ct_state_name(proto_number: u8, e: &CtEntry) -> &'static str {
+    if proto_number != proto::TCP {
+        "-"
+    } else if e.state[ct_state::CLOSING] != 0 {
+        "closing"
+    } else if e.state[ct_state::FIN] != 0 {
+        "fin"
+    } else if e.state[ct_state::SEEN_REPLY] != 0 {
+        "established"
+    } else {
+        "syn"
+    }
 }
 
 fn sockaddr(a: &[u8; 16], port: u16) -> String {
@@ -286,20 +305,18 @@ impl Subject for Conntrack {
     type View = CtView;
 
     fn read(dir: &Path) -> anyhow::Result<Vec<CtView>> {
-        let map: HashMap<MapData, CtKey, CtEntry> =
-            HashMap::try_from(tc::open(dir, map_names::CONNTRACK)?)?;
+        let mut entries = Vec::new();
+        for name in [map_names::CONNTRACK, map_names::CONNTRACK_SYN] {
+            let map: HashMap<MapData, CtKey, CtEntry> = HashMap::try_from(tc::open(dir, name)?)?;
+            entries.extend(map.iter().filter_map(Result::ok));
+        }
         let now = monotonic_now_ns();
-        let mut views: Vec<CtView> = map
-            .iter()
-            .filter_map(Result::ok)
+        let mut views: Vec<CtView> = entries
+            .into_iter()
             .map(|(k, e)| {
                 let flags = flag_names(
                     e.flags,
-                    &[
-                        (ct_flags::SNAT, "snat"),
-                        (ct_flags::LOCAL, "local"),
-                        (ct_flags::CLOSING, "closing"),
-                    ],
+                    &[(ct_flags::SNAT, "snat"), (ct_flags::LOCAL, "local")],
                 );
                 CtView {
                     direction: if e.flags & ct_flags::REPLY != 0 {
@@ -315,7 +332,8 @@ impl Subject for Conntrack {
                     service_id: e.service_id,
                     backend_id: e.backend_id,
                     flags,
-                    idle_ms: now.saturating_sub(e.last_seen_ns) / 1_000_000,
+                    state: ct_state_name(k.proto, &e),
+                    idle_ms: clock::age_ns(now, e.last_seen_ns) / 1_000_000,
                 }
             })
             .collect();
@@ -325,13 +343,13 @@ impl Subject for Conntrack {
 
     fn render(views: &[CtView]) -> String {
         let mut out = format!(
-            "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<14} {:>9}\n",
-            "DIR", "PROTO", "SRC", "DST", "NAT SRC", "NAT DST", "SVC", "FLAGS", "IDLE ms"
+            "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<11} {:<14} {:>9}\n",
+            "DIR", "PROTO", "SRC", "DST", "NAT SRC", "NAT DST", "SVC", "STATE", "FLAGS", "IDLE ms"
         );
         for v in views {
             let flags = flags_column(&v.flags);
             out += &format!(
-                "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<14} {:>9}\n",
+                "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<11} {:<14} {:>9}\n",
                 v.direction,
                 v.proto,
                 v.src,
@@ -339,6 +357,7 @@ impl Subject for Conntrack {
                 v.nat_src,
                 v.nat_dst,
                 v.service_id,
+                v.state,
                 flags,
                 v.idle_ms
             );

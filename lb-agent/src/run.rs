@@ -35,7 +35,6 @@ const RETIRE_DELAY: Duration = Duration::from_millis(50);
 const RESYNC_PERIOD: Duration = Duration::from_secs(30);
 /// How often expired affinity entries are swept; the kernel honours the
 /// timeout on its own, so this only bounds the map.
-const AFFINITY_SWEEP_PERIOD: Duration = Duration::from_secs(5);
 
 fn hostname() -> anyhow::Result<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -400,6 +399,9 @@ impl Syncer {
     ) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
+            if !net.devices.is_empty() {
+                tc.reserve_snat_ports();
+            }
             if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts) {
                 tracing::error!("{e:#}");
             }
@@ -620,7 +622,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut retire_at: Option<Instant> = None;
     let mut resync = tokio::time::interval(RESYNC_PERIOD);
     resync.tick().await;
-    let mut sweep = tokio::time::interval(AFFINITY_SWEEP_PERIOD);
+    let mut sweep = tokio::time::interval(
+        syncer
+            .north_south
+            .sweep_interval
+            .max(Duration::from_millis(100)),
+    );
     sweep.tick().await;
     loop {
         if retire_at.is_none() && syncer.reconciler.has_retiring() {

@@ -5,13 +5,13 @@
 use std::net::IpAddr;
 
 use aya::{
-    maps::{Array, HashMap, MapData},
+    maps::{Array, HashMap, MapData, PerCpuArray},
     programs::{SchedClassifier, TestRun, TestRunOptions},
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    backend_flags, ct_flags, map_names, proto, scope, Backend, BackendId, BackendSlot,
-    BackendSlotKey, CtEntry, CtKey, ServiceKey, ServiceValue, TcConfig,
+    backend_flags, ct_flags, ct_state, map_names, proto, scope, stat, Backend, BackendId,
+    BackendSlot, BackendSlotKey, CtEntry, CtKey, ServiceKey, ServiceValue, TcConfig,
 };
 
 use lb_agent::{
@@ -58,6 +58,9 @@ struct Frame {
     dport: u16,
     proto: u8,
     tcp_flags: u8,
+    /// TCP sequence and acknowledgment numbers.
+    seq: u32,
+    ack: u32,
     /// IPv4 flags+fragment offset field.
     frag: u16,
     /// IPv4 UDP without a checksum.
@@ -67,6 +70,12 @@ struct Frame {
 const PAYLOAD: &[u8] = b"hello";
 
 impl Frame {
+    fn seq_ack(mut self, seq: u32, ack: u32) -> Self {
+        self.seq = seq;
+        self.ack = ack;
+        self
+    }
+
     fn tcp(src: &str, sport: u16, dst: &str, dport: u16, flags: u8) -> Self {
         Frame {
             src: ip(src),
@@ -75,6 +84,8 @@ impl Frame {
             dport,
             proto: proto::TCP,
             tcp_flags: flags,
+            seq: 1,
+            ack: 0,
             frag: 0,
             no_udp_csum: false,
         }
@@ -93,8 +104,8 @@ impl Frame {
         l4.extend(self.sport.to_be_bytes());
         l4.extend(self.dport.to_be_bytes());
         if self.proto == proto::TCP {
-            l4.extend(1u32.to_be_bytes()); // seq
-            l4.extend(0u32.to_be_bytes()); // ack
+            l4.extend(self.seq.to_be_bytes());
+            l4.extend(self.ack.to_be_bytes());
             l4.push(5 << 4);
             l4.push(self.tcp_flags);
             l4.extend(65535u16.to_be_bytes());
@@ -214,6 +225,8 @@ struct Fixture {
     slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     backends: HashMap<MapData, BackendId, Backend>,
     conntrack: HashMap<MapData, CtKey, CtEntry>,
+    conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
+    stats: PerCpuArray<MapData, u64>,
     config: Array<MapData, TcConfig>,
     next_set: u32,
 }
@@ -230,6 +243,7 @@ impl Fixture {
             .map_max_entries(map_names::REV_SOCK, 64)
             .map_max_entries(map_names::AFFINITY, 64)
             .map_max_entries(map_names::CONNTRACK, 256)
+            .map_max_entries(map_names::CONNTRACK_SYN, 256)
             .map_max_entries(map_names::SOURCE_RANGES, 64)
             .load(EBPF_OBJECT)
             .expect("loading the object");
@@ -247,6 +261,8 @@ impl Fixture {
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)).unwrap(),
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)).unwrap(),
             conntrack: HashMap::try_from(take(&mut ebpf, map_names::CONNTRACK)).unwrap(),
+            conntrack_syn: HashMap::try_from(take(&mut ebpf, map_names::CONNTRACK_SYN)).unwrap(),
+            stats: PerCpuArray::try_from(take(&mut ebpf, map_names::STATS)).unwrap(),
             config,
             ebpf,
             next_set: 1,
@@ -263,6 +279,7 @@ impl Fixture {
             snat_port_min,
             snat_port_max,
             tcp_syn_timeout_s: 60,
+            l4_csum_v6_flags: 0,
         }
     }
 
@@ -332,16 +349,36 @@ impl Fixture {
         (r.return_value, out)
     }
 
+    /// The entry of this tuple, in whichever table it is.
     fn entry(&self, src: &str, sport: u16, dst: &str, dport: u16, proto: u8) -> Option<CtEntry> {
-        let key = CtKey {
-            src: addr_bytes(ip(src)),
-            dst: addr_bytes(ip(dst)),
-            sport,
-            dport,
-            proto,
-            _pad: [0; 3],
-        };
-        self.conntrack.get(&key, 0).ok()
+        let key = ct_key(src, sport, dst, dport, proto);
+        self.conntrack
+            .get(&key, 0)
+            .or_else(|_| self.conntrack_syn.get(&key, 0))
+            .ok()
+    }
+
+    /// Whether this tuple's entry is in LB_CT_SYN (the backend has not
+    /// answered yet).
+    fn in_syn_table(&self, src: &str, sport: u16, dst: &str, dport: u16, proto: u8) -> bool {
+        let key = ct_key(src, sport, dst, dport, proto);
+        self.conntrack_syn.get(&key, 0).is_ok()
+    }
+
+    /// `LB_STATS[index]`, summed over CPUs.
+    fn stat(&self, index: u32) -> u64 {
+        self.stats.get(&index, 0).unwrap().iter().sum()
+    }
+}
+
+fn ct_key(src: &str, sport: u16, dst: &str, dport: u16, proto: u8) -> CtKey {
+    CtKey {
+        src: addr_bytes(ip(src)),
+        dst: addr_bytes(ip(dst)),
+        sport,
+        dport,
+        proto,
+        _pad: [0; 3],
     }
 }
 
@@ -387,6 +424,27 @@ fn local_backend_dnat_reply_and_conntrack() {
         assert_eq!((fwd.backend_id, fwd.service_id), (1, 7));
         let rev = fx.entry(pod, 8080, client, 40000, proto::TCP).unwrap();
         assert_eq!(rev.flags, ct_flags::LOCAL | ct_flags::REPLY);
+        assert!(fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
+
+        // The reply on egress gets the frontend back, and the flow is
+        // established: both entries move to LB_CONNTRACK.
+        let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
+        let (rc, out) = fx.run("tc_egress", &reply);
+        assert_eq!(rc, OK);
+        let p = parse(&out);
+        assert_eq!((p.src, p.sport), (ip(node), 30080));
+        assert_eq!((p.dst, p.dport), (ip(client), 40000));
+        assert!(!fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
+        assert!(!fx.in_syn_table(pod, 8080, client, 40000, proto::TCP));
+        for e in [
+            fx.entry(client, 40000, node, 30080, proto::TCP).unwrap(),
+            fx.entry(pod, 8080, client, 40000, proto::TCP).unwrap(),
+        ] {
+            assert_eq!(e.state[ct_state::SEEN_REPLY], 1, "established");
+        }
+        // Unrelated traffic on egress is not touched.
+        let (rc, _) = fx.run("tc_egress", &Frame::tcp(pod, 8080, client, 999, TCP_ACK));
+        assert_eq!(rc, UNSPEC);
 
         // The Service now has only the other pod: the flow stays.
         fx.frontend(node, 30080, proto::TCP, 7, &[2]);
@@ -401,29 +459,30 @@ fn local_backend_dnat_reply_and_conntrack() {
         );
         assert_eq!(parse(&out).dst, ip(other_pod));
 
-        // The reply on egress gets the frontend back.
-        let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
-        let (rc, out) = fx.run("tc_egress", &reply);
-        assert_eq!(rc, OK);
-        let p = parse(&out);
-        assert_eq!((p.src, p.sport), (ip(node), 30080));
-        assert_eq!((p.dst, p.dport), (ip(client), 40000));
-        // Unrelated traffic on egress is not touched.
-        let (rc, _) = fx.run("tc_egress", &Frame::tcp(pod, 8080, client, 999, TCP_ACK));
-        assert_eq!(rc, UNSPEC);
-
-        // FIN from the client: both directions closing.
+        // FIN from the client: half-closed, still established; the
+        // backend's FIN closes both directions.
         fx.run(
             "tc_ingress",
             &Frame::tcp(client, 40000, node, 30080, TCP_FIN | TCP_ACK),
         );
         let fwd = fx.entry(client, 40000, node, 30080, proto::TCP).unwrap();
+        assert_eq!(
+            (fwd.state[ct_state::FIN], fwd.state[ct_state::CLOSING]),
+            (1, 0)
+        );
+        let (rc, out) = fx.run(
+            "tc_egress",
+            &Frame::tcp(pod, 8080, client, 40000, TCP_FIN | TCP_ACK),
+        );
+        assert_eq!((rc, parse(&out).src), (OK, ip(node)));
+        let fwd = fx.entry(client, 40000, node, 30080, proto::TCP).unwrap();
         let rev = fx.entry(pod, 8080, client, 40000, proto::TCP).unwrap();
-        assert_ne!(fwd.flags & ct_flags::CLOSING, 0);
-        assert_ne!(rev.flags & ct_flags::CLOSING, 0);
+        assert_eq!(fwd.state[ct_state::CLOSING], 1);
+        assert_eq!(rev.state[ct_state::CLOSING], 1);
         // A new SYN from the same client port is a new connection.
         let (_, out) = fx.run("tc_ingress", &syn);
         assert_eq!(parse(&out).dst, ip(other_pod), "reused port re-selects");
+        assert!(fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
     }
 }
 
@@ -487,10 +546,11 @@ fn remote_backend_masquerade_and_reply() {
     }
 }
 
-/// SNAT ports of finished flows go to new ones: at once after an RST (the
-/// flow's entries are deleted), or
-/// when the client reopens its port; a FIN-closed flow keeps its port (the
-/// other half may still send) and a full range drops the new flow.
+/// SNAT ports are reserved with BPF_NOEXIST: a taken port is never given
+/// to a second flow (the second one is dropped, its tries counted); the
+/// client reopening its port after its flow closed gets a new flow on the
+/// port; once the flow's entries are gone (the agent's sweep, after the
+/// close timeout) another client gets it.
 #[test]
 fn snat_ports_are_reused_only_when_the_flow_is_over() {
     if skip() {
@@ -507,28 +567,46 @@ fn snat_ports_are_reused_only_when_the_flow_is_over() {
     assert_eq!(parse(&out).sport, 61_000);
     let (rc, _) = fx.run("tc_ingress", &syn(40001));
     assert_eq!(rc, SHOT, "the only port is taken by a live flow");
+    assert_eq!(fx.stat(stat::TC_DROP_SNAT_EXHAUSTED), 1);
+    assert_eq!(fx.stat(stat::TC_SNAT_RETRY), 32, "every try counted");
 
-    // A FIN: the flow is closing but may still carry data the other way.
+    // Established, then half-closed: the port stays taken.
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, 61_000, TCP_SYN | TCP_ACK).seq_ack(500, 2),
+    );
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
     fx.run(
         "tc_ingress",
-        &Frame::tcp(client, 40000, NODE4, 30080, TCP_FIN | TCP_ACK),
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_FIN | TCP_ACK).seq_ack(2, 501),
     );
     let (rc, _) = fx.run("tc_ingress", &syn(40001));
     assert_eq!(rc, SHOT, "a half-closed flow keeps its port");
+
+    // An RST of the flow: translated, closing, its entries kept.
+    let rst = Frame::tcp(client, 40000, NODE4, 30080, TCP_RST | TCP_ACK).seq_ack(3, 501);
+    let (rc, out) = fx.run("tc_ingress", &rst);
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!((parse(&out).dst, parse(&out).sport), (ip(pod), 61_000));
+    let rev = fx.entry(pod, 8080, NODE4, 61_000, proto::TCP).unwrap();
+    assert_eq!(rev.state[ct_state::CLOSING], 1);
 
     // The client reopens its port: the old flow is over, its port is free.
     let (rc, out) = fx.run("tc_ingress", &syn(40000));
     assert!(rc == OK || rc == REDIRECT, "{rc}");
     assert_eq!(parse(&out).sport, 61_000);
+    let rev = fx.entry(pod, 8080, NODE4, 61_000, proto::TCP).unwrap();
+    assert_eq!(rev.state, [0; ct_state::COUNT], "a new flow");
 
-    // An RST is translated, then ends the flow for both sides: both entries
-    // go, and a new client gets the port.
-    let rst = Frame::tcp(client, 40000, NODE4, 30080, TCP_RST | TCP_ACK);
-    let (rc, out) = fx.run("tc_ingress", &rst);
-    assert!(rc == OK || rc == REDIRECT, "{rc}");
-    assert_eq!((parse(&out).dst, parse(&out).sport), (ip(pod), 61_000));
-    assert!(fx.entry(client, 40000, NODE4, 30080, proto::TCP).is_none());
-    assert!(fx.entry(pod, 8080, NODE4, 61_000, proto::TCP).is_none());
+    // Its entries removed (as the sweep does after the close timeout): the
+    // port answers another client.
+    for key in [
+        ct_key(client, 40000, NODE4, 30080, proto::TCP),
+        ct_key(pod, 8080, NODE4, 61_000, proto::TCP),
+    ] {
+        let _ = fx.conntrack.remove(&key);
+        let _ = fx.conntrack_syn.remove(&key);
+    }
     let (rc, out) = fx.run("tc_ingress", &syn(40001));
     assert!(rc == OK || rc == REDIRECT, "{rc}");
     assert_eq!(parse(&out).sport, 61_000);
@@ -537,6 +615,195 @@ fn snat_ports_are_reused_only_when_the_flow_is_over() {
         reply.nat_dport, 40001,
         "the port now answers the new client"
     );
+}
+
+/// Only a SYN opens a TCP flow: a mid-flow packet without one (its flow
+/// expired, was evicted, never was) is dropped as netfilter's INVALID,
+/// never given a backend.
+#[test]
+fn only_a_syn_opens_a_flow() {
+    if skip() {
+        return;
+    }
+    let mut fx = Fixture::new();
+    fx.backend(1, "10.244.1.10", 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    let client = "192.168.77.100";
+    for (i, flags) in [
+        TCP_ACK,
+        TCP_ACK | TCP_FIN,
+        TCP_RST,
+        TCP_RST | TCP_ACK,
+        TCP_SYN | TCP_ACK,
+        TCP_SYN | TCP_FIN,
+        0,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (rc, _) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, NODE4, 30080, flags),
+        );
+        assert_eq!(rc, SHOT, "flags {flags:#x}");
+        assert_eq!(fx.stat(stat::TC_DROP_INVALID), i as u64 + 1);
+    }
+    assert!(fx.conntrack.keys().next().is_none());
+    assert!(fx.conntrack_syn.keys().next().is_none(), "no flow recorded");
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    assert_eq!(rc, OK);
+}
+
+/// An RST ends a flow only if it belongs to it: once established, its
+/// sequence number must be where the other end expects this end's next
+/// byte. One that does not is dropped and counted; the flow goes on.
+#[test]
+fn an_rst_must_belong_to_its_flow() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.1.10");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    let to_node = |flags| Frame::tcp(client, 40000, NODE4, 30080, flags);
+    let from_pod = |flags| Frame::tcp(pod, 8080, client, 40000, flags);
+    // Handshake: client ISN 1000, backend ISN 5000.
+    fx.run("tc_ingress", &to_node(TCP_SYN).seq_ack(1000, 0));
+    fx.run(
+        "tc_egress",
+        &from_pod(TCP_SYN | TCP_ACK).seq_ack(5000, 1001),
+    );
+    fx.run("tc_ingress", &to_node(TCP_ACK).seq_ack(1001, 5001));
+    // The backend sent 100 bytes, the client acknowledged them.
+    fx.run("tc_egress", &from_pod(TCP_ACK).seq_ack(5001, 1001));
+    fx.run("tc_ingress", &to_node(TCP_ACK).seq_ack(1001, 5101));
+
+    for (what, seq) in [
+        ("far ahead", 1001u32.wrapping_add(1 << 30)),
+        ("far behind", 1001u32.wrapping_sub(1 << 20)),
+    ] {
+        let (rc, _) = fx.run("tc_ingress", &to_node(TCP_RST).seq_ack(seq, 0));
+        assert_eq!(rc, SHOT, "{what}: dropped");
+        let fwd = fx.entry(client, 40000, NODE4, 30080, proto::TCP).unwrap();
+        assert_eq!(fwd.state[ct_state::CLOSING], 0, "{what}: the flow goes on");
+    }
+    // From the backend's side too.
+    let (rc, _) = fx.run("tc_egress", &from_pod(TCP_RST).seq_ack(9_000_000, 0));
+    assert_eq!(rc, SHOT);
+    assert_eq!(fx.stat(stat::TC_DROP_BAD_RST), 3);
+    let (rc, out) = fx.run("tc_ingress", &to_node(TCP_ACK).seq_ack(1001, 5101));
+    assert_eq!((rc, parse(&out).dst), (OK, ip(pod)), "still translated");
+
+    // The backend's own RST, at its next sequence number: the flow closes,
+    // its entries stay for the close timeout, and late packets translate.
+    let (rc, out) = fx.run("tc_egress", &from_pod(TCP_RST).seq_ack(5101, 0));
+    assert_eq!((rc, parse(&out).src), (OK, ip(NODE4)));
+    for e in [
+        fx.entry(client, 40000, NODE4, 30080, proto::TCP).unwrap(),
+        fx.entry(pod, 8080, client, 40000, proto::TCP).unwrap(),
+    ] {
+        assert_eq!(e.state[ct_state::CLOSING], 1);
+    }
+    let (rc, out) = fx.run("tc_ingress", &to_node(TCP_ACK).seq_ack(1001, 5101));
+    assert_eq!((rc, parse(&out).dst), (OK, ip(pod)), "a late packet");
+}
+
+/// Entries are refreshed on many CPUs: one stamped later than this CPU's
+/// clock (refreshed after it read the clock) is live, not 2^64 ns old.
+#[test]
+fn an_entry_refreshed_on_another_cpu_is_live() {
+    if skip() {
+        return;
+    }
+    let (client, pod, other) = ("192.168.77.100", "10.244.1.10", "10.244.1.11");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, true);
+    fx.backend(2, other, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    fx.run(
+        "tc_egress",
+        &Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK),
+    );
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[2]);
+    // Stamp both entries ahead of the clock, as another CPU's refresh
+    // racing this CPU's read of the clock leaves them.
+    let ahead = lb_agent::base::clock::monotonic_now_ns() + 5_000_000_000;
+    for key in [
+        ct_key(client, 40000, NODE4, 30080, proto::TCP),
+        ct_key(pod, 8080, client, 40000, proto::TCP),
+    ] {
+        let mut e = fx.conntrack.get(&key, 0).unwrap();
+        e.last_seen_ns = ahead;
+        fx.conntrack.insert(key, e, 0).unwrap();
+    }
+    let (rc, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_ACK),
+    );
+    assert_eq!(rc, OK);
+    assert_eq!(parse(&out).dst, ip(pod), "the flow keeps its backend");
+}
+
+/// A SYN flood fills LB_CT_SYN only: an established flow in LB_CONNTRACK is
+/// never evicted by it, and a new client still connects.
+#[test]
+fn a_syn_flood_evicts_no_established_flow() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.2.10");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    let snat = fx
+        .entry(client, 40000, NODE4, 30080, proto::TCP)
+        .unwrap()
+        .nat_sport;
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, snat, TCP_SYN | TCP_ACK),
+    );
+    // Ten times the size of either table, from spoofed sources.
+    for i in 0..2560u32 {
+        let src = format!("198.18.{}.{}", i / 250, 1 + i % 250);
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(&src, 1024 + (i % 60_000) as u16, NODE4, 30080, TCP_SYN),
+        );
+    }
+    assert!(
+        fx.conntrack
+            .get(&ct_key(client, 40000, NODE4, 30080, proto::TCP), 0)
+            .is_ok()
+            && fx
+                .conntrack
+                .get(&ct_key(pod, 8080, NODE4, snat, proto::TCP), 0)
+                .is_ok(),
+        "the established flow survived the flood"
+    );
+    let (rc, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_ACK),
+    );
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!(parse(&out).dst, ip(pod));
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40001, NODE4, 30080, TCP_SYN),
+    );
+    assert!(rc == OK || rc == REDIRECT, "a new client connects: {rc}");
 }
 
 /// What must not be translated, and what must be dropped.

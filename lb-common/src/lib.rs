@@ -253,7 +253,8 @@ pub struct AffinityEntry {
     pub last_used_ns: u64,
 }
 
-/// `CtEntry::flags`.
+/// `CtEntry::flags`: what a flow is, fixed when its entries are written.
+/// What happens to it later is in `CtEntry::state`.
 pub mod ct_flags {
     /// The entry is the reply direction of a flow (backend to client).
     pub const REPLY: u8 = 1 << 0;
@@ -261,8 +262,23 @@ pub mod ct_flags {
     pub const SNAT: u8 = 1 << 1;
     /// The backend runs on this node.
     pub const LOCAL: u8 = 1 << 2;
-    /// A FIN or RST was seen: the entry lives only for the close timeout.
-    pub const CLOSING: u8 = 1 << 3;
+}
+
+/// `CtEntry::state`: one byte per event of a TCP flow, so that CPUs that
+/// record different events of one flow at once never undo each other's
+/// write (a read-modify-write of one flags byte could; BPF has atomic OR
+/// only from Linux 5.12). A byte is 0 until its event, then 1.
+///
+/// | index | event | set on |
+/// |---|---|---|
+/// | `SEEN_REPLY` | the backend answered: the flow is established | both entries |
+/// | `FIN` | this direction sent a FIN | this entry |
+/// | `CLOSING` | both directions sent a FIN, or a valid RST: the close timeout runs | both entries |
+pub mod ct_state {
+    pub const SEEN_REPLY: usize = 0;
+    pub const FIN: usize = 1;
+    pub const CLOSING: usize = 2;
+    pub const COUNT: usize = 3;
 }
 
 /// A flow as one packet carries it: key of `LB_CONNTRACK`. Both directions
@@ -302,8 +318,15 @@ pub struct CtKey {
 /// | 34     | `nat_dport`    | new destination port, host order            |
 /// | 36     | `backend_id`   | the backend the flow was sent to            |
 /// | 40     | `service_id`   | the frontend it addressed                   |
-/// | 44     | `flags`        | `ct_flags::*`                               |
+/// | 44     | `flags`        | `ct_flags::*`, fixed                        |
+/// | 45     | `state`        | `ct_state::*`, one byte per event           |
 /// | 48     | `last_seen_ns` | `bpf_ktime_get_ns` of the last packet       |
+/// | 56     | `ack_seq`      | TCP: the last ACK number this direction sent (host order) |
+/// | 60     | `_pad2`        |                                             |
+///
+/// An entry lives `TcConfig::tcp_syn_timeout_s` until the backend answers,
+/// then `tcp_timeout_s`, and `tcp_close_timeout_s` once `CLOSING`; UDP
+/// flows `udp_timeout_s` ([`conntrack::timeout_s`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtEntry {
@@ -314,8 +337,36 @@ pub struct CtEntry {
     pub backend_id: u32,
     pub service_id: u32,
     pub flags: u8,
-    pub _pad: [u8; 3],
+    pub state: [u8; ct_state::COUNT],
     pub last_seen_ns: u64,
+    pub ack_seq: u32,
+    pub _pad2: u32,
+}
+
+/// Conntrack lifetimes, the same in the kernel and in the agent's sweep.
+pub mod conntrack {
+    use crate::{clock, ct_state, proto, CtEntry, TcConfig};
+
+    /// How long `e` lives after its last packet, in seconds.
+    #[inline(always)]
+    pub fn timeout_s(e: &CtEntry, l4proto: u8, cfg: &TcConfig) -> u32 {
+        if l4proto != proto::TCP {
+            cfg.udp_timeout_s
+        } else if e.state[ct_state::CLOSING] != 0 {
+            cfg.tcp_close_timeout_s
+        } else if e.state[ct_state::SEEN_REPLY] == 0 {
+            cfg.tcp_syn_timeout_s
+        } else {
+            cfg.tcp_timeout_s
+        }
+    }
+
+    /// Whether `e` is still live at `now_ns` (clock-safe: an entry
+    /// refreshed on another CPU after `now_ns` was read is live).
+    #[inline(always)]
+    pub fn live(e: &CtEntry, l4proto: u8, now_ns: u64, cfg: &TcConfig) -> bool {
+        clock::within(now_ns, e.last_seen_ns, timeout_s(e, l4proto, cfg))
+    }
 }
 
 impl CtKey {
@@ -345,6 +396,7 @@ impl CtKey {
 /// | 44     | `snat_port_min`     | SNAT source ports, inclusive range       |
 /// | 46     | `snat_port_max`     |                                          |
 /// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow the backend has not answered yet |
+/// | 52     | `l4_csum_v6_flags`  | `BPF_F_IPV6` where the kernel has it, else 0 |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TcConfig {
@@ -356,6 +408,7 @@ pub struct TcConfig {
     pub snat_port_min: u16,
     pub snat_port_max: u16,
     pub tcp_syn_timeout_s: u32,
+    pub l4_csum_v6_flags: u32,
 }
 
 /// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
@@ -489,9 +542,10 @@ pub mod map_names {
     pub const AFFINITY: &str = "LB_AFFINITY";
     pub const STATS: &str = "LB_STATS";
     pub const CONNTRACK: &str = "LB_CONNTRACK";
+    pub const CONNTRACK_SYN: &str = "LB_CT_SYN";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
     pub const TC_CONFIG: &str = "LB_TC_CONFIG";
-    pub const ALL: [&str; 10] = [
+    pub const ALL: [&str; 11] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -500,6 +554,7 @@ pub mod map_names {
         AFFINITY,
         STATS,
         CONNTRACK,
+        CONNTRACK_SYN,
         SOURCE_RANGES,
         TC_CONFIG,
     ];
@@ -513,7 +568,12 @@ pub mod capacity {
     pub const BACKENDS: u32 = 262_144;
     pub const REV_SOCK: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
-    pub const CONNTRACK: u32 = 262_144;
+    /// Entries (two per flow) of established and UDP flows: at least
+    /// Cilium's defaults (512k TCP + 256k other).
+    pub const CONNTRACK: u32 = 786_432;
+    /// Entries (two per flow) of TCP flows whose backend has not answered:
+    /// what a SYN flood fills, apart from the established flows.
+    pub const CONNTRACK_SYN: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
 }
 
@@ -530,8 +590,8 @@ const _: () = {
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);
-    assert!(core::mem::size_of::<CtEntry>() == 56);
-    assert!(core::mem::size_of::<TcConfig>() == 52);
+    assert!(core::mem::size_of::<CtEntry>() == 64);
+    assert!(core::mem::size_of::<TcConfig>() == 56);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
 };
 

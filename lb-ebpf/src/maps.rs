@@ -37,10 +37,21 @@ pub static LB_SOCK_PEER: SkStorage<SockPeer> = SkStorage::new();
 pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityEntry, { capacity::AFFINITY as usize }> =
     LruHashMap::new();
 
-/// tc path: both directions of every translated flow.
+/// A conntrack table. Both tables have this one type so that the code that
+/// follows a flow serves either; the agent sets each one's size at load
+/// (`LB_CT_SYN` defaults to `capacity::CONNTRACK_SYN`).
+pub type CtMap = LruHashMap<CtKey, CtEntry, { capacity::CONNTRACK as usize }>;
+
+/// tc path: both directions of every established TCP flow and every UDP
+/// flow.
 #[btf_map]
-pub static LB_CONNTRACK: LruHashMap<CtKey, CtEntry, { capacity::CONNTRACK as usize }> =
-    LruHashMap::new();
+pub static LB_CONNTRACK: CtMap = LruHashMap::new();
+
+/// tc path: both directions of the TCP flows whose backend has not
+/// answered yet. Kept apart so that a SYN flood, however large, evicts
+/// only entries of its own kind and never an established flow.
+#[btf_map]
+pub static LB_CT_SYN: CtMap = LruHashMap::new();
 
 /// tc path: `loadBalancerSourceRanges` per frontend.
 #[btf_map]

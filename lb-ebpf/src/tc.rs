@@ -22,7 +22,7 @@
 //! the backend side (they reach the node's own stack, which finds no socket:
 //! never mis-delivered).
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
+    bindings::{bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST},
     btf_maps::PerCpuArray,
     helpers::{
         bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns,
@@ -33,13 +33,14 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    clock, ct_flags, is_ipv4_mapped, proto, scope, select, service_flags, source_range, stat, AffinityKey,
-    Backend, CtEntry, CtKey, ServiceKey, ServiceValue, SourceRangeData, TcConfig,
+    conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
+    source_range, stat, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue,
+    SourceRangeData, TcConfig,
 };
 
 use crate::{
     lb,
-    maps::{count, LB_CONNTRACK, LB_SOURCE_RANGES, LB_TC_CONFIG},
+    maps::{count, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES, LB_TC_CONFIG},
 };
 
 /// Not ours: let the next program (or the stack) decide.
@@ -65,6 +66,9 @@ struct Pkt {
     l4: usize,
     proto: u8,
     tcp_flags: u8,
+    /// TCP sequence and acknowledgment numbers, host order (0 for UDP).
+    seq: u32,
+    ack: u32,
     sport: u16,
     dport: u16,
     src: [u8; 16],
@@ -141,22 +145,26 @@ fn parse(ctx: &TcContext) -> Option<Pkt> {
     if l4proto != proto::TCP && l4proto != proto::UDP {
         return None;
     }
-    // Ports and flags in one read: the first 14 bytes of TCP, 4 of UDP.
-    let ports: [u8; 5] = if l4proto == proto::TCP {
-        let head: [u8; 14] = l4_head(ctx, l4)?;
-        [head[0], head[1], head[2], head[3], head[13]]
+    // Ports, sequence numbers and flags in one read: the first 14 bytes of
+    // TCP, 4 of UDP.
+    let head: [u8; 14] = if l4proto == proto::TCP {
+        l4_head(ctx, l4)?
     } else {
-        let head: [u8; 4] = l4_head(ctx, l4)?;
-        [head[0], head[1], head[2], head[3], 0]
+        let h: [u8; 4] = l4_head(ctx, l4)?;
+        [h[0], h[1], h[2], h[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     };
-    let sport = u16::from_be_bytes([ports[0], ports[1]]);
-    let dport = u16::from_be_bytes([ports[2], ports[3]]);
-    let tcp_flags = ports[4];
+    let sport = u16::from_be_bytes([head[0], head[1]]);
+    let dport = u16::from_be_bytes([head[2], head[3]]);
+    let seq = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+    let ack = u32::from_be_bytes([head[8], head[9], head[10], head[11]]);
+    let tcp_flags = head[13];
     Some(Pkt {
         v6,
         l4,
         proto: l4proto,
         tcp_flags,
+        seq,
+        ack,
         sport,
         dport,
         src,
@@ -193,20 +201,6 @@ pub struct Scratch {
 static LB_TC_SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
 #[inline(always)]
-fn live(e: &CtEntry, now: u64, cfg: &TcConfig, l4proto: u8) -> bool {
-    let timeout_s = if l4proto == proto::TCP {
-        if e.flags & ct_flags::CLOSING != 0 {
-            cfg.tcp_close_timeout_s
-        } else {
-            cfg.tcp_timeout_s
-        }
-    } else {
-        cfg.udp_timeout_s
-    };
-    clock::within(now, e.last_seen_ns, timeout_s)
-}
-
-#[inline(always)]
 fn csum_off(p: &Pkt) -> usize {
     if p.proto == proto::TCP {
         p.l4 + 16
@@ -217,12 +211,20 @@ fn csum_off(p: &Pkt) -> usize {
 
 #[inline(always)]
 fn l4_flags(p: &Pkt) -> u64 {
-    // An IPv4 UDP checksum of 0 means "none": leave it so.
-    if p.proto == proto::UDP && !p.v6 {
+    // UDP: a computed checksum of 0 is written as 0xffff (0 means "none"),
+    // and an IPv4 datagram sent without checksum is left without.
+    let udp = if p.proto == proto::UDP {
         BPF_F_MARK_MANGLED_0 as u64
     } else {
         0
-    }
+    };
+    // IPv6 packets need BPF_F_IPV6 where the kernel knows it (the agent
+    // probes it into the config), for CHECKSUM_COMPLETE packets.
+    let v6 = match config() {
+        Some(cfg) if p.v6 => cfg.l4_csum_v6_flags as u64,
+        _ => 0,
+    };
+    udp | v6
 }
 
 /// Rewrites the source (`is_src`) or destination address, checksums included.
@@ -329,34 +331,157 @@ fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
     TC_ACT_OK
 }
 
-/// Refreshes this direction; a FIN marks both closing. Returns whether the
-/// packet is an RST: the flow is then over for both ends, and its entries
-/// go (`forget`) once this packet is translated.
-#[inline(always)]
-fn touch(ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) -> bool {
-    if p.tcp_flags & TCP_RST != 0 {
-        return true;
-    }
-    // SAFETY: the pointer is valid for this program run; concurrent updates
-    // of the timestamp or flags only lose a refresh.
-    unsafe { (*ptr).last_seen_ns = now };
-    if p.tcp_flags & TCP_FIN != 0 && e.flags & ct_flags::CLOSING == 0 {
-        unsafe { (*ptr).flags = e.flags | ct_flags::CLOSING };
-        if let Some(other) = LB_CONNTRACK.get_ptr_mut(&CtKey::partner(e, p.proto)) {
-            unsafe { (*other).flags |= ct_flags::CLOSING };
-        }
-    }
-    false
+/// The conntrack table an entry is in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Table {
+    /// `LB_CONNTRACK`: established TCP flows and UDP flows.
+    Main,
+    /// `LB_CT_SYN`: TCP flows whose backend has not answered yet.
+    Syn,
 }
 
-/// Deletes both entries of a reset flow. Keeping them for the close timeout
-/// (as after a FIN) would only hold the SNAT port and fill the map: nothing
-/// valid follows an RST, and a stray late packet finds no flow (the node
-/// answers it with an RST, or it starts a flow a backend resets).
+impl Table {
+    #[inline(always)]
+    fn map(self) -> &'static CtMap {
+        match self {
+            Table::Main => &LB_CONNTRACK,
+            Table::Syn => &LB_CT_SYN,
+        }
+    }
+}
+
+/// How far past the sequence number the other end acknowledged an RST may
+/// be and still belong to the flow: data this end sent that is not yet
+/// acknowledged (bounded by the window; 4 MiB covers a fast LAN's
+/// bandwidth-delay product). A blind spoofer hits it once in a thousand.
+const RST_AHEAD: u32 = 1 << 22;
+/// ... and how far behind (a retransmission, reordering).
+const RST_BEHIND: u32 = 1 << 16;
+
+/// Whether an RST ends the flow of entry `e`. Checked: the RST comes from
+/// one of the flow's two ends (its tuple is an entry's key); once the flow
+/// is established, its sequence number is where the other end expects
+/// this end's next byte (the last ACK the other end sent, within
+/// [`RST_BEHIND`] and [`RST_AHEAD`]). During the handshake any RST of the
+/// tuple is taken: it answers or aborts the SYN.
 #[inline(always)]
-fn forget(key: &CtKey, e: &CtEntry, l4proto: u8) {
-    let _ = LB_CONNTRACK.remove(&CtKey::partner(e, l4proto));
-    let _ = LB_CONNTRACK.remove(key);
+fn rst_belongs(table: Table, e: &CtEntry, p: &Pkt) -> bool {
+    if e.state[ct_state::SEEN_REPLY] == 0 {
+        return true;
+    }
+    let Some(other) = table.map().get_ptr(&CtKey::partner(e, p.proto)) else {
+        return true;
+    };
+    // SAFETY: valid for this run; a torn read of a u32 cannot happen.
+    let expected = unsafe { (*other).ack_seq };
+    // Nothing acknowledged yet: nothing to compare with.
+    expected == 0
+        || p.seq.wrapping_sub(expected) < RST_AHEAD
+        || expected.wrapping_sub(p.seq) < RST_BEHIND
+}
+
+/// Marks one state byte of the partner entry (the other direction).
+#[inline(always)]
+fn mark_partner(table: Table, e: &CtEntry, l4proto: u8, state: usize) {
+    if let Some(other) = table.map().get_ptr_mut(&CtKey::partner(e, l4proto)) {
+        // SAFETY: valid for this run; one byte, written whole.
+        unsafe { (*other).state[state] = 1 };
+    }
+}
+
+/// The first answer of the backend: both entries become established, and
+/// a flow still in `LB_CT_SYN` moves to `LB_CONNTRACK` (inserted there
+/// before it is removed here, so a lookup always finds it somewhere).
+#[inline(always)]
+fn established(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) {
+    if table == Table::Main {
+        // SAFETY: as in `track`.
+        unsafe { (*ptr).state[ct_state::SEEN_REPLY] = 1 };
+        mark_partner(table, e, p.proto, ct_state::SEEN_REPLY);
+        return;
+    }
+    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch element, used by this run only.
+    let scratch = unsafe { &mut *scratch };
+    scratch.reply_key = CtKey::partner(e, p.proto);
+    let Some(fwd) = LB_CT_SYN.get_ptr(&scratch.reply_key) else {
+        return;
+    };
+    // SAFETY: copied out at once.
+    scratch.forward = unsafe { core::ptr::read(fwd) };
+    scratch.reply = *e;
+    scratch.reply.last_seen_ns = now;
+    scratch.reply.ack_seq = p.ack;
+    scratch.forward.state[ct_state::SEEN_REPLY] = 1;
+    scratch.reply.state[ct_state::SEEN_REPLY] = 1;
+    if LB_CONNTRACK
+        .insert(key, &scratch.reply, BPF_ANY as u64)
+        .is_err()
+        || LB_CONNTRACK
+            .insert(&scratch.reply_key, &scratch.forward, BPF_ANY as u64)
+            .is_err()
+    {
+        // Stays in LB_CT_SYN, where it keeps working until its SYN timeout.
+        count(stat::TC_DROP_CT_FULL);
+        return;
+    }
+    let _ = LB_CT_SYN.remove(&scratch.reply_key);
+    let _ = LB_CT_SYN.remove(key);
+}
+
+/// Records what packet `p` tells of its flow (entry `e` at `ptr` under
+/// `key` in `map`) and refreshes it. Returns false for a packet to drop:
+/// an RST that does not belong to the flow.
+///
+/// TCP states, as netfilter and Cilium keep them: a flow is established
+/// once its backend answers; it closes (close timeout) once both ends sent
+/// a FIN, or at an RST that belongs to it, whose entries stay for the close
+/// timeout so that late packets still translate. A half-closed flow (one
+/// FIN) keeps its established timeout.
+#[inline(always)]
+fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) -> bool {
+    // SAFETY (every write below): the entry stays valid for this run; each
+    // write is of one whole field, so concurrent writers of other fields
+    // or state bytes are never undone, and two writers of one field only
+    // lose a refresh.
+    if p.proto == proto::TCP {
+        if p.tcp_flags & TCP_RST != 0 {
+            if !rst_belongs(table, e, p) {
+                count(stat::TC_DROP_BAD_RST);
+                return false;
+            }
+            unsafe { (*ptr).state[ct_state::CLOSING] = 1 };
+            mark_partner(table, e, p.proto, ct_state::CLOSING);
+        } else {
+            if p.tcp_flags & TCP_ACK != 0 {
+                unsafe { (*ptr).ack_seq = p.ack };
+            }
+            if p.tcp_flags & TCP_FIN != 0 && e.state[ct_state::FIN] == 0 {
+                unsafe { (*ptr).state[ct_state::FIN] = 1 };
+            }
+            // After this end's FIN, until the flow closes: did the other
+            // end send one too? Checked on every packet of this direction
+            // from then on, so that two FINs crossing on two CPUs (each
+            // missing the other's write) still close the flow at the next
+            // ACK.
+            let fin = p.tcp_flags & TCP_FIN != 0 || e.state[ct_state::FIN] != 0;
+            if fin && e.state[ct_state::CLOSING] == 0 {
+                if let Some(other) = table.map().get_ptr_mut(&CtKey::partner(e, p.proto)) {
+                    if unsafe { (*other).state[ct_state::FIN] } != 0 {
+                        unsafe { (*ptr).state[ct_state::CLOSING] = 1 };
+                        unsafe { (*other).state[ct_state::CLOSING] = 1 };
+                    }
+                }
+            }
+        }
+    }
+    unsafe { (*ptr).last_seen_ns = now };
+    if e.flags & ct_flags::REPLY != 0 && e.state[ct_state::SEEN_REPLY] == 0 {
+        established(table, key, ptr, e, p, now);
+    }
+    true
 }
 
 /// `loadBalancerSourceRanges`: the longest match of (frontend, source).
@@ -395,44 +520,59 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
     lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
 }
 
-/// Random tries for a free SNAT port before the new flow is dropped; each
-/// costs one hash lookup, and only while the range is crowded.
-const SNAT_TRIES: u32 = 8;
+/// SNAT ports tried for a new flow before it is dropped, linearly from a
+/// random start (as Cilium probes); each costs a lookup and an insert, and
+/// only while the range is crowded.
+const SNAT_TRIES: u32 = 32;
 
-/// A source port on the masquerade address that no live flow to this
-/// backend uses; 0 when every try collides.
+/// Whether `key` is the key of a live entry of `map`.
 #[inline(always)]
-fn snat_port(cfg: &TcConfig, snat: &[u8; 16], b: &Backend, l4proto: u8, now: u64) -> u16 {
-    let min = cfg.snat_port_min as u32;
-    let span = (cfg.snat_port_max as u32).saturating_sub(min) + 1;
-    let mut key = CtKey {
-        src: b.addr,
-        dst: *snat,
-        sport: b.port,
-        dport: 0,
-        proto: l4proto,
-        _pad: [0; 3],
-    };
-    for _ in 0..SNAT_TRIES {
-        // SAFETY: plain helper call.
-        let port = (min + unsafe { bpf_get_prandom_u32() } % span) as u16;
-        if port == 0 {
-            continue;
-        }
-        key.dport = port;
-        let free = match LB_CONNTRACK.get_ptr(&key) {
-            None => true,
-            // SAFETY: copied out at once.
-            Some(e) => !live(unsafe { &*e }, now, cfg, l4proto),
-        };
-        if free {
-            return port;
-        }
+fn taken(map: &CtMap, key: &CtKey, now: u64, cfg: &TcConfig) -> bool {
+    match map.get_ptr(key) {
+        None => false,
+        // SAFETY: read in place for this run.
+        Some(e) => conntrack::live(unsafe { &*e }, key.proto, now, cfg),
     }
-    0
 }
 
-/// A packet to an EXTERNAL frontend without a flow yet.
+/// Reserves a SNAT port for the flow in `scratch`: its reply entry is
+/// inserted into `table` with `BPF_NOEXIST`, so two CPUs can never take one
+/// port. A port whose reply key is live in `LB_CONNTRACK` (when `table`
+/// is `LB_CT_SYN`) is taken too; it is checked before the insert and again
+/// after it, which closes the window of a flow being moved there at that
+/// moment. Sets `scratch.forward.nat_sport`; false if every try failed.
+#[inline(always)]
+fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -> bool {
+    let min = cfg.snat_port_min as u32;
+    let span = (cfg.snat_port_max as u32).saturating_sub(min) + 1;
+    // SAFETY: plain helper call.
+    let start = unsafe { bpf_get_prandom_u32() } % span;
+    let syn_table = table == Table::Syn;
+    for i in 0..SNAT_TRIES {
+        let port = (min + (start + i) % span) as u16;
+        scratch.reply_key.dport = port;
+        let free = port != 0
+            && !(syn_table && taken(&LB_CONNTRACK, &scratch.reply_key, now, cfg))
+            && table
+                .map()
+                .insert(&scratch.reply_key, &scratch.reply, BPF_NOEXIST as u64)
+                .is_ok();
+        if free {
+            if syn_table && taken(&LB_CONNTRACK, &scratch.reply_key, now, cfg) {
+                let _ = table.map().remove(&scratch.reply_key);
+            } else {
+                scratch.forward.nat_sport = port;
+                return true;
+            }
+        }
+        count(stat::TC_SNAT_RETRY);
+    }
+    false
+}
+
+/// A packet to an EXTERNAL frontend without a flow yet. Only a TCP SYN
+/// opens a TCP flow, into `LB_CT_SYN` until the backend answers; a UDP
+/// datagram opens one in `LB_CONNTRACK`.
 #[inline(always)]
 fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> i32 {
     let skey = ServiceKey {
@@ -451,6 +591,13 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         count(stat::TC_DROP_SOURCE_RANGE);
         return TC_ACT_SHOT;
     }
+    // Mid-flow TCP without a flow (netfilter's INVALID): its flow expired,
+    // was evicted, or never was. Giving it a backend now would only make
+    // that backend answer with an RST.
+    if p.proto == proto::TCP && p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) != TCP_SYN {
+        count(stat::TC_DROP_INVALID);
+        return TC_ACT_SHOT;
+    }
     let chosen = choose(p, &svc, now);
     // No backend (externalTrafficPolicy Local without local endpoints):
     // dropped, as kube-proxy does.
@@ -467,14 +614,21 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
     };
     // SAFETY: this CPU's scratch element, used by this run only.
     let scratch = unsafe { &mut *scratch };
+    let table = if p.proto == proto::TCP {
+        Table::Syn
+    } else {
+        Table::Main
+    };
     let local = b.flags & lb_common::backend_flags::LOCAL != 0;
     let fwd = &mut scratch.forward;
     fwd.nat_dst = b.addr;
     fwd.nat_dport = b.port;
     fwd.backend_id = backend_id;
     fwd.service_id = svc.id;
-    fwd._pad = [0; 3];
+    fwd.state = [0; ct_state::COUNT];
     fwd.last_seen_ns = now;
+    fwd.ack_seq = 0;
+    fwd._pad2 = 0;
     if local {
         fwd.nat_src = p.src;
         fwd.nat_sport = p.sport;
@@ -485,12 +639,6 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
             count(stat::TC_DROP_SNAT_NO_ADDRESS);
             return TC_ACT_SHOT;
         }
-        let port = snat_port(cfg, &fwd.nat_src, &b, p.proto, now);
-        if port == 0 {
-            count(stat::TC_DROP_SNAT_EXHAUSTED);
-            return TC_ACT_SHOT;
-        }
-        fwd.nat_sport = port;
         fwd.flags = ct_flags::SNAT;
     }
     let rkey = &mut scratch.reply_key;
@@ -508,15 +656,31 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
     reply.backend_id = backend_id;
     reply.service_id = svc.id;
     reply.flags = fwd.flags | ct_flags::REPLY;
-    reply._pad = [0; 3];
+    reply.state = [0; ct_state::COUNT];
     reply.last_seen_ns = now;
-    if LB_CONNTRACK
-        .insert(&scratch.reply_key, &scratch.reply, BPF_ANY as u64)
-        .is_err()
-        || LB_CONNTRACK
-            .insert(key, &scratch.forward, BPF_ANY as u64)
+    reply.ack_seq = 0;
+    reply._pad2 = 0;
+    if local {
+        // The reply key is the client's own tuple reversed: only this
+        // client can hold it, and a flow it held before is over.
+        if table
+            .map()
+            .insert(&scratch.reply_key, &scratch.reply, BPF_ANY as u64)
             .is_err()
+        {
+            count(stat::TC_DROP_CT_FULL);
+            return TC_ACT_SHOT;
+        }
+    } else if !reserve_snat(cfg, scratch, table, now) {
+        count(stat::TC_DROP_SNAT_EXHAUSTED);
+        return TC_ACT_SHOT;
+    }
+    if table
+        .map()
+        .insert(key, &scratch.forward, BPF_ANY as u64)
+        .is_err()
     {
+        let _ = table.map().remove(&scratch.reply_key);
         count(stat::TC_DROP_CT_FULL);
         return TC_ACT_SHOT;
     }
@@ -610,7 +774,10 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
         proto: iproto,
         _pad: [0; 3],
     };
-    let e = LB_CONNTRACK.get_ptr(&key)?;
+    // Errors are rare: both tables, since one may answer a SYN.
+    let e = LB_CONNTRACK
+        .get_ptr(&key)
+        .or_else(|| LB_CT_SYN.get_ptr(&key))?;
     // SAFETY: valid for this run; read in place.
     let e = unsafe { &*e };
     if e.flags & ct_flags::REPLY != 0 {
@@ -655,6 +822,52 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
     Some(TC_ACT_OK)
 }
 
+/// The flow of `key`: `LB_CONNTRACK` first; `LB_CT_SYN` only for the
+/// packets a flow can send before its backend answered (a SYN, the
+/// backend's SYN-ACK, an RST), so that other packets pay one lookup.
+#[inline(always)]
+fn lookup(key: &CtKey, p: &Pkt) -> Option<(Table, *mut CtEntry)> {
+    if let Some(ptr) = LB_CONNTRACK.get_ptr_mut(key) {
+        return Some((Table::Main, ptr));
+    }
+    if p.proto != proto::TCP || p.tcp_flags & (TCP_SYN | TCP_RST) == 0 {
+        return None;
+    }
+    LB_CT_SYN.get_ptr_mut(key).map(|ptr| (Table::Syn, ptr))
+}
+
+/// Translates a packet of the flow whose entry for `key` is `ptr` in
+/// `table`. None when the entry no longer stands for a flow (expired, or a
+/// new connection reusing the tuple); both its entries are then removed.
+#[inline(always)]
+fn follow(
+    ctx: &TcContext,
+    p: &Pkt,
+    key: &CtKey,
+    (table, ptr): (Table, *mut CtEntry),
+    now: u64,
+    cfg: &TcConfig,
+    at_ingress: bool,
+) -> Option<i32> {
+    // SAFETY: valid for this run; a copy, since a moved entry's memory may
+    // be reused by another CPU before this run ends.
+    let e = unsafe { core::ptr::read(ptr) };
+    // A new SYN on a closing forward entry is a new connection that
+    // reuses the client port: it gets a fresh choice.
+    let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+        && e.state[ct_state::CLOSING] != 0
+        && e.flags & ct_flags::REPLY == 0;
+    if reopened || !conntrack::live(&e, p.proto, now, cfg) {
+        let _ = table.map().remove(&CtKey::partner(&e, p.proto));
+        let _ = table.map().remove(key);
+        return None;
+    }
+    if !track(table, key, ptr, &e, p, now) {
+        return Some(TC_ACT_SHOT);
+    }
+    Some(finish(ctx, p, &e, at_ingress))
+}
+
 /// tc ingress of an external device.
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
@@ -672,26 +885,9 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         return TC_ACT_UNSPEC;
     };
     let key = key_of(&p);
-    if let Some(ptr) = LB_CONNTRACK.get_ptr_mut(&key) {
-        // SAFETY: the entry stays valid for this run; read in place.
-        let e = unsafe { &*ptr };
-        // A new SYN on a closing forward entry is a new connection that
-        // reuses the client port: it gets a fresh choice.
-        let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-            && e.flags & (ct_flags::CLOSING | ct_flags::REPLY) == ct_flags::CLOSING;
-        if live(e, now, cfg, p.proto) && !reopened {
-            let reset = touch(ptr, e, &p, now);
-            let verdict = finish(ctx, &p, e, true);
-            if reset {
-                forget(&key, e, p.proto);
-            }
+    if let Some(found) = lookup(&key, &p) {
+        if let Some(verdict) = follow(ctx, &p, &key, found, now, cfg, true) {
             return verdict;
-        }
-        if reopened {
-            // The client reused its port, so the old flow is over: its
-            // reply entry would only hold the old SNAT port for the close
-            // timeout.
-            let _ = LB_CONNTRACK.remove(&CtKey::partner(e, p.proto));
         }
     }
     new_flow(ctx, &p, &key, now, cfg)
@@ -704,12 +900,13 @@ pub fn egress(ctx: &TcContext) -> i32 {
         return TC_ACT_UNSPEC;
     };
     let key = key_of(&p);
-    let Some(ptr) = LB_CONNTRACK.get_ptr_mut(&key) else {
+    let Some(found) = lookup(&key, &p) else {
         return TC_ACT_UNSPEC;
     };
-    // SAFETY: the entry stays valid for this run; read in place.
-    let e = unsafe { &*ptr };
-    if e.flags & ct_flags::REPLY == 0 {
+    // Only reply entries are followed here; a forward entry's key is the
+    // client's tuple, which this node's own traffic may share.
+    // SAFETY: read in place for this run.
+    if unsafe { (*found.1).flags } & ct_flags::REPLY == 0 {
         return TC_ACT_UNSPEC;
     }
     let Some(cfg) = config() else {
@@ -717,13 +914,5 @@ pub fn egress(ctx: &TcContext) -> i32 {
     };
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    if !live(e, now, cfg, p.proto) {
-        return TC_ACT_UNSPEC;
-    }
-    let reset = touch(ptr, e, &p, now);
-    let verdict = finish(ctx, &p, e, false);
-    if reset {
-        forget(&key, e, p.proto);
-    }
-    verdict
+    follow(ctx, &p, &key, found, now, cfg, false).unwrap_or(TC_ACT_UNSPEC)
 }

@@ -283,7 +283,6 @@ mod tests {
         sys_bpf(1, &mut attr).ok().map(|()| value)
     }
 
-
     #[test]
     fn batch_update_and_delete_on_a_real_hash_map() {
         if lacks_root("create BPF maps") {

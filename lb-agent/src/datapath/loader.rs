@@ -40,9 +40,14 @@ pub struct Capacity {
     pub max_reverse_sockets: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
     pub max_affinity: u32,
-    /// Flows of the tc path (two entries each: forward and reply).
+    /// Established TCP and UDP flows of the tc path (two entries each:
+    /// forward and reply).
     #[arg(long, default_value_t = lb_common::capacity::CONNTRACK)]
     pub max_conntrack: u32,
+    /// TCP flows of the tc path whose backend has not answered yet (two
+    /// entries each): what a SYN flood can fill, apart from the others.
+    #[arg(long, default_value_t = lb_common::capacity::CONNTRACK_SYN)]
+    pub max_conntrack_syn: u32,
 }
 
 impl Default for Capacity {
@@ -54,6 +59,7 @@ impl Default for Capacity {
             max_reverse_sockets: lb_common::capacity::REV_SOCK,
             max_affinity: lb_common::capacity::AFFINITY,
             max_conntrack: lb_common::capacity::CONNTRACK,
+            max_conntrack_syn: lb_common::capacity::CONNTRACK_SYN,
         }
     }
 }
@@ -186,9 +192,18 @@ impl PinnedMaps {
             entries: entries.len(),
             ..Default::default()
         };
-        for (key, why) in
-            affinity::stale_entries(entries.iter().map(|(k, e)| (k, e)), policies, now)
+        for (key, _) in affinity::stale_entries(entries.iter().map(|(k, e)| (k, e)), policies, now)
         {
+            // The kernel refreshes (or replaces) entries meanwhile: judge the
+            // entry as it is now, against a clock read after reading it.
+            let Ok(fresh) = self.affinity.get(&key, 0) else {
+                continue;
+            };
+            let now = crate::base::clock::monotonic_now_ns();
+            let Some(&(_, why)) = affinity::stale_entries([(&key, &fresh)], policies, now).first()
+            else {
+                continue;
+            };
             if self.affinity.remove(&key).is_ok() {
                 report.entries -= 1;
                 match why {
@@ -231,7 +246,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 10] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 11] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -253,6 +268,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 10] {
         layout::<AffinityKey, AffinityEntry>(map_names::AFFINITY, LRU_HASH, c.max_affinity),
         layout::<u32, u64>(map_names::STATS, PERCPU_ARRAY, lb_common::stat::COUNT),
         layout::<CtKey, CtEntry>(map_names::CONNTRACK, LRU_HASH, c.max_conntrack),
+        layout::<CtKey, CtEntry>(map_names::CONNTRACK_SYN, LRU_HASH, c.max_conntrack_syn),
         // An LPM key is the prefix length (u32) and the data.
         Layout {
             key: 4 + source_ranges.key,
@@ -399,7 +415,8 @@ impl Datapath {
             .map_max_entries(map_names::BACKENDS, capacity.max_backends)
             .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
             .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
-            .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack);
+            .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack)
+            .map_max_entries(map_names::CONNTRACK_SYN, capacity.max_conntrack_syn);
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
         }
@@ -618,8 +635,8 @@ fn batch_put<K: Copy, V: Copy>(
 
 #[cfg(test)]
 mod tests {
-    use crate::base::testing::lacks_root;
     use super::*;
+    use crate::base::testing::lacks_root;
 
     /// A child cgroup and pin directory that are removed however the test ends.
     struct Scratch {
@@ -633,7 +650,6 @@ mod tests {
             let _ = fs::remove_dir(&self.cgroup);
         }
     }
-
 
     #[test]
     fn programs_pass_the_verifier_attach_and_pin_named_maps() {
@@ -653,6 +669,7 @@ mod tests {
             max_reverse_sockets: 64,
             max_affinity: 64,
             max_conntrack: 64,
+            max_conntrack_syn: 64,
         };
         let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
         assert!(adopted.services.is_empty() && adopted.recreated.is_empty());

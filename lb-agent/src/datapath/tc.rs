@@ -25,12 +25,14 @@ use aya::{
     Ebpf,
 };
 use lb_common::{
-    ct_flags, map_names, proto, source_range, CtEntry, CtKey, SourceRangeData, TcConfig,
+    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, SourceRangeData,
+    TcConfig,
 };
 
 use crate::{
     base::addr::addr_bytes,
     base::addr::ip_from_bytes,
+    base::clock::monotonic_now_ns,
     datapath::loader::pin_replacing,
     semantics::model::{BackendAddr, Frontend},
     semantics::northsouth::Cidr,
@@ -81,13 +83,59 @@ pub fn snat_ports(local: (u16, u16)) -> (u16, u16) {
     } else {
         above
     };
-    // A local range that leaves almost nothing: share the top of it rather
-    // than masquerade through a handful of ports.
-    if size(best) < 1024 {
-        (61_000, u16::MAX)
+    // A local range that leaves almost nothing (1024-65535 is a common
+    // tuning): a block below the NodePort range, which the node's own
+    // connections then skip because the agent reserves it
+    // (`ip_local_reserved_ports`, see `reserve_ports`).
+    if size(best) < 4096 {
+        SHARED_SNAT_PORTS
     } else {
         best
     }
+}
+
+/// The SNAT block when the node's ephemeral range leaves no room.
+const SHARED_SNAT_PORTS: (u16, u16) = (20_000, 29_999);
+
+const RESERVED_PORTS: &str = "/proc/sys/net/ipv4/ip_local_reserved_ports";
+
+/// Adds the SNAT range to `net.ipv4.ip_local_reserved_ports` (of the
+/// agent's network namespace, the node's; IPv6 follows the same list), so
+/// that the node's own connections never pick a port a masqueraded flow
+/// holds, whatever its `ip_local_port_range`. Entries already there stay.
+pub fn reserve_ports(range: (u16, u16)) -> anyhow::Result<()> {
+    let current = std::fs::read_to_string(RESERVED_PORTS)
+        .with_context(|| format!("reading {RESERVED_PORTS}"))?;
+    if let Some(wanted) = with_reserved(&current, range) {
+        std::fs::write(RESERVED_PORTS, &wanted)
+            .with_context(|| format!("writing {wanted:?} to {RESERVED_PORTS}"))?;
+    }
+    Ok(())
+}
+
+/// `list` (the sysctl's comma-separated ports and ranges) with `range`
+/// added, or None if it already covers the range.
+fn with_reserved(list: &str, (lo, hi): (u16, u16)) -> Option<String> {
+    let entries: Vec<&str> = list
+        .trim()
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .collect();
+    let covers = |e: &&str| {
+        let mut it = e.splitn(2, '-').map(|p| p.trim().parse::<u16>());
+        match (it.next(), it.next()) {
+            (Some(Ok(a)), None) => a <= lo && hi <= a,
+            (Some(Ok(a)), Some(Ok(b))) => a <= lo && hi <= b,
+            _ => false,
+        }
+    };
+    if entries.iter().any(covers) {
+        return None;
+    }
+    let mut out: Vec<String> = entries.iter().map(|e| e.to_string()).collect();
+    out.push(format!("{lo}-{hi}"));
+    Some(out.join(","))
 }
 
 /// The node's `ip_local_port_range` (of the agent's network namespace).
@@ -204,11 +252,15 @@ pub fn interface_addresses() -> anyhow::Result<BTreeMap<String, Vec<IpAddr>>> {
 
 /// Typed handles on the tc maps, opened from their pins.
 pub struct TcMaps {
+    /// Established TCP and UDP flows.
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
+    /// TCP flows whose backend has not answered yet.
+    pub conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
     pub ranges: SourceRangeWriter,
     config: Array<MapData, TcConfig>,
     last_config: Option<TcConfig>,
     snat_ports: (u16, u16),
+    ports_reserved: bool,
 }
 
 /// `LB_SOURCE_RANGES` and what this agent wrote into it.
@@ -224,18 +276,50 @@ pub fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
     Map::from_map_data(data).with_context(|| format!("map {}", path.display()))
 }
 
-/// Whether a conntrack entry is still live at `now`.
-pub fn entry_live(key: &CtKey, e: &CtEntry, now: u64, t: &Timeouts) -> bool {
-    let timeout = if key.proto == proto::TCP {
-        if e.flags & ct_flags::CLOSING != 0 {
-            t.tcp_close
-        } else {
-            t.tcp
-        }
-    } else {
-        t.udp
-    };
-    now.wrapping_sub(e.last_seen_ns) <= timeout.as_nanos() as u64
+impl Timeouts {
+    /// The timeouts as the kernel reads them (`LB_TC_CONFIG`), in whole
+    /// seconds, at least one.
+    pub fn apply_to(&self, cfg: &mut TcConfig) {
+        let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
+        cfg.tcp_timeout_s = secs(self.tcp);
+        cfg.tcp_syn_timeout_s = secs(self.tcp_syn);
+        cfg.tcp_close_timeout_s = secs(self.tcp_close);
+        cfg.udp_timeout_s = secs(self.udp);
+    }
+
+    fn config(&self) -> TcConfig {
+        let mut cfg = TcConfig {
+            snat_v4: [0; 16],
+            snat_v6: [0; 16],
+            tcp_timeout_s: 0,
+            tcp_close_timeout_s: 0,
+            udp_timeout_s: 0,
+            snat_port_min: 0,
+            snat_port_max: 0,
+            tcp_syn_timeout_s: 0,
+            l4_csum_v6_flags: 0,
+        };
+        self.apply_to(&mut cfg);
+        cfg
+    }
+}
+
+/// Whether a conntrack entry is still live at `now`, by the kernel's own
+/// rule (`lb_common::conntrack`). `partner` is the flow's other entry, if
+/// known: an entry whose two directions both sent a FIN is closing even if
+/// the kernel missed it (two FINs crossing on two CPUs).
+pub fn entry_live(
+    key: &CtKey,
+    e: &CtEntry,
+    partner: Option<&CtEntry>,
+    now: u64,
+    t: &Timeouts,
+) -> bool {
+    let mut e = *e;
+    if partner.is_some_and(|p| p.state[ct_state::FIN] != 0) && e.state[ct_state::FIN] != 0 {
+        e.state[ct_state::CLOSING] = 1;
+    }
+    conntrack::live(&e, key.proto, now, &t.config())
 }
 
 /// The backend an entry is about: the destination of a forward entry, the
@@ -252,6 +336,7 @@ impl TcMaps {
     pub fn open(dir: &Path) -> anyhow::Result<Self> {
         Ok(Self {
             conntrack: HashMap::try_from(open(dir, map_names::CONNTRACK)?)?,
+            conntrack_syn: HashMap::try_from(open(dir, map_names::CONNTRACK_SYN)?)?,
             ranges: SourceRangeWriter {
                 map: LpmTrie::try_from(open(dir, map_names::SOURCE_RANGES)?)?,
                 programmed: BTreeSet::new(),
@@ -262,7 +347,25 @@ impl TcMaps {
                 tracing::warn!("{e:#}; assuming the default 32768-60999");
                 (32_768, 60_999)
             })),
+            ports_reserved: false,
         })
+    }
+
+    /// Reserves the SNAT range from the node's own connections
+    /// ([`reserve_ports`]), once; called when the tc programs are attached
+    /// to devices, the only case in which the node masquerades.
+    pub fn reserve_snat_ports(&mut self) {
+        if self.ports_reserved {
+            return;
+        }
+        self.ports_reserved = true;
+        let (lo, hi) = self.snat_ports;
+        match reserve_ports(self.snat_ports) {
+            Ok(()) => tracing::info!("SNAT ports {lo}-{hi} reserved in {RESERVED_PORTS}"),
+            Err(e) => {
+                tracing::warn!("{e:#}: the node's own connections may pick SNAT ports {lo}-{hi}")
+            }
+        }
     }
 
     /// Writes the masquerade addresses and timeouts when they changed.
@@ -272,17 +375,12 @@ impl TcMaps {
         snat_v6: Option<Ipv6Addr>,
         t: &Timeouts,
     ) -> anyhow::Result<()> {
-        let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
-        let cfg = TcConfig {
-            snat_v4: snat_v4.map_or([0; 16], |a| addr_bytes(IpAddr::V4(a))),
-            snat_v6: snat_v6.map_or([0; 16], |a| addr_bytes(IpAddr::V6(a))),
-            tcp_timeout_s: secs(t.tcp),
-            tcp_close_timeout_s: secs(t.tcp_close),
-            udp_timeout_s: secs(t.udp),
-            snat_port_min: self.snat_ports.0,
-            snat_port_max: self.snat_ports.1,
-            tcp_syn_timeout_s: secs(t.tcp_syn),
-        };
+        let mut cfg = t.config();
+        cfg.snat_v4 = snat_v4.map_or([0; 16], |a| addr_bytes(IpAddr::V4(a)));
+        cfg.snat_v6 = snat_v6.map_or([0; 16], |a| addr_bytes(IpAddr::V6(a)));
+        cfg.snat_port_min = self.snat_ports.0;
+        cfg.snat_port_max = self.snat_ports.1;
+        cfg.l4_csum_v6_flags = l4_csum_v6_flags();
         if self.last_config != Some(cfg) {
             self.config.set(0, cfg, 0).context("writing LB_TC_CONFIG")?;
             self.last_config = Some(cfg);
@@ -290,16 +388,12 @@ impl TcMaps {
         Ok(())
     }
 
-    /// Deletes expired entries: (entries left, entries deleted).
+    /// Deletes expired entries of both tables: (entries left, entries
+    /// deleted).
     pub fn sweep(&mut self, t: &Timeouts) -> (usize, usize) {
-        let now = crate::base::clock::monotonic_now_ns();
-        let all: Vec<(CtKey, CtEntry)> = self.conntrack.iter().filter_map(Result::ok).collect();
-        let deleted = all
-            .iter()
-            .filter(|(k, e)| !entry_live(k, e, now, t))
-            .filter(|(k, _)| self.conntrack.remove(k).is_ok())
-            .count();
-        (all.len() - deleted, deleted)
+        let (left, deleted) = sweep_table(&mut self.conntrack, t);
+        let (syn_left, syn_deleted) = sweep_table(&mut self.conntrack_syn, t);
+        (left + syn_left, deleted + syn_deleted)
     }
 
     /// Deletes the UDP flows (both directions) to backends that left their
@@ -327,6 +421,82 @@ impl TcMaps {
             .iter()
             .filter(|k| self.conntrack.remove(k).is_ok())
             .count()
+    }
+}
+
+/// Deletes the expired entries of one table. The walk is a snapshot that
+/// the kernel keeps refreshing meanwhile, so each candidate is read again
+/// just before it goes, against a clock read after that: an entry
+/// refreshed since the snapshot is kept. (What is left is the few
+/// microseconds between that read and the delete; the kernel refreshes a
+/// flow at every packet, so a flow idle for its whole timeout would have
+/// to send its next packet in exactly that window.)
+fn sweep_table(map: &mut HashMap<MapData, CtKey, CtEntry>, t: &Timeouts) -> (usize, usize) {
+    let snapshot: BTreeMap<CtKey, CtEntry> = map.iter().filter_map(Result::ok).collect();
+    let candidates = expired(&snapshot, monotonic_now_ns(), t);
+    let deleted = delete_if_still_expired(map, &candidates, monotonic_now_ns, t);
+    (snapshot.len() - deleted, deleted)
+}
+
+/// The keys of `snapshot` whose entries are expired at `now`.
+fn expired(snapshot: &BTreeMap<CtKey, CtEntry>, now: u64, t: &Timeouts) -> Vec<CtKey> {
+    let partner = |k: &CtKey, e: &CtEntry| snapshot.get(&CtKey::partner(e, k.proto)).copied();
+    snapshot
+        .iter()
+        .filter(|(k, e)| !entry_live(k, e, partner(k, e).as_ref(), now, t))
+        .map(|(k, _)| *k)
+        .collect()
+}
+
+/// A conntrack table as the sweep reads and deletes it.
+trait CtTable {
+    fn entry(&self, key: &CtKey) -> Option<CtEntry>;
+    fn delete(&mut self, key: &CtKey) -> bool;
+}
+
+impl CtTable for HashMap<MapData, CtKey, CtEntry> {
+    fn entry(&self, key: &CtKey) -> Option<CtEntry> {
+        self.get(key, 0).ok()
+    }
+    fn delete(&mut self, key: &CtKey) -> bool {
+        self.remove(key).is_ok()
+    }
+}
+
+/// Deletes each of `candidates` that is still expired when read again,
+/// against a clock read after that read. Returns how many went.
+fn delete_if_still_expired(
+    map: &mut impl CtTable,
+    candidates: &[CtKey],
+    clock: impl Fn() -> u64,
+    t: &Timeouts,
+) -> usize {
+    let mut deleted = 0;
+    for key in candidates {
+        let Some(fresh) = map.entry(key) else {
+            continue;
+        };
+        let other = map.entry(&CtKey::partner(&fresh, key.proto));
+        if !entry_live(key, &fresh, other.as_ref(), clock(), t) && map.delete(key) {
+            deleted += 1;
+        }
+    }
+    deleted
+}
+
+/// `BPF_F_IPV6` for `bpf_l4_csum_replace` where the kernel knows it (Linux
+/// 6.16; older kernels refuse unknown flags, which would fail every IPv6
+/// rewrite).
+fn l4_csum_v6_flags() -> u32 {
+    const BPF_F_IPV6: u32 = 1 << 7;
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut parts = release
+        .trim()
+        .split(['.', '-'])
+        .map(|p| p.parse::<u32>().ok());
+    match (parts.next().flatten(), parts.next().flatten()) {
+        (Some(major), Some(minor)) if (major, minor) >= (6, 16) => BPF_F_IPV6,
+        _ => 0,
     }
 }
 
@@ -413,12 +583,28 @@ mod tests {
             ((2000, 10_000), (10_001, 65_535)),
             // Written high-low: the same range.
             ((60_999, 32_768), (1024, 29_999)),
-            // (Almost) everything local: the old fixed block rather than nothing.
-            ((1, 65_535), (61_000, 65_535)),
-            ((1500, 65_000), (61_000, 65_535)),
+            // (Almost) everything local: a block below the NodePort range,
+            // reserved from the node's own connections.
+            ((1, 65_535), (20_000, 29_999)),
+            ((1024, 65_535), (20_000, 29_999)),
+            ((1500, 65_000), (20_000, 29_999)),
         ] {
             assert_eq!(snat_ports(local), want, "ip_local_port_range {local:?}");
         }
+    }
+
+    #[test]
+    fn the_snat_range_is_added_to_the_reserved_ports_once() {
+        assert_eq!(
+            with_reserved("\n", (1024, 29_999)).as_deref(),
+            Some("1024-29999")
+        );
+        assert_eq!(
+            with_reserved("8080,9000-9100\n", (1024, 29_999)).as_deref(),
+            Some("8080,9000-9100,1024-29999")
+        );
+        assert_eq!(with_reserved("1024-29999\n", (1024, 29_999)), None);
+        assert_eq!(with_reserved("80,1000-30000", (1024, 29_999)), None);
     }
 
     fn entry(flags: u8, last_seen_ns: u64) -> CtEntry {
@@ -430,9 +616,18 @@ mod tests {
             backend_id: 3,
             service_id: 7,
             flags,
-            _pad: [0; 3],
+            state: [0; ct_state::COUNT],
             last_seen_ns,
+            ack_seq: 0,
+            _pad2: 0,
         }
+    }
+
+    fn with_state(mut e: CtEntry, states: &[usize]) -> CtEntry {
+        for &i in states {
+            e.state[i] = 1;
+        }
+        e
     }
 
     fn key(proto: u8) -> CtKey {
@@ -454,23 +649,79 @@ mod tests {
             tcp_close: Duration::from_secs(10),
             udp: Duration::from_secs(30),
         };
-        let s = 1_000_000_000u64;
-        let cases = [
-            (proto::TCP, 0, 99 * s, true),
-            (proto::TCP, 0, 101 * s, false),
-            (proto::TCP, ct_flags::CLOSING, 9 * s, true),
-            (proto::TCP, ct_flags::CLOSING, 11 * s, false),
-            (proto::UDP, 0, 29 * s, true),
-            (proto::UDP, 0, 31 * s, false),
+        let s = 1_000_000_000u64 as i64;
+        use ct_state::{CLOSING, FIN, SEEN_REPLY};
+        let cases: [(u8, &[usize], i64, bool); 12] = [
+            (proto::TCP, &[SEEN_REPLY], 99 * s, true),
+            (proto::TCP, &[SEEN_REPLY], 101 * s, false),
+            // Not answered yet: the SYN timeout.
+            (proto::TCP, &[], 59 * s, true),
+            (proto::TCP, &[], 61 * s, false),
+            // Half-closed: still established.
+            (proto::TCP, &[SEEN_REPLY, FIN], 99 * s, true),
+            (proto::TCP, &[SEEN_REPLY, CLOSING], 9 * s, true),
+            (proto::TCP, &[SEEN_REPLY, CLOSING], 11 * s, false),
+            (proto::UDP, &[], 29 * s, true),
+            (proto::UDP, &[], 31 * s, false),
+            // Refreshed on another CPU after this reader took its clock.
+            (proto::TCP, &[SEEN_REPLY], -s, true),
+            (proto::TCP, &[], -5 * s, true),
+            (proto::UDP, &[], -1, true),
         ];
-        for (p, flags, age, want) in cases {
-            let e = entry(flags, 1000 * s);
+        for (p, states, age, want) in cases {
+            let e = with_state(entry(0, 1000 * s as u64), states);
+            let now = (1000 * s + age) as u64;
             assert_eq!(
-                entry_live(&key(p), &e, 1000 * s + age, &t),
+                entry_live(&key(p), &e, None, now, &t),
                 want,
-                "{p} {flags} {age}"
+                "{p} {states:?} {age}"
             );
         }
+        // Both ends sent a FIN, the kernel did not mark it (two CPUs):
+        // closing all the same.
+        let fin = with_state(entry(0, 1000 * s as u64), &[SEEN_REPLY, FIN]);
+        let now = (1011 * s) as u64;
+        assert!(entry_live(&key(proto::TCP), &fin, None, now, &t));
+        assert!(!entry_live(&key(proto::TCP), &fin, Some(&fin), now, &t));
+    }
+
+    impl CtTable for BTreeMap<CtKey, CtEntry> {
+        fn entry(&self, key: &CtKey) -> Option<CtEntry> {
+            self.get(key).copied()
+        }
+        fn delete(&mut self, key: &CtKey) -> bool {
+            self.remove(key).is_some()
+        }
+    }
+
+    /// The sweep's walk is a snapshot; the kernel refreshes entries
+    /// meanwhile. One refreshed after the snapshot must stay.
+    #[test]
+    fn the_sweep_keeps_entries_refreshed_after_its_snapshot() {
+        let t = Timeouts {
+            tcp: Duration::from_secs(100),
+            tcp_syn: Duration::from_secs(60),
+            tcp_close: Duration::from_secs(10),
+            udp: Duration::from_secs(30),
+        };
+        let s = 1_000_000_000u64;
+        let mut table = BTreeMap::new();
+        let busy = key(proto::UDP);
+        let idle = CtKey {
+            sport: 40_001,
+            ..busy
+        };
+        table.insert(busy, entry(0, 10 * s));
+        table.insert(idle, entry(0, 10 * s));
+        let now = 50 * s;
+        let candidates = expired(&table, now, &t);
+        assert_eq!(candidates, vec![busy, idle]);
+        // A packet of the busy flow, on another CPU, after the snapshot.
+        table.get_mut(&busy).unwrap().last_seen_ns = now + 1;
+        let deleted = delete_if_still_expired(&mut table, &candidates, || now, &t);
+        assert_eq!(deleted, 1);
+        assert!(table.contains_key(&busy), "refreshed entry deleted");
+        assert!(!table.contains_key(&idle));
     }
 
     #[test]
