@@ -426,10 +426,14 @@ impl Cluster {
         lock(&self.state).netns.clone()
     }
 
-    /// The namespaces that have a default route (IPv4 or IPv6): none may.
+    /// The namespaces that have a default route (IPv4 or IPv6): none may,
+    /// but the pods, whose default route leads to their node (which has
+    /// none).
     pub fn with_default_route(&self) -> Vec<String> {
+        let pods: Vec<&str> = self.pods.iter().map(|p| p.netns.as_str()).collect();
         self.namespaces()
             .into_iter()
+            .filter(|ns| !pods.contains(&ns.as_str()))
             .filter(|ns| {
                 ["-4", "-6"].iter().any(|fam| {
                     ip(&["-n", ns, fam, "route", "show", "default"])

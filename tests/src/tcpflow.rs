@@ -517,8 +517,8 @@ impl RawSender {
     }
 }
 
-/// An `AF_PACKET` socket on one device, seeing the IPv4 packets this
-/// namespace sends (and receives) there.
+/// An `AF_PACKET` socket on one device, seeing the packets this namespace
+/// sends (and receives) there.
 pub struct Sniffer(std::os::fd::OwnedFd);
 
 impl Sniffer {
@@ -532,7 +532,9 @@ impl Sniffer {
             if ifindex == 0 {
                 return Err(io::Error::last_os_error());
             }
-            let proto = (libc::ETH_P_IP as u16).to_be();
+            // ETH_P_ALL: packets being sent reach only the taps of all
+            // protocols; parse_tcp4 picks the IPv4 ones.
+            let proto = (libc::ETH_P_ALL as u16).to_be();
             let fd = libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM, proto as i32);
             if fd < 0 {
                 return Err(io::Error::last_os_error());
@@ -583,6 +585,9 @@ impl Sniffer {
             );
             if n <= 0 {
                 return None;
+            }
+            if sll.sll_protocol != (libc::ETH_P_IP as u16).to_be() {
+                return Some((0, false));
             }
             Some((n as usize, sll.sll_pkttype == libc::PACKET_OUTGOING as u8))
         }
@@ -1101,7 +1106,7 @@ pub fn problems(clients: &[ClientReport], servers: &[ServerReport], expected_ids
             why.push("client: pattern broken".into());
         }
         match mine.as_slice() {
-            [] => why.push("no server saw it".into()),
+            [] => why.push("no server report (none accepted it, or it is still stuck)".into()),
             [s] => {
                 if c.backend.as_deref() != Some(s.name.as_str()) {
                     why.push(format!("greeting {:?} but served by {}", c.backend, s.name));

@@ -348,6 +348,16 @@ impl EchoFlows {
     }
 }
 
+/// Adds the failures of `st` not seen before to `bad` (a broken flow
+/// stays broken: it is listed once, at its first failure).
+fn note(bad: &mut Vec<String>, seen: &mut std::collections::BTreeSet<String>, when: &str, st: &[FlowState]) {
+    for s in st.iter().filter(|s| !s.ok) {
+        if seen.insert(s.id.clone()) {
+            bad.push(format!("{when}: {} ({:?}): {}", s.id, s.backend, s.error.as_deref().unwrap_or("?")));
+        }
+    }
+}
+
 fn failed(st: &[FlowState]) -> Vec<String> {
     st.iter()
         .filter(|s| !s.ok)
@@ -397,6 +407,7 @@ fn out_of_window_rst_does_not_end_a_flow() {
     let rsts0 = pod_rsts(c);
     let mut lines = Vec::new();
     let mut bad = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
     let mut finals = Vec::new();
     for (name, f) in &mut sets {
         let st = f.event(Some("ping"));
@@ -416,9 +427,7 @@ fn out_of_window_rst_does_not_end_a_flow() {
     for (name, f) in &mut sets {
         for round in 0..3 {
             let st = f.event(Some("ping"));
-            for b in failed(&st) {
-                bad.push(format!("{name}, ping {round} right after the RST: {b}"));
-            }
+            note(&mut bad, &mut seen, &format!("{name}, ping {round} right after the RST"), &st);
         }
     }
     // Idle for longer than the close timeout: the flows must still be
@@ -426,13 +435,9 @@ fn out_of_window_rst_does_not_end_a_flow() {
     std::thread::sleep(Duration::from_secs(3));
     for (name, f) in &mut sets {
         let st = f.event(Some("ping"));
-        for b in failed(&st) {
-            bad.push(format!("{name}, ping after 3 s idle: {b}"));
-        }
+        note(&mut bad, &mut seen, &format!("{name}, ping after 3 s idle"), &st);
         let st = f.event(Some("close"));
-        for b in failed(&st) {
-            bad.push(format!("{name}, close: {b}"));
-        }
+        note(&mut bad, &mut seen, &format!("{name}, close"), &st);
         finals.extend(st);
     }
     let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
@@ -512,16 +517,13 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
     let entries_after_flood = c.agents[0].inspect_conntrack().map(|v| v.len()).unwrap_or(0);
     let legit = legit.join().expect("legit thread").expect("legit client");
     let mut bad = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
     let mut finals = Vec::new();
     for (name, f) in &mut sets {
         let st = f.event(Some("ping"));
-        for b in failed(&st) {
-            bad.push(format!("{name}, after the flood: {b}"));
-        }
+        note(&mut bad, &mut seen, &format!("{name}, after the flood"), &st);
         let st = f.event(Some("close"));
-        for b in failed(&st) {
-            bad.push(format!("{name}, close: {b}"));
-        }
+        note(&mut bad, &mut seen, &format!("{name}, close"), &st);
         finals.extend(st);
     }
     let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
