@@ -173,6 +173,16 @@ fn read_pattern(r: &mut impl io::Read) -> (u64, bool, Option<io::Error>) {
 /// line per connection on stdout.
 pub fn serve(name: &str, port: u16, cpus: &[usize]) -> Result<()> {
     let l = TcpListener::bind(("::", port)).with_context(|| format!("TCP [::]:{port}"))?;
+    // UDP on the same port answers every datagram with the name (the
+    // flows of `udp_fill`).
+    let u = std::net::UdpSocket::bind(("::", port)).with_context(|| format!("UDP [::]:{port}"))?;
+    let reply = name.to_string();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 2048];
+        while let Ok((_, src)) = u.recv_from(&mut buf) {
+            let _ = u.send_to(reply.as_bytes(), src);
+        }
+    });
     let out = Arc::new(Mutex::new(io::stdout()));
     {
         let mut o = out.lock().unwrap();
@@ -420,6 +430,33 @@ pub fn client_conn(
     }
     rep.ms = ms(began);
     rep
+}
+
+/// One datagram from each of `count` UDP source ports `first_port..` to
+/// `target`, each socket closed after its answer (or 50 ms): that many
+/// idle UDP flows in the tc path's conntrack, for its full UDP timeout.
+/// (sent, answered).
+pub fn udp_fill(target: SocketAddr, first_port: u16, count: u16) -> Result<(u32, u32)> {
+    let (mut sent, mut answered) = (0, 0);
+    let mut buf = [0u8; 256];
+    for k in 0..count {
+        let port = first_port.checked_add(k).context("port range")?;
+        let local: SocketAddr = match target {
+            SocketAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, port).into(),
+            SocketAddr::V6(_) => (std::net::Ipv6Addr::UNSPECIFIED, port).into(),
+        };
+        let Ok(s) = std::net::UdpSocket::bind(local) else {
+            continue;
+        };
+        s.set_read_timeout(Some(Duration::from_millis(50)))?;
+        if s.send_to(b"fill", target).is_ok() {
+            sent += 1;
+            if s.recv_from(&mut buf).is_ok() {
+                answered += 1;
+            }
+        }
+    }
+    Ok((sent, answered))
 }
 
 // ---------------------------------------------------------------- raw packets

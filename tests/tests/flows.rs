@@ -45,6 +45,8 @@ use serde_json::{json, Value};
 const MIXED: u16 = 30090;
 const LOCAL: u16 = 30091;
 const REMOTE: u16 = 30092;
+/// UDP, n1p0, n1p1, n2p0: idle flows that fill the conntrack table.
+const FILL: u16 = 30093;
 const MIB: u64 = 1 << 20;
 
 fn env_flag(name: &str) -> bool {
@@ -86,6 +88,13 @@ fn setup(tag: &str, agent_args: &[&str], cpus: &[usize]) -> Bed {
         c.slice("local", &[&n1p0], false, "TCP"),
         service("remote", "10.96.0.92", REMOTE),
         c.slice("remote", &[&n2p0], false, "TCP"),
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "fill", "namespace": "demo"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.93", "clusterIPs": ["10.96.0.93"], "ipFamilyPolicy": "SingleStack",
+                "ports": [{"name": "http", "port": 53, "protocol": "UDP", "targetPort": POD_PORT, "nodePort": FILL}]},
+        }),
+        c.slice("fill", &[&n1p0, &n1p1, &n2p0], false, "UDP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
     c.start_agents(agent_args).expect("agents");
@@ -199,6 +208,17 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
                 .expect("taskset");
         }
     }
+    // A node with some thousands of flows: the sweep reads the clock, then
+    // walks the whole table before it deletes, so the more entries, the
+    // more busy flows are refreshed after its clock read (and look
+    // ancient to it). 4000 idle UDP flows (60 s timeout) make that walk
+    // take milliseconds instead of microseconds.
+    let probe = integration_tests::probe_bin().expect("lb-probe");
+    let fill = cmd::run(std::process::Command::new(&probe).args([
+        "udp-fill", "--netns", &clients[3], "--target", &target(FILL), "--first-port", "20000", "--count", "4000",
+    ]))
+    .expect("udp-fill");
+    let entries = c.agents[0].inspect_conntrack().map(|v| v.len()).unwrap_or(0);
     const STREAM_MS: u64 = 16_000;
     let cpu = |i: usize| Some(cpus[i % cpus.len()]);
     let mut runs = Vec::new();
@@ -240,11 +260,12 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     let streams: Vec<ClientReport> = reports.iter().filter(|r| r.id.starts_with("stream")).cloned().collect();
     let bad = problems(&reports, &servers, &expected);
     println!(
-        "multi-CPU ({} CPU{}, agents {}), {:.1} s:\n  {}\n  {}\n  RSTs sent by the pods: {rsts}\n  lb_conntrack_expired_total per agent: {expired0:?} -> {expired1:?}\n  broken connections: {}",
+        "multi-CPU ({} CPU{}, agents {}), {:.1} s, n1 conntrack filled with {} ({entries} entries):\n  {}\n  {}\n  RSTs sent by the pods: {rsts}\n  lb_conntrack_expired_total per agent: {expired0:?} -> {expired1:?}\n  broken connections: {}",
         cpus.len(),
         if cpus.len() > 1 { "s" } else { "" },
         if freeze { "frozen (no sweep)" } else { "running" },
         took.as_secs_f64(),
+        fill.trim(),
         summary("bulk 8 MiB both ways", &bulk),
         summary("streams 16 s both ways", &streams),
         bad.len(),

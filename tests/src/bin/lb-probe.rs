@@ -73,6 +73,19 @@ enum Cmd {
     /// A bounded flood of spoofed TCP SYNs (raw IPv4), from a namespace
     /// without a default route only.
     SynFlood(SynFloodArgs),
+    /// One datagram from each of N UDP source ports: N idle UDP flows in
+    /// the tc path's conntrack.
+    UdpFill(UdpFillArgs),
+}
+
+#[derive(Debug, Args)]
+struct UdpFillArgs {
+    #[command(flatten)]
+    at: Place,
+    #[arg(long, default_value_t = 20_000)]
+    first_port: u16,
+    #[arg(long, default_value_t = 1000)]
+    count: u16,
 }
 
 #[derive(Debug, Args)]
@@ -276,6 +289,13 @@ fn main() -> Result<()> {
         Cmd::TcpClient(a) => tcp_client(a),
         Cmd::TcpFlows(a) => tcp_flows(a),
         Cmd::SynFlood(a) => syn_flood(a),
+        Cmd::UdpFill(a) => {
+            let target = resolve_target(&a.at.target, None)?;
+            a.at.enter()?;
+            let (sent, answered) = integration_tests::tcpflow::udp_fill(target, a.first_port, a.count)?;
+            println!("{}", serde_json::json!({"sent": sent, "answered": answered}));
+            Ok(())
+        }
     }
 }
 
