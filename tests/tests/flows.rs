@@ -231,6 +231,7 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
                 .arg("--down-bytes", 8 * MIB)
                 .arg("--rounds", 200)
                 .arg("--until-ms", STREAM_MS)
+                .arg("--connect-timeout-ms", 10_000)
                 .args(),
         );
         expected.push(format!("bulk{i}.0"));
@@ -240,6 +241,7 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
             ClientRun::new(&clients[(i + 1) % clients.len()], &target(MIXED), &format!("stream{i}"), "stream")
                 .cpu(cpu(i + 1))
                 .arg("--duration-ms", STREAM_MS)
+                .arg("--connect-timeout-ms", 10_000)
                 .args(),
         );
         expected.push(format!("stream{i}"));
