@@ -33,6 +33,7 @@ pub mod manifests;
 pub mod netns;
 pub mod nodes;
 pub mod probe;
+pub mod tcpflow;
 
 use std::{
     net::IpAddr,

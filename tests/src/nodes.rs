@@ -410,6 +410,40 @@ impl Cluster {
         .map(|_| ())
     }
 
+    /// Another namespace on the nodes' network, `192.168.77.{index}` and
+    /// `fd00:77::{index}` on its `eth0`, no default route (more external
+    /// clients, an attacker): its name, torn down with the cluster.
+    pub fn add_external(&self, tag: &str, index: u8) -> Result<String> {
+        let ns = format!("{}-{tag}", self.prefix);
+        self.add_netns(&ns)?;
+        self.wire_to_switch(&ns, &format!("v{tag}"), node_v4(index), node_v6(index))?;
+        Ok(ns)
+    }
+
+    /// Every network namespace of the cluster (switch, nodes, pods,
+    /// clients, and those of [`add_external`](Self::add_external)).
+    pub fn namespaces(&self) -> Vec<String> {
+        lock(&self.state).netns.clone()
+    }
+
+    /// The namespaces that have a default route (IPv4 or IPv6): none may,
+    /// but the pods, whose default route leads to their node (which has
+    /// none).
+    pub fn with_default_route(&self) -> Vec<String> {
+        let pods: Vec<&str> = self.pods.iter().map(|p| p.netns.as_str()).collect();
+        self.namespaces()
+            .into_iter()
+            .filter(|ns| !pods.contains(&ns.as_str()))
+            .filter(|ns| {
+                ["-4", "-6"].iter().any(|fam| {
+                    ip(&["-n", ns, fam, "route", "show", "default"])
+                        .map(|o| !o.trim().is_empty())
+                        .unwrap_or(true)
+                })
+            })
+            .collect()
+    }
+
     /// `sysctl -w` settings inside network namespace `netns`.
     pub fn sysctl(&self, netns: &str, settings: &[&str]) -> Result<()> {
         sysctl(netns, settings)

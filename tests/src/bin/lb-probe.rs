@@ -23,6 +23,10 @@
 //!   unconnected UDP sockets; each line on stdin starts a round in which
 //!   every socket sends one datagram and waits for its answer; prints
 //!   `{"round":0,"backends":["b1",null,...]}` per round.
+//! - `tcp-serve`, `tcp-client`, `tcp-flows`, `syn-flood`: long-lived TCP
+//!   flows with byte accounting at both ends, out-of-window RSTs and a
+//!   bounded spoofed SYN flood, for the tc path's flow tests (see
+//!   `integration_tests::tcpflow` and `--help` of each).
 use std::{
     io::{self, BufWriter, Read as _, Write as _},
     net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
@@ -57,6 +61,124 @@ enum Cmd {
     /// Keep N unconnected UDP sockets; for each line read on stdin, send one
     /// datagram from each and print which backend answered each.
     Flows(FlowsArgs),
+    /// TCP server of the flow tests: greeting, pattern or echo, one JSON
+    /// report per connection (see `integration_tests::tcpflow`).
+    TcpServe(TcpServeArgs),
+    /// TCP client of the flow tests: bulk, stream, half-close or
+    /// connect-request-close rounds; one JSON report per connection.
+    TcpClient(TcpClientArgs),
+    /// N long-lived echo connections driven by stdin commands: `ping`,
+    /// `rst` (inject out-of-window RSTs on each flow's tuple), `close`.
+    TcpFlows(TcpFlowsArgs),
+    /// A bounded flood of spoofed TCP SYNs (raw IPv4), from a namespace
+    /// without a default route only.
+    SynFlood(SynFloodArgs),
+    /// One datagram from each of N UDP source ports: N idle UDP flows in
+    /// the tc path's conntrack.
+    UdpFill(UdpFillArgs),
+}
+
+#[derive(Debug, Args)]
+struct UdpFillArgs {
+    #[command(flatten)]
+    at: Place,
+    #[arg(long, default_value_t = 20_000)]
+    first_port: u16,
+    #[arg(long, default_value_t = 1000)]
+    count: u16,
+}
+
+#[derive(Debug, Args)]
+struct TcpServeArgs {
+    #[arg(long)]
+    name: String,
+    #[arg(long)]
+    port: u16,
+    /// Pin connection threads round-robin to these CPUs (comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    cpus: Vec<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum TcpMode {
+    /// Send --up-bytes while receiving --down-bytes.
+    Bulk,
+    /// Send and receive continuously for --duration-ms.
+    Stream,
+    /// Send --up-bytes, FIN, then receive --chunks chunks of --chunk bytes
+    /// that the server sends --gap-ms apart after the FIN.
+    HalfClose,
+    /// Connect, request --down-bytes, FIN, read to EOF, close.
+    Crr,
+}
+
+#[derive(Debug, Args)]
+struct TcpClientArgs {
+    #[command(flatten)]
+    at: Place,
+    /// Connection id (round R of several: `ID.R`).
+    #[arg(long)]
+    id: String,
+    #[arg(long, value_enum)]
+    mode: TcpMode,
+    #[arg(long, default_value_t = 0)]
+    up_bytes: u64,
+    #[arg(long, default_value_t = 0)]
+    down_bytes: u64,
+    #[arg(long, default_value_t = 0)]
+    duration_ms: u64,
+    #[arg(long, default_value_t = 3)]
+    chunks: u32,
+    #[arg(long, default_value_t = 65_536)]
+    chunk: u64,
+    #[arg(long, default_value_t = 3000)]
+    gap_ms: u64,
+    /// Connections one after the other (at most).
+    #[arg(long, default_value_t = 1)]
+    rounds: u32,
+    /// Start no new round after this long (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    until_ms: u64,
+    /// Start a round every this many ms (0: back to back).
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
+    /// Pin the process to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
+    #[arg(long, default_value_t = 3000)]
+    connect_timeout_ms: u64,
+    /// A read or write making no progress for this long fails the flow.
+    #[arg(long, default_value_t = 20_000)]
+    stall_ms: u64,
+}
+
+#[derive(Debug, Args)]
+struct TcpFlowsArgs {
+    #[command(flatten)]
+    at: Place,
+    #[arg(long, default_value_t = 4)]
+    sockets: usize,
+    /// Flow ids are `PREFIX-K`.
+    #[arg(long)]
+    id: String,
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    /// RSTs per flow and `rst` command.
+    #[arg(long, default_value_t = 3)]
+    rst_copies: u32,
+}
+
+#[derive(Debug, Args)]
+struct SynFloodArgs {
+    #[command(flatten)]
+    at: Place,
+    /// Spoofed sources: random addresses of this prefix (e.g. 198.18.0.0/16).
+    #[arg(long)]
+    sources: String,
+    #[arg(long, default_value_t = 30_000)]
+    count: u64,
+    #[arg(long, default_value_t = 10_000)]
+    duration_ms: u64,
 }
 
 /// Where a client runs (joined in this order) and what it talks to.
@@ -163,6 +285,17 @@ fn main() -> Result<()> {
         Cmd::Client(a) => client(a),
         Cmd::HoldUdp(a) => hold_udp(a),
         Cmd::Flows(a) => flows(a),
+        Cmd::TcpServe(a) => integration_tests::tcpflow::serve(&a.name, a.port, &a.cpus),
+        Cmd::TcpClient(a) => tcp_client(a),
+        Cmd::TcpFlows(a) => tcp_flows(a),
+        Cmd::SynFlood(a) => syn_flood(a),
+        Cmd::UdpFill(a) => {
+            let target = resolve_target(&a.at.target, None)?;
+            a.at.enter()?;
+            let (sent, answered) = integration_tests::tcpflow::udp_fill(target, a.first_port, a.count)?;
+            println!("{}", serde_json::json!({"sent": sent, "answered": answered}));
+            Ok(())
+        }
     }
 }
 
@@ -599,5 +732,138 @@ fn flows(a: FlowsArgs) -> Result<()> {
         writeln!(out, "{line}")?;
         out.flush()?;
     }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- tcp flows
+
+fn tcp_client(a: TcpClientArgs) -> Result<()> {
+    use integration_tests::tcpflow::{client_conn, pin_to_cpu, Request, Up};
+    let target = resolve_target(&a.at.target, None)?;
+    if let Some(c) = a.cpu {
+        pin_to_cpu(c).with_context(|| format!("pinning to CPU {c}"))?;
+    }
+    a.at.enter()?;
+    let t0 = Instant::now();
+    let mut out = io::stdout().lock();
+    let rounds = a.rounds.clamp(1, 100_000);
+    for r in 0..rounds {
+        if a.until_ms > 0 && t0.elapsed() >= Duration::from_millis(a.until_ms) {
+            break;
+        }
+        if a.interval_ms > 0 {
+            let due = t0 + Duration::from_millis(a.interval_ms) * r;
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+        }
+        let id = if rounds > 1 {
+            format!("{}.{r}", a.id)
+        } else {
+            a.id.clone()
+        };
+        let (req, up) = match a.mode {
+            TcpMode::Bulk => (
+                Request { id, down_bytes: a.down_bytes, ..Default::default() },
+                Up::Bytes(a.up_bytes),
+            ),
+            TcpMode::Stream => (
+                Request { id, down_ms: a.duration_ms, ..Default::default() },
+                Up::ForMs(a.duration_ms),
+            ),
+            TcpMode::HalfClose => (
+                Request {
+                    id,
+                    after_fin_chunks: a.chunks,
+                    chunk: a.chunk,
+                    gap_ms: a.gap_ms,
+                    ..Default::default()
+                },
+                Up::Bytes(a.up_bytes),
+            ),
+            TcpMode::Crr => (
+                Request { id, down_bytes: a.down_bytes, ..Default::default() },
+                Up::Bytes(a.up_bytes),
+            ),
+        };
+        let rep = client_conn(
+            target,
+            &req,
+            up,
+            Duration::from_millis(a.connect_timeout_ms.max(1)),
+            Duration::from_millis(a.stall_ms.max(1)),
+            t0,
+        );
+        serde_json::to_writer(&mut out, &rep)?;
+        out.write_all(b"\n")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
+    use integration_tests::tcpflow::{EchoFlow, RawSender, Sniffer};
+    let target = resolve_target(&a.at.target, None)?;
+    a.at.enter()?;
+    let timeout = Duration::from_millis(a.timeout_ms.max(1));
+    let mut flows: Vec<EchoFlow> = (0..a.sockets.min(1000))
+        .map(|k| EchoFlow::open(target, format!("{}-{k}", a.id), timeout))
+        .collect();
+    let mut out = io::stdout().lock();
+    let mut print = |event: &str, states: Vec<integration_tests::tcpflow::FlowState>| -> Result<()> {
+        writeln!(out, "{}", serde_json::json!({"event": event, "flows": states}))?;
+        out.flush()?;
+        Ok(())
+    };
+    print("open", flows.iter().map(|f| f.state(true)).collect())?;
+    let mut lines = io::stdin().lines();
+    loop {
+        let cmd = match lines.next() {
+            Some(l) => l?.trim().to_string(),
+            None => "close".to_string(),
+        };
+        match cmd.as_str() {
+            "ping" => {
+                let st = flows.iter_mut().map(|f| { let ok = f.ping(1000); f.state(ok) }).collect();
+                print("ping", st)?;
+            }
+            "rst" => {
+                let sniffer = Sniffer::new("eth0").context("AF_PACKET socket on eth0")?;
+                let raw = RawSender::new().context("raw socket")?;
+                if let SocketAddr::V4(t) = target {
+                    integration_tests::tcpflow::refuse_unsafe(*t.ip())?;
+                }
+                let st = flows.iter_mut().map(|f| f.bad_rst(&sniffer, &raw, a.rst_copies)).collect();
+                print("rst", st)?;
+            }
+            "close" => {
+                let st = flows.iter_mut().map(|f| { let ok = f.close(); f.state(ok) }).collect();
+                print("close", st)?;
+                return Ok(());
+            }
+            other => bail!("unknown command {other:?}: ping, rst or close"),
+        }
+    }
+}
+
+fn syn_flood(a: SynFloodArgs) -> Result<()> {
+    let target = resolve_target(&a.at.target, None)?;
+    let (base, len) = a
+        .sources
+        .split_once('/')
+        .context("--sources: ADDR/LEN")?;
+    let base: std::net::Ipv4Addr = base.parse().context("--sources address")?;
+    let len: u8 = len.parse().context("--sources length")?;
+    a.at.enter()?;
+    let began = Instant::now();
+    let (sent, errors) = integration_tests::tcpflow::syn_flood(
+        target,
+        base,
+        len,
+        a.count,
+        Duration::from_millis(a.duration_ms),
+    )?;
+    println!(
+        "{}",
+        serde_json::json!({"sent": sent, "errors": errors, "ms": began.elapsed().as_millis() as u64})
+    );
     Ok(())
 }
