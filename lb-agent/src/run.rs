@@ -436,6 +436,13 @@ impl Syncer {
         }
     }
 
+    fn record_datapath_events(&mut self) {
+        match loader::read_stats(self.datapath.pin_dir()) {
+            Ok(totals) => self.metrics.record_datapath_events(&totals),
+            Err(e) => tracing::debug!("reading LB_STATS: {e:#}"),
+        }
+    }
+
     fn sweep_conntrack(&mut self) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
@@ -654,6 +661,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = sweep.tick() => {
                 syncer.sweep_affinity();
                 syncer.sweep_conntrack();
+                syncer.record_datapath_events();
                 None
             }
             _ = retire_sleep => {

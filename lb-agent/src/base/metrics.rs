@@ -17,6 +17,12 @@ pub struct KindLabel {
     pub kind: String,
 }
 
+/// A kernel counter of `LB_STATS`, by its `lb_common::stat::NAMES` name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EventLabel {
+    pub event: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MapLabel {
     pub map: String,
@@ -68,6 +74,9 @@ pub struct Metrics {
     pub conntrack_entries: Gauge,
     pub conntrack_expired: Counter,
     pub conntrack_udp_purged: Counter,
+    pub datapath_events: Family<EventLabel, Counter>,
+    /// The `LB_STATS` totals last added to `datapath_events`.
+    datapath_seen: Arc<std::sync::Mutex<Vec<u64>>>,
 }
 
 impl Default for Metrics {
@@ -98,6 +107,8 @@ impl Metrics {
             conntrack_entries: Gauge::default(),
             conntrack_expired: Counter::default(),
             conntrack_udp_purged: Counter::default(),
+            datapath_events: Family::default(),
+            datapath_seen: Arc::default(),
         };
         registry.register(
             "sync_duration_seconds",
@@ -179,9 +190,32 @@ impl Metrics {
             "tc path UDP conntrack entries deleted because their backend left",
             m.conntrack_udp_purged.clone(),
         );
+        registry.register(
+            "datapath_events",
+            "Kernel program events by kind (LB_STATS): translations, refusals, and every tc drop by its reason",
+            m.datapath_events.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             ..m
+        }
+    }
+
+    /// Adds what the kernel counted since the last call; `totals` are the
+    /// `LB_STATS` sums over CPUs, by `lb_common::stat` index. Totals that
+    /// went down (the maps were recreated) count afresh from zero.
+    pub fn record_datapath_events(&self, totals: &[u64]) {
+        let mut seen = self.datapath_seen.lock().expect("metrics lock");
+        seen.resize(totals.len(), 0);
+        for (i, (&now, before)) in totals.iter().zip(seen.iter_mut()).enumerate() {
+            let delta = if now >= *before { now - *before } else { now };
+            *before = now;
+            let name = lb_common::stat::NAMES.get(i).copied().unwrap_or("unknown");
+            self.datapath_events
+                .get_or_create(&EventLabel {
+                    event: name.to_owned(),
+                })
+                .inc_by(delta);
         }
     }
 
@@ -196,6 +230,27 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kernel_counters_are_added_as_they_grow() {
+        let m = Metrics::new();
+        let mut totals = vec![0u64; lb_common::stat::COUNT as usize];
+        totals[lb_common::stat::TC_DROP_INVALID as usize] = 3;
+        m.record_datapath_events(&totals);
+        totals[lb_common::stat::TC_DROP_INVALID as usize] = 5;
+        m.record_datapath_events(&totals);
+        let text = m.encode();
+        assert!(
+            text.contains("lb_datapath_events_total{event=\"tc_drop_invalid\"} 5"),
+            "{text}"
+        );
+        // Recreated maps start from zero again.
+        totals[lb_common::stat::TC_DROP_INVALID as usize] = 1;
+        m.record_datapath_events(&totals);
+        assert!(m
+            .encode()
+            .contains("lb_datapath_events_total{event=\"tc_drop_invalid\"} 6"));
+    }
 
     #[test]
     fn reject_label_drops_indices() {

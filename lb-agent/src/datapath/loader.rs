@@ -507,6 +507,23 @@ impl Datapath {
     }
 }
 
+/// The kernel's `LB_STATS` counters under `dir`, summed over CPUs, by
+/// `lb_common::stat` index.
+pub fn read_stats(dir: &Path) -> anyhow::Result<Vec<u64>> {
+    let path = dir.join(map_names::STATS);
+    let data = MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+    let stats: aya::maps::PerCpuArray<MapData, u64> =
+        aya::maps::PerCpuArray::try_from(Map::PerCpuArray(data))?;
+    (0..lb_common::stat::COUNT)
+        .map(|i| {
+            let per_cpu = stats
+                .get(&i, 0)
+                .with_context(|| format!("reading {} [{i}]", path.display()))?;
+            Ok(per_cpu.iter().sum())
+        })
+        .collect()
+}
+
 /// Pins `link` as `links_dir/pin_name`, then lets go of the link pinned
 /// there before (detaching its program) only now that the new one is
 /// attached. Returns whether one was replaced; `what` names the link in
