@@ -4,7 +4,7 @@
 //! a table; [`show`] prints either that table or the views as JSON.
 use std::{
     collections::BTreeMap,
-    fmt::Write as _,
+    fmt::{Display, Write as _},
     net::{IpAddr, SocketAddr},
     path::Path,
 };
@@ -151,12 +151,8 @@ impl Subject for Services {
 
     /// A table in the spirit of `ipvsadm -Ln`.
     fn render(views: &[FrontendView]) -> String {
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "{:<8} {:<40} {:<6} {:<8} BACKENDS",
-            "SCOPE", "FRONTEND", "ID", "FLAGS"
-        );
+        const COLUMNS: Columns = Columns(&[(8, Left), (40, Left), (6, Left), (8, Left), (0, Left)]);
+        let mut s = COLUMNS.header(&["SCOPE", "FRONTEND", "ID", "FLAGS", "BACKENDS"]);
         for v in views {
             let frontend = match (v.addr, v.protocol) {
                 (IpAddr::V4(a), Some(p)) => format!("{a}:{}/{p}", v.port),
@@ -169,11 +165,7 @@ impl Subject for Services {
                 None => "?",
             };
             let flags = flags_column(&v.flags);
-            let _ = writeln!(
-                s,
-                "{scope:<8} {frontend:<40} {:<6} {flags:<8}",
-                v.service_id
-            );
+            COLUMNS.row(&mut s, &[&scope, &frontend, &v.service_id, &flags]);
             if v.backends.is_empty() && !v.flags.contains(&"vip") {
                 let _ = writeln!(s, "{:>66}", "(no backends: connects are refused)");
             }
@@ -240,23 +232,15 @@ impl Subject for Affinity {
     }
 
     fn render(views: &[AffinityView]) -> String {
-        let mut s = String::new();
-        let _ = writeln!(
-            s,
-            "{:<28} {:<8} {:<28} {:>10}",
-            "CLIENT", "SERVICE", "BACKEND", "AGE"
-        );
+        const COLUMNS: Columns = Columns(&[(28, Left), (8, Left), (28, Left), (10, Right)]);
+        let mut s = COLUMNS.header(&["CLIENT", "SERVICE", "BACKEND", "AGE"]);
         for v in views {
             let backend = v
                 .backend
                 .clone()
                 .unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
             let age = format!("{:.1}s", v.age_ms as f64 / 1000.0);
-            let _ = writeln!(
-                s,
-                "{:<28} {:<8} {:<28} {:>10}",
-                v.client, v.service_id, backend, age
-            );
+            COLUMNS.row(&mut s, &[&v.client, &v.service_id, &backend, &age]);
         }
         let _ = writeln!(s, "{} entries", views.len());
         s
@@ -342,27 +326,74 @@ impl Subject for Conntrack {
     }
 
     fn render(views: &[CtView]) -> String {
-        let mut out = format!(
-            "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<11} {:<14} {:>9}\n",
-            "DIR", "PROTO", "SRC", "DST", "NAT SRC", "NAT DST", "SVC", "STATE", "FLAGS", "IDLE ms"
-        );
+        const COLUMNS: Columns = Columns(&[
+            (8, Left),
+            (5, Left),
+            (46, Left),
+            (46, Left),
+            (46, Left),
+            (46, Left),
+            (4, Right),
+            (11, Left),
+            (14, Left),
+            (9, Right),
+        ]);
+        let mut out = COLUMNS.header(&[
+            "DIR", "PROTO", "SRC", "DST", "NAT SRC", "NAT DST", "SVC", "STATE", "FLAGS", "IDLE ms",
+        ]);
         for v in views {
             let flags = flags_column(&v.flags);
-            out += &format!(
-                "{:<8} {:<5} {:<46} {:<46} {:<46} {:<46} {:>4} {:<11} {:<14} {:>9}\n",
-                v.direction,
-                v.proto,
-                v.src,
-                v.dst,
-                v.nat_src,
-                v.nat_dst,
-                v.service_id,
-                v.state,
-                flags,
-                v.idle_ms
+            COLUMNS.row(
+                &mut out,
+                &[
+                    &v.direction,
+                    &v.proto,
+                    &v.src,
+                    &v.dst,
+                    &v.nat_src,
+                    &v.nat_dst,
+                    &v.service_id,
+                    &v.state,
+                    &flags,
+                    &v.idle_ms,
+                ],
             );
         }
         out
+    }
+}
+
+/// The columns of a text table: each a width and an alignment.
+struct Columns(&'static [(usize, Align)]);
+
+enum Align {
+    Left,
+    Right,
+}
+use Align::{Left, Right};
+
+impl Columns {
+    /// A table's first line: the column names.
+    fn header(&self, names: &[&str]) -> String {
+        let cells: Vec<&dyn Display> = names.iter().map(|n| n as &dyn Display).collect();
+        let mut out = String::new();
+        self.row(&mut out, &cells);
+        out
+    }
+
+    /// Appends one line: each cell padded to its column's width, one space
+    /// between cells. A line may have fewer cells than there are columns.
+    fn row(&self, out: &mut String, cells: &[&dyn Display]) {
+        for (i, (cell, (width, align))) in cells.iter().zip(self.0).enumerate() {
+            if i > 0 {
+                out.push(' ');
+            }
+            let _ = match align {
+                Left => write!(out, "{cell:<width$}"),
+                Right => write!(out, "{cell:>width$}"),
+            };
+        }
+        out.push('\n');
     }
 }
 

@@ -1004,6 +1004,15 @@ mod tests {
     }
 
     impl FakeMaps {
+        /// One map write: counted, then the maps checked as a datapath
+        /// reader would see them.
+        fn write<T>(&mut self, change: impl FnOnce(&mut Self) -> T) -> std::io::Result<()> {
+            self.writes += 1;
+            change(self);
+            self.check();
+            Ok(())
+        }
+
         fn check(&self) {
             if self.unchecked {
                 return;
@@ -1029,16 +1038,18 @@ mod tests {
             }
         }
 
+        /// The backend in `slot` of `backend_set`; panics if either is
+        /// missing.
+        fn backend_in(&self, backend_set: u32, slot: u32) -> Backend {
+            let id = self.slots[&BackendSlotKey { backend_set, slot }].backend_id;
+            self.backends[&BackendId { id }]
+        }
+
         fn backends_of(&self, f: &Frontend) -> Vec<BackendAddr> {
             let v = self.services[&service_key(f)];
             (0..(v.active + v.terminating) as u32)
                 .map(|slot| {
-                    let id = self.slots[&BackendSlotKey {
-                        backend_set: v.backend_set,
-                        slot,
-                    }]
-                        .backend_id;
-                    let b = self.backends[&BackendId { id }];
+                    let b = self.backend_in(v.backend_set, slot);
                     let addr = if lb_common::is_ipv4_mapped(&b.addr) {
                         IpAddr::from([b.addr[12], b.addr[13], b.addr[14], b.addr[15]])
                     } else {
@@ -1056,16 +1067,10 @@ mod tests {
 
     impl MapOps for FakeMaps {
         fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
-            self.writes += 1;
-            self.services.insert(key, value);
-            self.check();
-            Ok(())
+            self.write(|m| m.services.insert(key, value))
         }
         fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
-            self.writes += 1;
-            self.services.remove(&key);
-            self.check();
-            Ok(())
+            self.write(|m| m.services.remove(&key))
         }
         fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
             if let Some(cap) = self.slot_capacity {
@@ -1073,28 +1078,16 @@ mod tests {
                     return Err(std::io::Error::from_raw_os_error(libc::E2BIG));
                 }
             }
-            self.writes += 1;
-            self.slots.insert(key, value);
-            self.check();
-            Ok(())
+            self.write(|m| m.slots.insert(key, value))
         }
         fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
-            self.writes += 1;
-            self.slots.remove(&key);
-            self.check();
-            Ok(())
+            self.write(|m| m.slots.remove(&key))
         }
         fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
-            self.writes += 1;
-            self.backends.insert(id, backend);
-            self.check();
-            Ok(())
+            self.write(|m| m.backends.insert(id, backend))
         }
         fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
-            self.writes += 1;
-            self.backends.remove(&id);
-            self.check();
-            Ok(())
+            self.write(|m| m.backends.remove(&id))
         }
     }
 
@@ -1602,12 +1595,7 @@ mod tests {
                 let len = v.active as u32 + v.terminating as u32 + v.maglev_size as u32;
                 let backends: Vec<String> = (0..len)
                     .map(|slot| {
-                        let id = m.slots[&BackendSlotKey {
-                            backend_set: v.backend_set,
-                            slot,
-                        }]
-                            .backend_id;
-                        let b = m.backends[&BackendId { id }];
+                        let b = m.backend_in(v.backend_set, slot);
                         format!("{:?}:{}:{}", &b.addr[12..], b.port, b.flags)
                     })
                     .collect();

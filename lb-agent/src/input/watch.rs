@@ -290,24 +290,25 @@ pub fn start(
 mod tests {
     use super::*;
 
+    /// The metadata of object `ns/name`.
+    fn meta(name: &str) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("ns".into()),
+            ..Default::default()
+        }
+    }
+
     fn service(name: &str) -> Service {
         Service {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some("ns".into()),
-                ..Default::default()
-            },
+            metadata: meta(name),
             ..Default::default()
         }
     }
 
     fn slice(name: &str) -> EndpointSlice {
         EndpointSlice {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some("ns".into()),
-                ..Default::default()
-            },
+            metadata: meta(name),
             ..Default::default()
         }
     }

@@ -71,6 +71,23 @@ mod tests {
             .collect()
     }
 
+    /// How many positions of `before` (the table over `all`) point to
+    /// another backend in the table built without backend `removed`.
+    fn moved_without(all: &[String], before: &[u32], removed: usize) -> usize {
+        let rest: Vec<String> = all
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != removed)
+            .map(|(_, s)| s.clone())
+            .collect();
+        let after = build(&rest, DEFAULT_TABLE_SIZE);
+        before
+            .iter()
+            .zip(&after)
+            .filter(|(b, a)| all[**b as usize] != rest[**a as usize])
+            .count()
+    }
+
     fn shares(table: &[u32], n: usize) -> Vec<f64> {
         let mut counts = vec![0usize; n];
         for &b in table {
@@ -128,13 +145,7 @@ mod tests {
         let n = 10;
         let all = names(n);
         let before = build(&all, DEFAULT_TABLE_SIZE);
-        let rest: Vec<String> = all[1..].to_vec();
-        let after = build(&rest, DEFAULT_TABLE_SIZE);
-        let moved = before
-            .iter()
-            .zip(&after)
-            .filter(|(b, a)| all[**b as usize] != rest[**a as usize])
-            .count();
+        let moved = moved_without(&all, &before, 0);
         let owned = before.iter().filter(|&&b| b == 0).count();
         let fraction = moved as f64 / DEFAULT_TABLE_SIZE as f64;
         let s = shares(&before, n);
@@ -161,19 +172,8 @@ mod tests {
             let all = names(n);
             let before = build(&all, DEFAULT_TABLE_SIZE);
             for removed in [0, n / 2, n - 1] {
-                let rest: Vec<String> = all
-                    .iter()
-                    .enumerate()
-                    .filter(|(i, _)| *i != removed)
-                    .map(|(_, s)| s.clone())
-                    .collect();
-                let after = build(&rest, DEFAULT_TABLE_SIZE);
-                let moved = before
-                    .iter()
-                    .zip(&after)
-                    .filter(|(b, a)| all[**b as usize] != rest[**a as usize])
-                    .count();
-                let fraction = moved as f64 / DEFAULT_TABLE_SIZE as f64;
+                let fraction =
+                    moved_without(&all, &before, removed) as f64 / DEFAULT_TABLE_SIZE as f64;
                 let ideal = 1.0 / n as f64;
                 assert!(
                     fraction >= ideal * 0.9 && fraction <= ideal * 1.6,

@@ -360,10 +360,18 @@ mod tests {
         }
     }
 
-    fn fstate(ns: &str, name: &str, kind: FrontendKind) -> FrontendState {
+    /// Adds each `(addr, scope, service, kind)`: `addr:80/TCP` in `scope`
+    /// as a frontend of Service `demo/service`.
+    fn add(d: &mut DesiredState, frontends: &[(&str, Scope, &str, FrontendKind)]) {
+        for &(addr, scope, service, kind) in frontends {
+            d.frontends.insert(fe(addr, scope), fstate(service, kind));
+        }
+    }
+
+    fn fstate(name: &str, kind: FrontendKind) -> FrontendState {
         FrontendState {
             service: ServiceName {
-                namespace: ns.into(),
+                namespace: "demo".into(),
                 name: name.into(),
             },
             port_name: String::new(),
@@ -386,19 +394,16 @@ mod tests {
 
     #[test]
     fn external_ips_outside_the_allowed_cidrs_are_refused() {
+        use FrontendKind::{ExternalIp, LoadBalancer};
         let mut d = DesiredState::default();
         for scope in [Scope::External, Scope::Internal] {
-            d.frontends.insert(
-                fe("203.0.113.9", scope),
-                fstate("demo", "evil", FrontendKind::ExternalIp),
-            );
-            d.frontends.insert(
-                fe("198.51.100.7", scope),
-                fstate("demo", "ok", FrontendKind::ExternalIp),
-            );
-            d.frontends.insert(
-                fe("203.0.113.10", scope),
-                fstate("demo", "lb", FrontendKind::LoadBalancer),
+            add(
+                &mut d,
+                &[
+                    ("203.0.113.9", scope, "evil", ExternalIp),
+                    ("198.51.100.7", scope, "ok", ExternalIp),
+                    ("203.0.113.10", scope, "lb", LoadBalancer),
+                ],
             );
         }
         // Without the option nothing changes.
@@ -419,48 +424,47 @@ mod tests {
             .contains_key(&fe("203.0.113.10", Scope::External)));
     }
 
-    fn service(name: &str, f: impl FnOnce(&mut ServiceSpec)) -> Box<Service> {
+    /// The metadata of object `demo/name`.
+    fn meta(name: &str) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some("demo".into()),
+            ..Default::default()
+        }
+    }
+
+    /// Stores Service `demo/name` with the spec `f` makes.
+    fn add_service(store: &mut Store, name: &str, f: impl FnOnce(&mut ServiceSpec)) {
         let mut spec = ServiceSpec::default();
         f(&mut spec);
-        Box::new(Service {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some("demo".into()),
-                ..Default::default()
-            },
+        let service = Service {
+            metadata: meta(name),
             spec: Some(spec),
             ..Default::default()
-        })
+        };
+        store
+            .services
+            .insert(ObjectKey::new("demo", name), Box::new(service));
     }
 
     #[test]
     fn source_ranges_apply_to_external_load_balancer_frontends() {
+        use FrontendKind::{LoadBalancer, NodePort};
+        use Scope::{External, Internal};
         let mut store = Store::default();
-        store.services.insert(
-            ObjectKey::new("demo", "lb"),
-            service("lb", |s| {
-                s.load_balancer_source_ranges = Some(vec!["192.168.77.0/25".into(), "bogus".into()])
-            }),
-        );
-        store
-            .services
-            .insert(ObjectKey::new("demo", "open"), service("open", |_| {}));
+        add_service(&mut store, "lb", |s| {
+            s.load_balancer_source_ranges = Some(vec!["192.168.77.0/25".into(), "bogus".into()])
+        });
+        add_service(&mut store, "open", |_| {});
         let mut d = DesiredState::default();
-        d.frontends.insert(
-            fe("203.0.113.10", Scope::External),
-            fstate("demo", "lb", FrontendKind::LoadBalancer),
-        );
-        d.frontends.insert(
-            fe("203.0.113.10", Scope::Internal),
-            fstate("demo", "lb", FrontendKind::LoadBalancer),
-        );
-        d.frontends.insert(
-            fe("192.168.77.1", Scope::External),
-            fstate("demo", "lb", FrontendKind::NodePort),
-        );
-        d.frontends.insert(
-            fe("203.0.113.11", Scope::External),
-            fstate("demo", "open", FrontendKind::LoadBalancer),
+        add(
+            &mut d,
+            &[
+                ("203.0.113.10", External, "lb", LoadBalancer),
+                ("203.0.113.10", Internal, "lb", LoadBalancer),
+                ("192.168.77.1", External, "lb", NodePort),
+                ("203.0.113.11", External, "open", LoadBalancer),
+            ],
         );
         let (ranges, rejections) = source_ranges(&store, &d);
         assert_eq!(
@@ -477,10 +481,8 @@ mod tests {
     fn slice(service: &str, eps: &[(&str, &str, bool)]) -> Slice {
         Slice::from(EndpointSlice {
             metadata: ObjectMeta {
-                name: Some(format!("{service}-x")),
-                namespace: Some("demo".into()),
                 labels: Some([(LABEL_SERVICE_NAME.to_owned(), service.to_owned())].into()),
-                ..Default::default()
+                ..meta(&format!("{service}-x"))
             },
             address_type: "IPv4".into(),
             endpoints: Some(
@@ -503,20 +505,14 @@ mod tests {
     #[test]
     fn health_checks_count_ready_local_endpoints() {
         let mut store = Store::default();
-        store.services.insert(
-            ObjectKey::new("demo", "local"),
-            service("local", |s| {
-                s.external_traffic_policy = Some("Local".into());
-                s.health_check_node_port = Some(32000);
-            }),
-        );
-        store.services.insert(
-            ObjectKey::new("demo", "cluster"),
-            service("cluster", |s| {
-                s.external_traffic_policy = Some("Cluster".into());
-                s.health_check_node_port = Some(32001);
-            }),
-        );
+        add_service(&mut store, "local", |s| {
+            s.external_traffic_policy = Some("Local".into());
+            s.health_check_node_port = Some(32000);
+        });
+        add_service(&mut store, "cluster", |s| {
+            s.external_traffic_policy = Some("Cluster".into());
+            s.health_check_node_port = Some(32001);
+        });
         store.slices.insert(
             ObjectKey::new("demo", "local-x"),
             slice(

@@ -391,6 +391,16 @@ impl Report {
             self.rejections.push(rejection);
         }
     }
+
+    /// `n` as a port number, or a rejection of `field` if it is outside
+    /// 1..65535.
+    fn port(&mut self, n: i32, field: std::fmt::Arguments) -> Option<u16> {
+        let port = u16::try_from(n).ok().filter(|&p| p != 0);
+        if port.is_none() {
+            self.reject(field.to_string(), format!("{n} is outside 1..65535"));
+        }
+        port
+    }
 }
 
 fn belongs_to_other_proxy(svc: &Service) -> bool {
@@ -715,26 +725,13 @@ fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo
                 continue;
             }
         };
-        let Some(port) = port_number(p.port) else {
-            report.reject(
-                format!("spec.ports[{index}].port"),
-                format!("{} is outside 1..65535", p.port),
-            );
+        let Some(port) = report.port(p.port, format_args!("spec.ports[{index}].port")) else {
             continue;
         };
         // 0 is what an unallocated nodePort looks like.
         let node_port = match p.node_port {
             None | Some(0) => None,
-            Some(n) => {
-                let valid = port_number(n);
-                if valid.is_none() {
-                    report.reject(
-                        format!("spec.ports[{index}].nodePort"),
-                        format!("{n} is outside 1..65535"),
-                    );
-                }
-                valid
-            }
+            Some(n) => report.port(n, format_args!("spec.ports[{index}].nodePort")),
         };
         ports.push(ServicePortInfo {
             index,
@@ -745,10 +742,6 @@ fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo
         });
     }
     ports
-}
-
-fn port_number(n: i32) -> Option<u16> {
-    u16::try_from(n).ok().filter(|&p| p != 0)
 }
 
 fn traffic_policy(value: Option<&str>, field: &str, report: &mut Report) -> Policy {
@@ -955,11 +948,7 @@ fn slice_group(slice: &Slice, report: &mut Report) -> Option<EndpointGroup> {
         // A missing port means "all ports", which kube-proxy does not
         // implement either.
         let Some(number) = p.port else { continue };
-        let Some(port) = port_number(number) else {
-            report.reject(
-                format!("ports[{j}].port"),
-                format!("{number} is outside 1..65535"),
-            );
+        let Some(port) = report.port(number, format_args!("ports[{j}].port")) else {
             continue;
         };
         ports.push(GroupPort {
@@ -1018,11 +1007,7 @@ fn endpoints_groups(endpoints: &Endpoints, report: &mut Report) -> Vec<EndpointG
             let Some(protocol) = endpoint_protocol(p.protocol.as_deref()) else {
                 continue;
             };
-            let Some(port) = port_number(p.port) else {
-                report.reject(
-                    format!("subsets[{i}].ports[{k}].port"),
-                    format!("{} is outside 1..65535", p.port),
-                );
+            let Some(port) = report.port(p.port, format_args!("subsets[{i}].ports[{k}].port")) else {
                 continue;
             };
             ports.push(GroupPort {
@@ -1208,12 +1193,16 @@ mod tests {
     use crate::input::manifest::{load_str, Format};
     use crate::input::store::Changes;
 
+    fn node(name: &str, zone: Option<&str>) -> NodeInfo {
+        NodeInfo {
+            name: name.into(),
+            zone: zone.map(Into::into),
+        }
+    }
+
     /// The node every case runs on unless it says otherwise.
     fn node_a() -> NodeInfo {
-        NodeInfo {
-            name: "node-a".into(),
-            zone: Some("zone-a".into()),
-        }
+        node("node-a", Some("zone-a"))
     }
 
     /// Each case's documents are one-line flow-style YAML, joined with `---`.
@@ -1267,16 +1256,54 @@ mod tests {
             .collect()
     }
 
-    #[derive(Default)]
+    /// `frontends` of a [`Case`] that has none.
+    const NONE: &[&str] = &[];
+
     struct Case<'a> {
         name: &'a str,
         docs: &'a [&'a str],
         /// `None`: `node_a()`.
         node: Option<NodeInfo>,
         default_algorithm: Algorithm,
-        frontends: &'a [&'a str],
+        frontends: Vec<String>,
         /// `object field` of each rejection, in order.
         rejected: &'a [&'a str],
+    }
+
+    impl<'a> Case<'a> {
+        /// The case `name`: translating `docs` (see [`store`]) gives
+        /// `frontends` (see [`render`]), on `node_a()` with the random
+        /// default algorithm, and rejects nothing.
+        fn new(name: &'a str, docs: &'a [&'a str], frontends: &[impl AsRef<str>]) -> Self {
+            Case {
+                name,
+                docs,
+                node: None,
+                default_algorithm: Algorithm::Random,
+                frontends: frontends.iter().map(|f| f.as_ref().to_owned()).collect(),
+                rejected: &[],
+            }
+        }
+
+        /// Expects these rejections (`object field`, in order).
+        fn rejected(self, rejected: &'a [&'a str]) -> Self {
+            Case { rejected, ..self }
+        }
+
+        /// Runs on `node` instead of `node_a()`.
+        fn on(self, node: NodeInfo) -> Self {
+            Case {
+                node: Some(node),
+                ..self
+            }
+        }
+
+        fn default_algorithm(self, default_algorithm: Algorithm) -> Self {
+            Case {
+                default_algorithm,
+                ..self
+            }
+        }
     }
 
     const WEB: &str =
@@ -1287,6 +1314,15 @@ mod tests {
         endpoints: [{addresses: [10.1.0.2], nodeName: node-b}, {addresses: [10.1.0.1], nodeName: node-a}]}";
     const WEB_FRONTEND: &str =
         "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080";
+
+    /// Slice `web-1` of Service `web`, port `http` 8080, with `endpoints` (a
+    /// flow-style list).
+    fn web_slice(endpoints: &str) -> String {
+        format!(
+            "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}, \
+             addressType: IPv4, ports: [{{name: http, port: 8080}}], endpoints: {endpoints}}}"
+        )
+    }
 
     fn run(cases: Vec<Case<'_>>) {
         for case in cases {
@@ -1334,91 +1370,81 @@ mod tests {
     #[test]
     fn services_and_ports() {
         run(vec![
-            Case {
-                name: "cluster IP with ready endpoints, the local one marked",
-                docs: &[WEB, WEB_SLICE],
-                frontends: &[WEB_FRONTEND],
-                ..Default::default()
-            },
-            Case {
-                name: "no endpoints at all: a frontend without backends (refused)",
-                docs: &[WEB],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
-                ..Default::default()
-            },
-            Case {
-                name: "clusterIPs preferred over clusterIP; protocol defaults to TCP, unnamed port",
-                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+            Case::new("cluster IP with ready endpoints, the local one marked", &[WEB, WEB_SLICE], &[WEB_FRONTEND]),
+            Case::new(
+                "no endpoints at all: a frontend without backends (refused)",
+                &[WEB],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+            ),
+            Case::new(
+                "clusterIPs preferred over clusterIP; protocol defaults to TCP, unnamed port",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
                     spec: {clusterIP: 10.96.0.10, clusterIPs: [10.96.0.10], ports: [{port: 80}, {port: 53, protocol: UDP}]}}"],
-                frontends: &[
+                &[
                     "int 10.96.0.10:53/UDP ClusterIp default/web => none",
                     "int 10.96.0.10:80/TCP ClusterIp default/web => none",
                 ],
-                ..Default::default()
-            },
-            Case {
-                name: "headless (clusterIP and clusterIPs) and ExternalName: nothing, their slices unread",
-                docs: &[
+            ),
+            Case::new(
+                "headless (clusterIP and clusterIPs) and ExternalName: nothing, their slices unread",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: h1}, spec: {clusterIP: None, ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: h2}, spec: {clusterIPs: [None], ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: x}, spec: {type: ExternalName, externalName: example.com, ports: [{port: 80}]}}",
                     "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: h1-1, labels: {kubernetes.io/service-name: h1}}, \
                      addressType: IPv4, ports: [{port: 80}], endpoints: [{addresses: [not-looked-at]}]}",
                 ],
-                ..Default::default()
-            },
-            Case {
-                name: "service-proxy-name label: another proxy's Service, skipped silently",
-                docs: &[
+                NONE,
+            ),
+            Case::new(
+                "service-proxy-name label: another proxy's Service, skipped silently",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web, labels: {service.kubernetes.io/service-proxy-name: other}}, \
                      spec: {clusterIP: 10.96.0.10, clusterIPs: [bogus], ports: [{port: 80, protocol: SCTP}]}}",
                     WEB_SLICE,
                 ],
-                ..Default::default()
-            },
-            Case {
-                name: "SCTP rejected, the TCP port kept",
-                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                NONE,
+            ),
+            Case::new(
+                "SCTP rejected, the TCP port kept",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
                     spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}, {name: s, port: 9999, protocol: SCTP}]}}"],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
-                rejected: &["Service default/web spec.ports[1].protocol"],
-                ..Default::default()
-            },
-            Case {
-                name: "ports outside 1..65535 rejected, the others kept",
-                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+            )
+            .rejected(&["Service default/web spec.ports[1].protocol"]),
+            Case::new(
+                "ports outside 1..65535 rejected, the others kept",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
                     spec: {clusterIP: 10.96.0.10, ports: [{name: a, port: 70000}, {name: b, port: 81}, {name: c, port: 0}]}}"],
-                frontends: &["int 10.96.0.10:81/TCP ClusterIp default/web:b => none"],
-                rejected: &["Service default/web spec.ports[0].port", "Service default/web spec.ports[2].port"],
-                ..Default::default()
-            },
-            Case {
-                name: "bad cluster IP rejected, the other family still served",
-                docs: &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                &["int 10.96.0.10:81/TCP ClusterIp default/web:b => none"],
+            )
+            .rejected(&["Service default/web spec.ports[0].port", "Service default/web spec.ports[2].port"]),
+            Case::new(
+                "bad cluster IP rejected, the other family still served",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
                     spec: {clusterIPs: [10.96.0.300, \"fd00:96::10\"], ports: [{name: http, port: 80}]}}"],
-                frontends: &["int [fd00:96::10]:80/TCP ClusterIp default/web:http => none"],
-                rejected: &["Service default/web spec.clusterIPs[0]"],
-                ..Default::default()
-            },
-            Case {
-                name: "missing cluster IP, bad single clusterIP, unknown type",
-                docs: &[
+                &["int [fd00:96::10]:80/TCP ClusterIp default/web:http => none"],
+            )
+            .rejected(&["Service default/web spec.clusterIPs[0]"]),
+            Case::new(
+                "missing cluster IP, bad single clusterIP, unknown type",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: nope, ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: c}, spec: {type: Weird, clusterIP: 10.96.0.12}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: d}}",
                 ],
-                rejected: &[
-                    "Service default/a spec.clusterIP",
-                    "Service default/b spec.clusterIP",
-                    "Service default/c spec.type",
-                    "Service default/d spec",
-                ],
-                ..Default::default()
-            },
-            Case {
-                name: "session affinity: default timeout, explicit, out of range, unknown type",
-                docs: &[
+                NONE,
+            )
+            .rejected(&[
+                "Service default/a spec.clusterIP",
+                "Service default/b spec.clusterIP",
+                "Service default/c spec.type",
+                "Service default/d spec",
+            ]),
+            Case::new(
+                "session affinity: default timeout, explicit, out of range, unknown type",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.1, ports: [{port: 80}], sessionAffinity: ClientIP}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.2, ports: [{port: 80}], sessionAffinity: ClientIP, \
                      sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}}}",
@@ -1430,7 +1456,7 @@ mod tests {
                      sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: f}, spec: {clusterIP: 10.96.0.6, ports: [{port: 80}], sessionAffinity: Cookie}}",
                 ],
-                frontends: &[
+                &[
                     "int 10.96.0.1:80/TCP ClusterIp default/a => none | affinity 10800",
                     "int 10.96.0.2:80/TCP ClusterIp default/b => none | affinity 60",
                     "int 10.96.0.3:80/TCP ClusterIp default/c => none | affinity 10800",
@@ -1438,67 +1464,63 @@ mod tests {
                     "int 10.96.0.5:80/TCP ClusterIp default/e => none",
                     "int 10.96.0.6:80/TCP ClusterIp default/f => none",
                 ],
-                rejected: &[
-                    "Service default/c spec.sessionAffinityConfig.clientIP.timeoutSeconds",
-                    "Service default/d spec.sessionAffinityConfig.clientIP.timeoutSeconds",
-                    "Service default/f spec.sessionAffinity",
-                ],
-                ..Default::default()
-            },
-            Case {
-                name: "algorithm annotation overrides the default; bad value rejected",
-                default_algorithm: Algorithm::Maglev,
-                docs: &[
+            )
+            .rejected(&[
+                "Service default/c spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                "Service default/d spec.sessionAffinityConfig.clientIP.timeoutSeconds",
+                "Service default/f spec.sessionAffinity",
+            ]),
+            Case::new(
+                "algorithm annotation overrides the default; bad value rejected",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: a, annotations: {lb-agent.dev/lb-algorithm: random}}, \
                      spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: c, annotations: {lb-agent.dev/lb-algorithm: ring}}, \
                      spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}",
                 ],
-                frontends: &[
+                &[
                     "int 10.96.0.1:80/TCP ClusterIp default/a => none",
                     "int 10.96.0.2:80/TCP ClusterIp default/b => none | Maglev",
                     "int 10.96.0.3:80/TCP ClusterIp default/c => none | Maglev",
                 ],
-                rejected: &["Service default/c metadata.annotations[lb-agent.dev/lb-algorithm]"],
-                ..Default::default()
-            },
-            Case {
-                name: "maglev annotation over the random default",
-                docs: &[
+            )
+            .rejected(&["Service default/c metadata.annotations[lb-agent.dev/lb-algorithm]"])
+            .default_algorithm(Algorithm::Maglev),
+            Case::new(
+                "maglev annotation over the random default",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web, annotations: {lb-agent.dev/lb-algorithm: maglev}}, \
                      spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}}",
                     WEB_SLICE,
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | Maglev"],
-                ..Default::default()
-            },
-            Case {
-                name: "duplicate frontends: the first Service by namespace/name keeps them",
-                docs: &[
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | Maglev"],
+            ),
+            Case::new(
+                "duplicate frontends: the first Service by namespace/name keeps them",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}, {port: 81}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}], externalIPs: [203.0.113.5]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: c}, spec: {clusterIP: 10.96.0.12, ports: [{port: 80}], externalIPs: [203.0.113.5]}}",
                 ],
-                frontends: &[
+                &[
                     "int 10.96.0.10:80/TCP ClusterIp default/a => none",
                     "int 10.96.0.10:81/TCP ClusterIp default/b => none",
                     "int 10.96.0.12:80/TCP ClusterIp default/c => none",
                     "int 203.0.113.5:80/TCP ExternalIp default/a => none",
                     "ext 203.0.113.5:80/TCP ExternalIp default/a => none",
                 ],
-                rejected: &["Service default/b spec.clusterIP", "Service default/c spec.externalIPs[0]"],
-                ..Default::default()
-            },
+            )
+            .rejected(&["Service default/b spec.clusterIP", "Service default/c spec.externalIPs[0]"]),
         ]);
     }
 
     #[test]
     fn endpoints() {
         run(vec![
-            Case {
-                name: "several slices merged; a duplicate address counts once, ready wins; other namespaces and Services ignored",
-                docs: &[
+            Case::new(
+                "several slices merged; a duplicate address counts once, ready wins; other namespaces and Services ignored",
+                &[
                     WEB,
                     "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
                      addressType: IPv4, ports: [{name: http, port: 8080}], \
@@ -1515,12 +1537,11 @@ mod tests {
                     "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: nolabel}, \
                      addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.9.0.3]}]}",
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 10.1.0.3:8080 10.1.0.4:8081"],
-                ..Default::default()
-            },
-            Case {
-                name: "named targetPort on a multi-port Service resolved by slice port name and protocol",
-                docs: &[
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 10.1.0.3:8080 10.1.0.4:8081"],
+            ),
+            Case::new(
+                "named targetPort on a multi-port Service resolved by slice port name and protocol",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [\
                      {name: http, port: 80, targetPort: web}, {name: metrics, port: 9090, targetPort: 9100}, \
                      {name: dns, port: 53, protocol: UDP, targetPort: dns}, {name: nomatch, port: 81}]}}",
@@ -1529,80 +1550,74 @@ mod tests {
                      {name: dns, port: 5353, protocol: UDP}, {name: dns, port: 5454, protocol: TCP}, {name: nomatch, port: 81, protocol: UDP}], \
                      endpoints: [{addresses: [10.1.0.1]}]}",
                 ],
-                frontends: &[
+                &[
                     "int 10.96.0.10:53/UDP ClusterIp default/web:dns => 10.1.0.1:5353",
                     "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080",
                     "int 10.96.0.10:81/TCP ClusterIp default/web:nomatch => none",
                     "int 10.96.0.10:9090/TCP ClusterIp default/web:metrics => 10.1.0.1:9100",
                 ],
-                ..Default::default()
-            },
-            Case {
-                name: "conditions: unready excluded; ready present, so terminating ones are kept aside only",
-                docs: &[
+            ),
+            Case::new(
+                "conditions: unready excluded; ready present, so terminating ones are kept aside only",
+                &[
                     WEB,
-                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
-                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [\
-                     {addresses: [10.1.0.1]}, \
-                     {addresses: [10.1.0.2], conditions: {ready: true}}, \
-                     {addresses: [10.1.0.3], conditions: {ready: false, serving: true, terminating: false}}, \
-                     {addresses: [10.1.0.4], conditions: {ready: false, serving: false}}, \
-                     {addresses: [10.1.0.5], conditions: {ready: false, serving: true, terminating: true}}, \
-                     {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}]}",
+                    &web_slice(
+                        "[{addresses: [10.1.0.1]}, \
+                         {addresses: [10.1.0.2], conditions: {ready: true}}, \
+                         {addresses: [10.1.0.3], conditions: {ready: false, serving: true, terminating: false}}, \
+                         {addresses: [10.1.0.4], conditions: {ready: false, serving: false}}, \
+                         {addresses: [10.1.0.5], conditions: {ready: false, serving: true, terminating: true}}, \
+                         {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}]",
+                    ),
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.5:8080"],
-                ..Default::default()
-            },
-            Case {
-                name: "KEP-1669: nothing ready, serving-terminating endpoints are the fallback",
-                docs: &[
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.5:8080"],
+            ),
+            Case::new(
+                "KEP-1669: nothing ready, serving-terminating endpoints are the fallback",
+                &[
                     WEB,
-                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
-                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [\
-                     {addresses: [10.1.0.5], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}, \
-                     {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}]}",
+                    &web_slice(
+                        "[{addresses: [10.1.0.5], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}, \
+                         {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}]",
+                    ),
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none | terminating 10.1.0.5:8080(local)"],
-                ..Default::default()
-            },
-            Case {
-                name: "KEP-1669: neither ready nor serving, nothing at all",
-                docs: &[
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none | terminating 10.1.0.5:8080(local)"],
+            ),
+            Case::new(
+                "KEP-1669: neither ready nor serving, nothing at all",
+                &[
                     WEB,
-                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, \
-                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [\
-                     {addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}, \
-                     {addresses: [10.1.0.7], conditions: {ready: false, serving: false}}]}",
+                    &web_slice(
+                        "[{addresses: [10.1.0.6], conditions: {ready: false, serving: false, terminating: true}}, \
+                         {addresses: [10.1.0.7], conditions: {ready: false, serving: false}}]",
+                    ),
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
-                ..Default::default()
-            },
-            Case {
-                name: "selectorless Service: v1 Endpoints used when there is no slice at all",
-                docs: &[
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+            ),
+            Case::new(
+                "selectorless Service: v1 Endpoints used when there is no slice at all",
+                &[
                     WEB,
                     "{apiVersion: v1, kind: Endpoints, metadata: {name: web}, subsets: [\
                      {addresses: [{ip: 10.1.0.1, nodeName: node-a}, {ip: 10.1.0.2}], notReadyAddresses: [{ip: 10.1.0.3}], \
                       ports: [{name: http, port: 8080}, {name: other, port: 9}]}, \
                      {addresses: [{ip: 10.1.0.4}, {ip: bogus}], ports: [{name: http, port: 8081}]}]}",
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 10.1.0.4:8081"],
-                rejected: &["Endpoints default/web subsets[1].addresses[1].ip"],
-                ..Default::default()
-            },
-            Case {
-                name: "v1 Endpoints ignored when the Service has slices",
-                docs: &[
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 10.1.0.4:8081"],
+            )
+            .rejected(&["Endpoints default/web subsets[1].addresses[1].ip"]),
+            Case::new(
+                "v1 Endpoints ignored when the Service has slices",
+                &[
                     WEB,
                     WEB_SLICE,
                     "{apiVersion: v1, kind: Endpoints, metadata: {name: web}, subsets: [{addresses: [{ip: 10.9.9.9}], ports: [{name: http, port: 8080}]}]}",
                 ],
-                frontends: &[WEB_FRONTEND],
-                ..Default::default()
-            },
-            Case {
-                name: "wrong-family and FQDN slices ignored; bad slice entries rejected",
-                docs: &[
+                &[WEB_FRONTEND],
+            ),
+            Case::new(
+                "wrong-family and FQDN slices ignored; bad slice entries rejected",
+                &[
                     WEB,
                     WEB_SLICE,
                     "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-v6, labels: {kubernetes.io/service-name: web}}, \
@@ -1613,17 +1628,16 @@ mod tests {
                      addressType: IPv4, ports: [{name: http, port: 8080}], \
                      endpoints: [{addresses: [\"fd00:1::2\"]}, {addresses: [nope]}, {addresses: []}]}",
                 ],
-                frontends: &[WEB_FRONTEND],
-                rejected: &[
-                    "EndpointSlice default/web-zbad endpoints[0].addresses[0]",
-                    "EndpointSlice default/web-zbad endpoints[1].addresses[0]",
-                    "EndpointSlice default/web-zbad endpoints[2].addresses",
-                ],
-                ..Default::default()
-            },
-            Case {
-                name: "dual stack: each family's frontends get that family's slice",
-                docs: &[
+                &[WEB_FRONTEND],
+            )
+            .rejected(&[
+                "EndpointSlice default/web-zbad endpoints[0].addresses[0]",
+                "EndpointSlice default/web-zbad endpoints[1].addresses[0]",
+                "EndpointSlice default/web-zbad endpoints[2].addresses",
+            ]),
+            Case::new(
+                "dual stack: each family's frontends get that family's slice",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
                      spec: {type: NodePort, clusterIPs: [10.96.0.10, \"fd00:96::10\"], ports: [{name: http, port: 80, nodePort: 30080}]}}",
                     "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-v4, labels: {kubernetes.io/service-name: web}}, \
@@ -1631,7 +1645,7 @@ mod tests {
                     "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-v6, labels: {kubernetes.io/service-name: web}}, \
                      addressType: IPv6, ports: [{name: http, port: 8080}], endpoints: [{addresses: [\"fd00:1::1\"], nodeName: node-a}]}",
                 ],
-                frontends: &[
+                &[
                     "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080",
                     "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080",
                     "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080",
@@ -1639,8 +1653,7 @@ mod tests {
                     "ext [fd00::10]:30080/TCP NodePort default/web:http => [fd00:1::1]:8080(local)",
                     "int [fd00:96::10]:80/TCP ClusterIp default/web:http => [fd00:1::1]:8080(local)",
                 ],
-                ..Default::default()
-            },
+            ),
         ]);
     }
 
@@ -1650,101 +1663,84 @@ mod tests {
         endpoints: [{addresses: [10.1.0.1], nodeName: node-a}, {addresses: [10.1.0.2], nodeName: node-b}, \
         {addresses: [10.1.0.3], nodeName: node-a, conditions: {ready: false, serving: true, terminating: true}}]}";
 
+    const ITP_LOCAL_WEB: &str = "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+        spec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}";
+
     #[test]
     fn traffic_policies_and_north_south() {
         run(vec![
-            Case {
-                name: "internalTrafficPolicy Local with local endpoints",
-                docs: &[
-                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
-                     spec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}",
-                    POLICY_SLICE,
-                ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) | terminating 10.1.0.3:8080(local)"],
-                ..Default::default()
-            },
-            Case {
-                name: "internalTrafficPolicy Local without local endpoints: none (refused)",
-                docs: &[
-                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
-                     spec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}",
-                    POLICY_SLICE,
-                ],
-                node: Some(NodeInfo {
-                    name: "node-c".into(),
-                    zone: None,
-                }),
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
-                ..Default::default()
-            },
-            Case {
-                name: "externalTrafficPolicy Local on an external IP: External copy local only, Internal copy cluster-wide",
-                docs: &[
+            Case::new(
+                "internalTrafficPolicy Local with local endpoints",
+                &[ITP_LOCAL_WEB, POLICY_SLICE],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) | terminating 10.1.0.3:8080(local)"],
+            ),
+            Case::new(
+                "internalTrafficPolicy Local without local endpoints: none (refused)",
+                &[ITP_LOCAL_WEB, POLICY_SLICE],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+            )
+            .on(node("node-c", None)),
+            Case::new(
+                "externalTrafficPolicy Local on an external IP: External copy local only, Internal copy cluster-wide",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
                      spec: {clusterIP: 10.96.0.10, externalIPs: [203.0.113.5], externalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}",
                     POLICY_SLICE,
                 ],
-                frontends: &[
+                &[
                     "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | terminating 10.1.0.3:8080(local)",
                     "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | terminating 10.1.0.3:8080(local)",
                     "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) | terminating 10.1.0.3:8080(local)",
                 ],
-                ..Default::default()
-            },
-            Case {
-                name: "externalTrafficPolicy Local on a NodePort without local endpoint; node addresses of the Service's family only",
-                docs: &[
+            ),
+            Case::new(
+                "externalTrafficPolicy Local on a NodePort without local endpoint; node addresses of the Service's family only",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
                      spec: {type: NodePort, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, ports: [{name: http, port: 80, nodePort: 30080}]}}",
                     POLICY_SLICE,
                 ],
-                node: Some(NodeInfo {
-                    name: "node-c".into(),
-                    zone: None,
-                }),
-                frontends: &[
+                &[
                     "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.3:8080",
                     "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.3:8080",
                     "ext 192.168.1.10:30080/TCP NodePort default/web:http => none",
                 ],
-                ..Default::default()
-            },
-            Case {
-                name: "LoadBalancer: VIP-mode ingress IPs, Proxy mode and hostnames skipped, bad and other-family IPs rejected",
-                docs: &[
+            )
+            .on(node("node-c", None)),
+            Case::new(
+                "LoadBalancer: VIP-mode ingress IPs, Proxy mode and hostnames skipped, bad and other-family IPs rejected",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
                      spec: {type: LoadBalancer, clusterIP: 10.96.0.10, ports: [{name: http, port: 80, nodePort: 30080}]}, \
                      status: {loadBalancer: {ingress: [{ip: 198.51.100.1, ipMode: VIP}, {ip: 198.51.100.2, ipMode: Proxy}, \
                      {hostname: lb.example.com}, {ip: not-an-ip}, {ip: \"2001:db8::1\"}]}}}",
                     WEB_SLICE,
                 ],
-                frontends: &[
+                &[
                     WEB_FRONTEND,
                     "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
                     "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
                     "int 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
                     "ext 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
                 ],
-                rejected: &[
-                    "Service default/web status.loadBalancer.ingress[3].ip",
-                    "Service default/web status.loadBalancer.ingress[4].ip",
-                ],
-                ..Default::default()
-            },
-            Case {
-                name: "bad external IPs and traffic policy values rejected",
-                docs: &[
+            )
+            .rejected(&[
+                "Service default/web status.loadBalancer.ingress[3].ip",
+                "Service default/web status.loadBalancer.ingress[4].ip",
+            ]),
+            Case::new(
+                "bad external IPs and traffic policy values rejected",
+                &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
                      spec: {clusterIP: 10.96.0.10, externalIPs: [bogus, \"2001:db8::5\"], externalTrafficPolicy: local, ports: [{name: http, port: 80}]}}",
                 ],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
-                rejected: &[
-                    "Service default/web spec.externalTrafficPolicy",
-                    "Service default/web spec.externalIPs[0]",
-                    "Service default/web spec.externalIPs[1]",
-                ],
-                ..Default::default()
-            },
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+            )
+            .rejected(&[
+                "Service default/web spec.externalTrafficPolicy",
+                "Service default/web spec.externalIPs[0]",
+                "Service default/web spec.externalIPs[1]",
+            ]),
         ]);
     }
 
@@ -1755,189 +1751,89 @@ mod tests {
         )
     }
 
-    fn topology_slice(endpoints: &str) -> String {
-        format!(
-            "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}, \
-             addressType: IPv4, ports: [{{name: http, port: 8080}}], endpoints: {endpoints}}}"
-        )
-    }
-
     #[test]
     fn topology() {
         let prefer_close = topology_service("", ", trafficDistribution: PreferClose");
         // 10.1.0.1 (here) and 10.1.0.2 are hinted for zone-a, 10.1.0.3 for
         // zone-b; 10.1.0.4 is not ready, so it needs no hint.
-        let zone_hinted = topology_slice(
+        let zone_hinted = web_slice(
             "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-a}]}}, \
              {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-a}]}}, \
              {addresses: [10.1.0.3], nodeName: node-c, hints: {forZones: [{name: zone-b}]}}, \
              {addresses: [10.1.0.4], nodeName: node-c, conditions: {ready: false}}]",
         );
-        let one_unhinted = topology_slice(
+        let one_unhinted = web_slice(
             "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-a}]}}, \
              {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-a}]}}, \
              {addresses: [10.1.0.3], nodeName: node-c}]",
         );
-        let other_zones = topology_slice(
+        let other_zones = web_slice(
             "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-b}]}}, \
              {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-c}]}}, \
              {addresses: [10.1.0.3], nodeName: node-c, hints: {forZones: [{name: zone-b}]}}]",
         );
         // Node hints (PreferSameNode) win over zone hints.
-        let node_hinted = topology_slice(
+        let node_hinted = web_slice(
             "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forNodes: [{name: node-a}], forZones: [{name: zone-b}]}}, \
              {addresses: [10.1.0.2], nodeName: node-b, hints: {forNodes: [{name: node-b}], forZones: [{name: zone-a}]}}, \
              {addresses: [10.1.0.3], nodeName: node-c, hints: {forNodes: [{name: node-c}], forZones: [{name: zone-a}]}}]",
         );
         let not_opted_in = topology_service("", "");
-        let mode_auto = topology_service(
-            ", annotations: {service.kubernetes.io/topology-mode: Auto}",
-            "",
-        );
-        let hints_auto = topology_service(
-            ", annotations: {service.kubernetes.io/topology-aware-hints: auto}",
-            "",
-        );
-        let mode_disabled = topology_service(
-            ", annotations: {service.kubernetes.io/topology-mode: Disabled, service.kubernetes.io/topology-aware-hints: auto}",
-            "",
-        );
+        let mode_auto = topology_service(", annotations: {service.kubernetes.io/topology-mode: Auto}", "");
+        let hints_auto = topology_service(", annotations: {service.kubernetes.io/topology-aware-hints: auto}", "");
+        let mode_disabled = topology_service(", annotations: {service.kubernetes.io/topology-mode: Disabled, service.kubernetes.io/topology-aware-hints: auto}", "");
         let same_zone = topology_service("", ", trafficDistribution: PreferSameZone");
-        let itp_local = topology_service(
-            "",
-            ", trafficDistribution: PreferClose, internalTrafficPolicy: Local",
-        );
-        let etp_local = topology_service(
-            "",
-            ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5], externalTrafficPolicy: Local",
-        );
-        let etp_cluster = topology_service(
-            "",
-            ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5]",
-        );
+        let itp_local = topology_service("", ", trafficDistribution: PreferClose, internalTrafficPolicy: Local");
+        let etp_local = topology_service("", ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5], externalTrafficPolicy: Local");
+        let etp_cluster = topology_service("", ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5]");
 
         let all = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 10.1.0.3:8080";
         let zone_a = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080";
-        let no_zone = NodeInfo {
-            name: "node-a".into(),
-            zone: None,
+        let here = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)";
+        // The frontends of etp_local and etp_cluster: the cluster IP's, then
+        // the external IP's Internal and External copies.
+        let etp = |internal: &str, external: &str| {
+            [
+                format!("int 10.96.0.10:80/TCP ClusterIp default/web:http => {internal}"),
+                format!("int 203.0.113.5:80/TCP ExternalIp default/web:http => {internal}"),
+                format!("ext 203.0.113.5:80/TCP ExternalIp default/web:http => {external}"),
+            ]
         };
         run(vec![
-            Case {
-                name: "trafficDistribution PreferClose: zone hints used",
-                docs: &[&prefer_close, &zone_hinted],
-                frontends: &[zone_a],
-                ..Default::default()
-            },
-            Case {
-                name: "trafficDistribution PreferSameZone: zone hints used",
-                docs: &[&same_zone, &zone_hinted],
-                frontends: &[zone_a],
-                ..Default::default()
-            },
-            Case {
-                name: "annotation topology-mode Auto: zone hints used",
-                docs: &[&mode_auto, &zone_hinted],
-                frontends: &[zone_a],
-                ..Default::default()
-            },
-            Case {
-                name: "deprecated annotation topology-aware-hints auto: zone hints used",
-                docs: &[&hints_auto, &zone_hinted],
-                frontends: &[zone_a],
-                ..Default::default()
-            },
-            Case {
-                name: "topology-mode Disabled wins over the deprecated annotation",
-                docs: &[&mode_disabled, &zone_hinted],
-                frontends: &[all],
-                ..Default::default()
-            },
-            Case {
-                name: "Service did not opt in: hints ignored",
-                docs: &[&not_opted_in, &zone_hinted],
-                frontends: &[all],
-                ..Default::default()
-            },
-            Case {
-                name: "a ready endpoint without hint: hints ignored",
-                docs: &[&prefer_close, &one_unhinted],
-                frontends: &[all],
-                ..Default::default()
-            },
-            Case {
-                name: "no endpoint for our zone: hints ignored",
-                docs: &[&prefer_close, &other_zones],
-                frontends: &[all],
-                ..Default::default()
-            },
-            Case {
-                name: "node without zone: hints ignored",
-                docs: &[&prefer_close, &zone_hinted],
-                node: Some(no_zone.clone()),
-                frontends: &[all],
-                ..Default::default()
-            },
-            Case {
-                name: "node hints for this node win over zone hints",
-                docs: &[&prefer_close, &node_hinted],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)"],
-                ..Default::default()
-            },
-            Case {
-                name: "node hints without one for this node: zone hints used",
-                docs: &[&prefer_close, &node_hinted],
-                node: Some(NodeInfo {
-                    name: "node-z".into(),
-                    zone: Some("zone-a".into()),
-                }),
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080 10.1.0.3:8080"],
-                ..Default::default()
-            },
-            Case {
-                name: "internalTrafficPolicy Local: topology not applied",
-                docs: &[&itp_local, &other_zones],
-                frontends: &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)"],
-                ..Default::default()
-            },
-            Case {
-                name: "externalTrafficPolicy Local: topology on the cluster-wide frontends only",
-                docs: &[&etp_local, &node_hinted],
-                node: Some(NodeInfo {
-                    name: "node-b".into(),
-                    zone: Some("zone-b".into()),
-                }),
-                frontends: &[
-                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080(local)",
-                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.2:8080(local)",
-                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.2:8080(local)",
-                ],
-                ..Default::default()
-            },
-            Case {
-                name: "externalTrafficPolicy Cluster: topology on the External frontend too",
-                docs: &[&etp_cluster, &zone_hinted],
-                frontends: &[
-                    zone_a,
-                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
-                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
-                ],
-                ..Default::default()
-            },
-            Case {
-                name: "externalTrafficPolicy Local keeps a local endpoint hinted for another zone",
-                docs: &[&etp_local, &other_zones],
-                node: Some(NodeInfo {
-                    name: "node-b".into(),
-                    zone: Some("zone-b".into()),
-                }),
-                frontends: &[
-                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.3:8080",
-                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080 10.1.0.3:8080",
-                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.2:8080(local)",
-                ],
-                ..Default::default()
-            },
+            Case::new("trafficDistribution PreferClose: zone hints used", &[&prefer_close, &zone_hinted], &[zone_a]),
+            Case::new("trafficDistribution PreferSameZone: zone hints used", &[&same_zone, &zone_hinted], &[zone_a]),
+            Case::new("annotation topology-mode Auto: zone hints used", &[&mode_auto, &zone_hinted], &[zone_a]),
+            Case::new("deprecated annotation topology-aware-hints auto: zone hints used", &[&hints_auto, &zone_hinted], &[zone_a]),
+            Case::new("topology-mode Disabled wins over the deprecated annotation", &[&mode_disabled, &zone_hinted], &[all]),
+            Case::new("Service did not opt in: hints ignored", &[&not_opted_in, &zone_hinted], &[all]),
+            Case::new("a ready endpoint without hint: hints ignored", &[&prefer_close, &one_unhinted], &[all]),
+            Case::new("no endpoint for our zone: hints ignored", &[&prefer_close, &other_zones], &[all]),
+            Case::new("node without zone: hints ignored", &[&prefer_close, &zone_hinted], &[all]).on(node("node-a", None)),
+            Case::new("node hints for this node win over zone hints", &[&prefer_close, &node_hinted], &[here]),
+            Case::new(
+                "node hints without one for this node: zone hints used",
+                &[&prefer_close, &node_hinted],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080 10.1.0.3:8080"],
+            )
+            .on(node("node-z", Some("zone-a"))),
+            Case::new("internalTrafficPolicy Local: topology not applied", &[&itp_local, &other_zones], &[here]),
+            Case::new(
+                "externalTrafficPolicy Local: topology on the cluster-wide frontends only",
+                &[&etp_local, &node_hinted],
+                &etp("10.1.0.2:8080(local)", "10.1.0.2:8080(local)"),
+            )
+            .on(node("node-b", Some("zone-b"))),
+            Case::new(
+                "externalTrafficPolicy Cluster: topology on the External frontend too",
+                &[&etp_cluster, &zone_hinted],
+                &etp("10.1.0.1:8080(local) 10.1.0.2:8080", "10.1.0.1:8080(local) 10.1.0.2:8080"),
+            ),
+            Case::new(
+                "externalTrafficPolicy Local keeps a local endpoint hinted for another zone",
+                &[&etp_local, &other_zones],
+                &etp("10.1.0.1:8080 10.1.0.3:8080", "10.1.0.2:8080(local)"),
+            )
+            .on(node("node-b", Some("zone-b"))),
         ]);
     }
 
