@@ -991,15 +991,27 @@ fn decode_text(kind: Kind, text: &str) -> Result<Object, (String, String)> {
 /// that it accepts exactly what the API type accepts.
 struct WireSlice(Slice);
 
+/// The keys the EndpointSlice and Endpoint decoders read, one enum for
+/// both; a key of the other kind is as unknown as any other.
 #[derive(Deserialize)]
 #[serde(field_identifier, rename_all = "camelCase")]
-enum SliceField {
+enum WireField {
+    // EndpointSlice
     ApiVersion,
     Kind,
     AddressType,
     Endpoints,
     Metadata,
     Ports,
+    // Endpoint
+    Addresses,
+    Conditions,
+    DeprecatedTopology,
+    Hints,
+    Hostname,
+    NodeName,
+    TargetRef,
+    Zone,
     #[serde(other)]
     Other,
 }
@@ -1011,11 +1023,11 @@ impl FromMap for WireSlice {
         let mut endpoints: Option<Vec<WireEndpoint>> = None;
         let mut metadata: Option<ObjectMeta> = None;
         let mut ports: Option<Vec<k8s_openapi::api::discovery::v1::EndpointPort>> = None;
-        while let Some(key) = map.next_key::<SliceField>()? {
+        while let Some(key) = map.next_key::<WireField>()? {
             match key {
-                SliceField::ApiVersion | SliceField::Kind => {
+                WireField::ApiVersion | WireField::Kind => {
                     let (found, want) = match key {
-                        SliceField::ApiVersion => {
+                        WireField::ApiVersion => {
                             (map.next_value::<String>()?, "discovery.k8s.io/v1")
                         }
                         _ => (map.next_value::<String>()?, "EndpointSlice"),
@@ -1024,11 +1036,11 @@ impl FromMap for WireSlice {
                         return Err(A::Error::invalid_value(Unexpected::Str(&found), &want));
                     }
                 }
-                SliceField::AddressType => address_type = map.next_value()?,
-                SliceField::Endpoints => endpoints = map.next_value()?,
-                SliceField::Metadata => metadata = map.next_value()?,
-                SliceField::Ports => ports = map.next_value()?,
-                SliceField::Other => {
+                WireField::AddressType => address_type = map.next_value()?,
+                WireField::Endpoints => endpoints = map.next_value()?,
+                WireField::Metadata => metadata = map.next_value()?,
+                WireField::Ports => ports = map.next_value()?,
+                _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
@@ -1052,43 +1064,28 @@ impl<'de> Deserialize<'de> for WireSlice {
 /// are decoded for their checks only.
 struct WireEndpoint(crate::input::store::SliceEndpoint);
 
-#[derive(Deserialize)]
-#[serde(field_identifier, rename_all = "camelCase")]
-enum EndpointField {
-    Addresses,
-    Conditions,
-    DeprecatedTopology,
-    Hints,
-    Hostname,
-    NodeName,
-    TargetRef,
-    Zone,
-    #[serde(other)]
-    Other,
-}
-
 impl FromMap for WireEndpoint {
     const NAME: &'static str = "Endpoint";
     fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
         use k8s_openapi::api::{core::v1::ObjectReference, discovery::v1::Endpoint};
         let mut ep = Endpoint::default();
         let mut addresses: Option<Vec<String>> = None;
-        while let Some(key) = map.next_key::<EndpointField>()? {
+        while let Some(key) = map.next_key::<WireField>()? {
             match key {
-                EndpointField::Addresses => addresses = map.next_value()?,
-                EndpointField::Conditions => ep.conditions = map.next_value()?,
-                EndpointField::DeprecatedTopology => {
+                WireField::Addresses => addresses = map.next_value()?,
+                WireField::Conditions => ep.conditions = map.next_value()?,
+                WireField::DeprecatedTopology => {
                     map.next_value::<Option<BTreeMap<String, String>>>()?;
                 }
-                EndpointField::Hints => ep.hints = map.next_value()?,
-                EndpointField::Hostname | EndpointField::Zone => {
+                WireField::Hints => ep.hints = map.next_value()?,
+                WireField::Hostname | WireField::Zone => {
                     map.next_value::<Option<String>>()?;
                 }
-                EndpointField::NodeName => ep.node_name = map.next_value()?,
-                EndpointField::TargetRef => {
+                WireField::NodeName => ep.node_name = map.next_value()?,
+                WireField::TargetRef => {
                     map.next_value::<Option<ObjectReference>>()?;
                 }
-                EndpointField::Other => {
+                _ => {
                     map.next_value::<IgnoredAny>()?;
                 }
             }
@@ -1247,15 +1244,26 @@ mod tests {
         (dir, store, rejections)
     }
 
-    /// The store's content as sorted "Kind ns/name" labels.
-    fn contents(store: &Store) -> Vec<String> {
+    /// Sorted "Kind key" labels of the keys of the four kinds.
+    fn labels(
+        services: impl Iterator<Item = impl std::fmt::Display>,
+        slices: impl Iterator<Item = impl std::fmt::Display>,
+        endpoints: impl Iterator<Item = impl std::fmt::Display>,
+        nodes: impl Iterator<Item = impl std::fmt::Display>,
+    ) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
-        out.extend(store.services.keys().map(|k| format!("Service {k}")));
-        out.extend(store.slices.keys().map(|k| format!("EndpointSlice {k}")));
-        out.extend(store.endpoints.keys().map(|k| format!("Endpoints {k}")));
-        out.extend(store.nodes.keys().map(|k| format!("Node {k}")));
+        out.extend(services.map(|k| format!("Service {k}")));
+        out.extend(slices.map(|k| format!("EndpointSlice {k}")));
+        out.extend(endpoints.map(|k| format!("Endpoints {k}")));
+        out.extend(nodes.map(|k| format!("Node {k}")));
         out.sort();
         out
+    }
+
+    /// The store's content as sorted "Kind ns/name" labels.
+    fn contents(store: &Store) -> Vec<String> {
+        let s = store;
+        labels(s.services.keys(), s.slices.keys(), s.endpoints.keys(), s.nodes.keys())
     }
 
     const SERVICE_WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
@@ -1498,13 +1506,8 @@ mod tests {
 
     /// The changes as sorted "Kind key" labels.
     fn changed(changes: &Changes) -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
-        out.extend(changes.services.iter().map(|k| format!("Service {k}")));
-        out.extend(changes.slices.iter().map(|k| format!("EndpointSlice {k}")));
-        out.extend(changes.endpoints.iter().map(|k| format!("Endpoints {k}")));
-        out.extend(changes.nodes.iter().map(|k| format!("Node {k}")));
-        out.sort();
-        out
+        let c = changes;
+        labels(c.services.iter(), c.slices.iter(), c.endpoints.iter(), c.nodes.iter())
     }
 
     enum Step {
