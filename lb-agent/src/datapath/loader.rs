@@ -231,7 +231,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 10] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 11] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -259,6 +259,11 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 10] {
             ..source_ranges
         },
         layout::<u32, TcConfig>(map_names::TC_CONFIG, ARRAY, 1),
+        layout::<lb_common::FragKey, lb_common::FragEntry>(
+            map_names::FRAGMENTS,
+            LRU_HASH,
+            lb_common::capacity::FRAGMENTS,
+        ),
     ]
 }
 

@@ -309,6 +309,9 @@ fn service_value(
     if maglev_size > 0 {
         flags |= service_flags::MAGLEV;
     }
+    if state.reject {
+        flags |= service_flags::REJECT;
+    }
     ServiceValue {
         id,
         backend_set,
@@ -1133,6 +1136,7 @@ mod tests {
             terminating: vec![],
             affinity_timeout: None,
             algorithm: Algorithm::Random,
+            reject: false,
         }
     }
 

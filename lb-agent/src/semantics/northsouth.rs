@@ -372,6 +372,7 @@ mod tests {
             terminating: Vec::new(),
             affinity_timeout: None,
             algorithm: Algorithm::Random,
+            reject: false,
         }
     }
 

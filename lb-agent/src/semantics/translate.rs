@@ -534,6 +534,15 @@ fn translate_service(
                 settings.topology,
                 node,
             );
+            // kube-proxy REJECTs when the Service has no endpoint at all,
+            // and DROPs when only the traffic policy leaves none here.
+            let reject = scope == Scope::External
+                && active.is_empty()
+                && terminating.is_empty()
+                && {
+                    let (a, t) = select(&candidates, Family::of(addr), Policy::Cluster, false, node);
+                    a.is_empty() && t.is_empty()
+                };
             let frontend = Frontend {
                 addr,
                 port: frontend_port,
@@ -548,6 +557,7 @@ fn translate_service(
                 terminating,
                 affinity_timeout: settings.affinity_timeout,
                 algorithm: settings.algorithm,
+                reject,
             };
             out.claims.push((frontend, state, field));
         };
@@ -1262,6 +1272,9 @@ mod tests {
                 if st.algorithm != Algorithm::Random {
                     line += &format!(" | {:?}", st.algorithm);
                 }
+                if st.reject {
+                    line += " | reject";
+                }
                 line
             })
             .collect()
@@ -1485,7 +1498,7 @@ mod tests {
                     "int 10.96.0.10:81/TCP ClusterIp default/b => none",
                     "int 10.96.0.12:80/TCP ClusterIp default/c => none",
                     "int 203.0.113.5:80/TCP ExternalIp default/a => none",
-                    "ext 203.0.113.5:80/TCP ExternalIp default/a => none",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/a => none | reject",
                 ],
                 rejected: &["Service default/b spec.clusterIP", "Service default/c spec.externalIPs[0]"],
                 ..Default::default()
@@ -1706,6 +1719,19 @@ mod tests {
                     "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.3:8080",
                     "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080 10.1.0.2:8080 | terminating 10.1.0.3:8080",
                     "ext 192.168.1.10:30080/TCP NodePort default/web:http => none",
+                ],
+                ..Default::default()
+            },
+            Case {
+                name: "externalTrafficPolicy Local without any endpoint: the External copy rejects",
+                docs: &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {type: NodePort, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, ports: [{name: http, port: 80, nodePort: 30080}]}}",
+                ],
+                frontends: &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => none",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => none",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => none | reject",
                 ],
                 ..Default::default()
             },
@@ -2001,6 +2027,7 @@ mod tests {
                 terminating: vec![],
                 affinity_timeout: Some(DEFAULT_AFFINITY_TIMEOUT),
                 algorithm: Algorithm::Maglev,
+                reject: false,
             }
         );
     }
