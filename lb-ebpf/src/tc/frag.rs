@@ -166,6 +166,9 @@ pub fn record(ctx: &TcContext, p: &Pkt, e: &CtEntry, at_ingress: bool) {
     }
     let Some(w) = work() else { return };
     if key_of(ctx, &mut w.key, p.v6, p.l4, p.proto) == Some(false) {
+        // The packet is rewritten by now: key it as its fragments arrive.
+        w.key.src = p.src;
+        w.key.dst = p.dst;
         let redirect = at_ingress && e.flags & (ct_flags::SNAT | ct_flags::REPLY) != 0;
         let f = &mut w.entry;
         f.nat_src = e.nat_src;
