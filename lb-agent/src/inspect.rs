@@ -102,6 +102,7 @@ impl Subject for Services {
                     (service_flags::WILDCARD, "vip"),
                     (service_flags::AFFINITY, "affinity"),
                     (service_flags::MAGLEV, "maglev"),
+                    (service_flags::REJECT, "reject"),
                 ],
             );
             let mut backends = Vec::new();

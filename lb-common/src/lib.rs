@@ -38,6 +38,13 @@ pub mod service_flags {
     pub const AFFINITY: u16 = 1 << 1;
     /// Select through the Service's Maglev table instead of uniformly at random.
     pub const MAGLEV: u16 = 1 << 2;
+    /// Set by the agent on an `EXTERNAL` frontend without backends because
+    /// its Service has no usable endpoint anywhere (not merely none on this
+    /// node): the tc path answers a TCP SYN with an RST and UDP with an ICMP
+    /// port unreachable, as kube-proxy's REJECT rules do. Without it, an
+    /// empty frontend (`externalTrafficPolicy: Local`, endpoints on other
+    /// nodes only) drops.
+    pub const REJECT: u16 = 1 << 3;
 }
 
 /// `Backend::flags`.
@@ -384,6 +391,58 @@ impl CtKey {
     }
 }
 
+/// A fragmented datagram as its fragments carry it: key of `LB_FRAGMENTS`.
+/// Only the first fragment has the ports, so the first one's translation is
+/// recorded under what every fragment has.
+///
+/// | offset | field   | meaning                                        |
+/// |--------|---------|------------------------------------------------|
+/// | 0      | `src`   | source address; IPv4 is mapped                 |
+/// | 16     | `dst`   | destination address; IPv4 is mapped            |
+/// | 32     | `id`    | IPv4 identification or IPv6 fragment id, host order |
+/// | 36     | `proto` | `proto::TCP` or `proto::UDP`                   |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FragKey {
+    pub src: [u8; 16],
+    pub dst: [u8; 16],
+    pub id: u32,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+
+/// `FragEntry::flags`.
+pub mod frag_flags {
+    /// The first fragment was not translated (not ours): later ones pass
+    /// untouched. Without any entry a later fragment is dropped.
+    pub const PASS: u8 = 1 << 0;
+    /// Later fragments are sent with a FIB lookup and `bpf_redirect_neigh`
+    /// (masqueraded, or replies of remote backends), as the first was.
+    pub const REDIRECT: u8 = 1 << 1;
+}
+
+/// What the later fragments of a datagram are rewritten to: the addresses
+/// of the first fragment's translation (ports are only in the first).
+/// Value of `LB_FRAGMENTS`.
+///
+/// | offset | field       | meaning                                      |
+/// |--------|-------------|----------------------------------------------|
+/// | 0      | `nat_src`   | new source address                           |
+/// | 16     | `nat_dst`   | new destination address                      |
+/// | 32     | `nat_sport` | the first fragment's new ports (FIB lookup)  |
+/// | 34     | `nat_dport` |                                              |
+/// | 36     | `flags`     | `frag_flags::*`                              |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FragEntry {
+    pub nat_src: [u8; 16],
+    pub nat_dst: [u8; 16],
+    pub nat_sport: u16,
+    pub nat_dport: u16,
+    pub flags: u8,
+    pub _pad: [u8; 3],
+}
+
 /// Settings of the tc path. The single element of `LB_TC_CONFIG`.
 ///
 /// | offset | field               | meaning                                  |
@@ -545,7 +604,8 @@ pub mod map_names {
     pub const CONNTRACK_SYN: &str = "LB_CT_SYN";
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
     pub const TC_CONFIG: &str = "LB_TC_CONFIG";
-    pub const ALL: [&str; 11] = [
+    pub const FRAGMENTS: &str = "LB_FRAGMENTS";
+    pub const ALL: [&str; 12] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -557,6 +617,7 @@ pub mod map_names {
         CONNTRACK_SYN,
         SOURCE_RANGES,
         TC_CONFIG,
+        FRAGMENTS,
     ];
 }
 
@@ -575,6 +636,8 @@ pub mod capacity {
     /// what a SYN flood fills, apart from the established flows.
     pub const CONNTRACK_SYN: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;
+    /// Fragmented datagrams in flight (Cilium's default is 8 192).
+    pub const FRAGMENTS: u32 = 8_192;
 }
 
 const _: () = {
@@ -593,6 +656,8 @@ const _: () = {
     assert!(core::mem::size_of::<CtEntry>() == 64);
     assert!(core::mem::size_of::<TcConfig>() == 56);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
+    assert!(core::mem::size_of::<FragKey>() == 40);
+    assert!(core::mem::size_of::<FragEntry>() == 40);
 };
 
 #[cfg(feature = "user")]
@@ -615,6 +680,8 @@ mod pod {
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for TcConfig {}
     unsafe impl aya::Pod for SourceRangeData {}
+    unsafe impl aya::Pod for FragKey {}
+    unsafe impl aya::Pod for FragEntry {}
 }
 
 /// Backend selection shared by every hook, kept free of helpers so that host

@@ -6,7 +6,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
+    CtEntry, CtKey, FragEntry, FragKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
     SourceRangeData, TcConfig,
 };
 
@@ -57,6 +57,12 @@ pub static LB_CT_SYN: CtMap = LruHashMap::new();
 #[btf_map]
 pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeData, u32, { capacity::SOURCE_RANGES as usize }> =
     LpmTrie::new();
+
+/// tc path: the translation of fragmented datagrams, for their later
+/// fragments (see `tc::frag`).
+#[btf_map]
+pub static LB_FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =
+    LruHashMap::new();
 
 /// tc path: masquerade addresses and timeouts, written by the agent.
 #[btf_map]

@@ -15,22 +15,22 @@
 //! `egress`: replies of local backends leaving towards the client get their
 //! frontend back as source.
 //!
-//! IPv4 ICMP errors about a flow's replies (fragmentation needed, from the
-//! client or a router) are translated to the backend, quoted header
-//! included. Not translated, passed untouched: IPv4 fragments (no ports to
-//! go by), IPv6 with extension headers, ICMPv6 errors and ICMP errors from
-//! the backend side (they reach the node's own stack, which finds no socket:
-//! never mis-delivered).
+//! ICMP and ICMPv6 errors about a flow's replies (fragmentation needed /
+//! packet too big, from the client or a router) are translated to the
+//! backend, quoted header included (`icmp4_error`, `icmp::icmp6_error`).
+//! Not translated, passed untouched: ICMP errors from the backend side
+//! (they reach the node's own stack, which finds no socket: never
+//! mis-delivered).
+//!
+//! In modules: `icmp` (answers sent from here: REJECT of Services without
+//! endpoints, fragmentation needed / packet too big; ICMPv6 errors),
+//! `frag` (IPv6 extension headers, fragments), `route` (the FIB lookup).
 use aya_ebpf::{
     bindings::{bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST},
     btf_maps::PerCpuArray,
-    helpers::{
-        bpf_csum_diff, bpf_fib_lookup as fib_lookup, bpf_get_prandom_u32, bpf_ktime_get_ns,
-        bpf_redirect_neigh,
-    },
+    helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
     programs::TcContext,
-    EbpfContext,
 };
 use lb_common::{
     conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
@@ -42,6 +42,10 @@ use crate::{
     lb,
     maps::{count, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES, LB_TC_CONFIG},
 };
+
+mod frag;
+mod icmp;
+mod route;
 
 /// Not ours: let the next program (or the stack) decide.
 pub const TC_ACT_UNSPEC: i32 = -1;
@@ -117,10 +121,9 @@ fn parse(ctx: &TcContext) -> Option<Pkt> {
             if vihl >> 4 != 4 || ihl < 20 {
                 return None;
             }
-            // Any fragment: only the first carries ports, and translating
-            // it alone would split the datagram. The stack reassembles.
+            // A later fragment has no ports: `frag::later` handles it.
             let frag = u16::from_be(at::<u16>(ctx, ETH_HLEN + 6)?);
-            if frag & 0x3fff != 0 {
+            if frag & 0x1fff != 0 {
                 return None;
             }
             let p: u8 = at(ctx, ETH_HLEN + 9)?;
@@ -138,7 +141,8 @@ fn parse(ctx: &TcContext) -> Option<Pkt> {
             let p: u8 = at(ctx, ETH_HLEN + 6)?;
             src = at(ctx, ETH_HLEN + 8)?;
             dst = at(ctx, ETH_HLEN + 24)?;
-            (true, ETH_HLEN + 40, p)
+            let (l4, p) = frag::ipv6_l4(ctx, p)?;
+            (true, l4, p)
         }
         _ => return None,
     };
@@ -290,45 +294,23 @@ fn rewrite(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> bool {
 /// would not forward it back out of the device it came in.
 #[inline(always)]
 fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
-    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
-        return TC_ACT_OK;
+    let target = route::Target {
+        v6: p.v6,
+        proto: p.proto,
+        l4: p.l4,
+        src: &e.nat_src,
+        dst: &e.nat_dst,
+        sport: e.nat_sport,
+        dport: e.nat_dport,
     };
-    // SAFETY: this CPU's scratch element, used by this run only.
-    let fib = unsafe { &mut (*scratch).fib };
-    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
-    *fib = unsafe { core::mem::zeroed() };
-    fib.family = if p.v6 { AF_INET6 } else { AF_INET };
-    fib.l4_protocol = p.proto;
-    fib.sport = e.nat_sport.to_be();
-    fib.dport = e.nat_dport.to_be();
-    // SAFETY: the context pointer is valid for the program's run.
-    fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
-    if p.v6 {
-        // SAFETY: [u8; 16] and [u32; 4] have the same size; network order kept.
-        unsafe {
-            fib.__bindgen_anon_3.ipv6_src = core::mem::transmute::<[u8; 16], [u32; 4]>(e.nat_src);
-            fib.__bindgen_anon_4.ipv6_dst = core::mem::transmute::<[u8; 16], [u32; 4]>(e.nat_dst);
+    match route::redirect(ctx, &target) {
+        route::Fib::Sent(verdict) => verdict,
+        route::Fib::TooBig(mtu) => icmp::too_big(ctx, p, e, mtu),
+        route::Fib::NoRoute => {
+            count(stat::TC_DROP_NO_ROUTE);
+            TC_ACT_SHOT
         }
-    } else {
-        let s = &e.nat_src;
-        let d = &e.nat_dst;
-        fib.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([s[12], s[13], s[14], s[15]]);
-        fib.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([d[12], d[13], d[14], d[15]]);
     }
-    // SAFETY: helper call with a valid context and a buffer of the size passed.
-    let rc = unsafe {
-        fib_lookup(
-            ctx.as_ptr(),
-            fib as *mut bpf_fib_lookup,
-            core::mem::size_of::<bpf_fib_lookup>() as i32,
-            0,
-        )
-    };
-    if rc == FIB_SUCCESS || rc == FIB_NO_NEIGH {
-        // SAFETY: plain helper call; a NULL neighbour makes it look up the next hop.
-        return unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) } as i32;
-    }
-    TC_ACT_OK
 }
 
 /// The conntrack table an entry is in.
@@ -522,8 +504,10 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
 
 /// SNAT ports tried for a new flow before it is dropped, linearly from a
 /// random start (as Cilium probes); each costs a lookup and an insert, and
-/// only while the range is crowded.
-const SNAT_TRIES: u32 = 32;
+/// only while the range is crowded. Twice the eight random tries before;
+/// Cilium's 32 take tc_ingress past the verifier's million instructions
+/// together with the rest of the program.
+const SNAT_TRIES: u32 = 16;
 
 /// Whether `key` is the key of a live entry of `map`.
 #[inline(always)]
@@ -602,6 +586,10 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
     // No backend (externalTrafficPolicy Local without local endpoints):
     // dropped, as kube-proxy does.
     let Some((backend_id, b)) = chosen else {
+        // No endpoint anywhere: REJECT, as kube-proxy does.
+        if svc.flags & service_flags::REJECT != 0 {
+            return icmp::reject(ctx, p);
+        }
         count(stat::TC_DROP_NO_BACKEND);
         return TC_ACT_SHOT;
     };
@@ -694,6 +682,7 @@ fn finish(ctx: &TcContext, p: &Pkt, e: &CtEntry, at_ingress: bool) -> i32 {
         return TC_ACT_SHOT;
     }
     count(stat::TC_TRANSLATED);
+    frag::record(ctx, p, e, at_ingress);
     if at_ingress && e.flags & (ct_flags::SNAT | ct_flags::REPLY) != 0 {
         redirect(ctx, p, e)
     } else {
@@ -872,8 +861,15 @@ fn follow(
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
     let Some(p) = parse(ctx) else {
-        return icmp4_error(ctx);
+        if let Some(verdict) = frag::later(ctx, true) {
+            return verdict;
+        }
+        return match icmp4_error(ctx) {
+            TC_ACT_UNSPEC => icmp::icmp6_error(ctx),
+            verdict => verdict,
+        };
     };
+    frag::mark(ctx, &p);
     // CVE-2020-8558: nothing from the wire is served on a loopback address.
     if is_loopback(&p) {
         count(stat::TC_DROP_LOOPBACK);
@@ -897,7 +893,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 #[inline(always)]
 pub fn egress(ctx: &TcContext) -> i32 {
     let Some(p) = parse(ctx) else {
-        return TC_ACT_UNSPEC;
+        return frag::later(ctx, false).unwrap_or(TC_ACT_UNSPEC);
     };
     let key = key_of(&p);
     let Some(found) = lookup(&key, &p) else {

@@ -772,3 +772,209 @@ fn cluster_mode_learns_node_addresses_from_the_node_object() {
     drop(c);
     drop(api);
 }
+
+/// kube-proxy's REJECT: a NodePort whose Service has no endpoints at all
+/// refuses at once (TCP: an RST, so connect fails with ECONNREFUSED; UDP:
+/// ICMP port unreachable, so a connected socket gets ECONNREFUSED), IPv4
+/// and IPv6. externalTrafficPolicy Local with endpoints on another node
+/// only still drops (the client times out).
+#[test]
+fn reject_on_services_without_endpoints_drop_for_local_policy_elsewhere() {
+    require_root!();
+    let mut c = Cluster::new("rej", &[1, 0]).expect("topology");
+    c.serve_all().unwrap();
+    let n1p0 = c.pod("n1p0").clone();
+    let mut docs = c.node_objects();
+    docs.extend([
+        service(
+            "empty-tcp",
+            &["10.96.0.20", "fd00:96::20"],
+            json!({"ports": port(30084, "TCP")}),
+            json!({}),
+        ),
+        service(
+            "empty-udp",
+            &["10.96.0.21", "fd00:96::21"],
+            json!({"ports": port(30085, "UDP")}),
+            json!({}),
+        ),
+        service(
+            "local",
+            &["10.96.0.11"],
+            json!({"ports": port(LOCAL_NODEPORT, "TCP"), "externalTrafficPolicy": "Local"}),
+            json!({}),
+        ),
+        c.slice("local", &[&n1p0], false, "TCP"),
+    ]);
+    c.manifests.write("cluster.yaml", &docs).unwrap();
+    c.start_agents(&[]).unwrap();
+    for node in [1u8, 2] {
+        for target in [
+            format!("{}:30084", node_v4(node)),
+            format!("[{}]:30084", node_v6(node)),
+        ] {
+            let t0 = Instant::now();
+            let a = c.from_client("tcp", &target, 3);
+            assert!(
+                a.iter().all(|a| a.error.as_deref() == Some("ECONNREFUSED")),
+                "{target}: {}\n{}",
+                show(&a),
+                c.agent_logs()
+            );
+            assert!(t0.elapsed() < Duration::from_secs(2), "{target}: at once");
+        }
+        for target in [
+            format!("{}:30085", node_v4(node)),
+            format!("[{}]:30085", node_v6(node)),
+        ] {
+            let a = c.from_client("udp-connected", &target, 3);
+            assert!(
+                a.iter().all(|a| a.error.as_deref() == Some("ECONNREFUSED")),
+                "{target}: {}",
+                show(&a)
+            );
+        }
+    }
+    // Endpoints exist, on node 1 only: node 2 drops, node 1 serves.
+    let a = c.from_client("tcp", &format!("{}:{LOCAL_NODEPORT}", node_v4(2)), 2);
+    assert!(
+        a.iter().all(|a| a.error.as_deref() == Some("ETIMEDOUT")),
+        "{}",
+        show(&a)
+    );
+    let a = c.from_client("tcp", &format!("{}:{LOCAL_NODEPORT}", node_v4(1)), 3);
+    assert_eq!(ok_count(&a), 3, "{}", show(&a));
+}
+
+/// Path MTU discovery through a NodePort: the route from node 1 to node
+/// 2's pods has an MTU of 1300 (locked, so forwarding honours it), the
+/// client's link 1500. Node 1 answers the client's too-big segments (DF)
+/// with ICMP fragmentation needed / ICMPv6 packet too big, the client's
+/// stack lowers its path MTU, and a 4 MiB upload completes. IPv4 and IPv6.
+#[test]
+fn path_mtu_discovery_through_a_lowered_route_mtu() {
+    require_root!();
+    use std::io::{Read, Write};
+    let mut c = Cluster::new("pmtu", &[0, 1]).expect("topology");
+    let pod = c.pod("n2p0").clone();
+    let mut docs = c.node_objects();
+    let mut v4 = c.slice("bulk", &[&pod], false, "TCP");
+    v4["ports"][0]["port"] = json!(9000);
+    let mut v6 = c.slice("bulk", &[&pod], true, "TCP");
+    v6["ports"][0]["port"] = json!(9000);
+    docs.extend([
+        service(
+            "bulk",
+            &["10.96.0.30", "fd00:96::30"],
+            json!({"ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 9000, "nodePort": 30086}]}),
+            json!({}),
+        ),
+        v4,
+        v6,
+    ]);
+    c.manifests.write("cluster.yaml", &docs).unwrap();
+    // A sink in the pod: reads everything, answers with the byte count.
+    let listener = in_netns(&pod.netns, || std::net::TcpListener::bind("[::]:9000").unwrap()).unwrap();
+    std::thread::spawn(move || {
+        for s in listener.incoming() {
+            let Ok(mut s) = s else { return };
+            std::thread::spawn(move || {
+                let mut n = 0u64;
+                let mut buf = vec![0u8; 65536];
+                while let Ok(k) = s.read(&mut buf) {
+                    if k == 0 {
+                        break;
+                    }
+                    n += k as u64;
+                }
+                let _ = s.write_all(&n.to_be_bytes());
+            });
+        }
+    });
+    let n1 = c.nodes[0].netns.clone();
+    integration_tests::cmd::ip(&[
+        "-n", &n1, "route", "replace", "10.244.2.0/24", "via", "192.168.77.2", "mtu", "lock", "1300",
+    ])
+    .unwrap();
+    integration_tests::cmd::ip(&[
+        "-n", &n1, "-6", "route", "replace", "fd00:244:2::/64", "via", "fd00:77::2", "mtu", "lock", "1300",
+    ])
+    .unwrap();
+    c.start_agents(&[]).unwrap();
+    const SIZE: usize = 4 << 20;
+    for target in [
+        format!("{}:30086", node_v4(1)),
+        format!("[{}]:30086", node_v6(1)),
+    ] {
+        let addr: std::net::SocketAddr = target.parse().unwrap();
+        let s = in_netns(&c.client_netns, move || {
+            std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3))
+        })
+        .unwrap()
+        .unwrap_or_else(|e| panic!("{target}: connect: {e}"));
+        s.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let t0 = Instant::now();
+        let mut s = s;
+        let data = vec![0x5au8; SIZE];
+        s.write_all(&data)
+            .unwrap_or_else(|e| panic!("{target}: upload stalled after {:?}: {e}\n{}", t0.elapsed(), c.agent_logs()));
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut n = [0u8; 8];
+        s.read_exact(&mut n).unwrap_or_else(|e| panic!("{target}: {e}"));
+        assert_eq!(u64::from_be_bytes(n), SIZE as u64, "{target}");
+    }
+}
+
+/// UDP datagrams larger than the client's link MTU arrive at the NodePort
+/// as fragments; every one reaches a backend (local, or on the other node
+/// through masquerade) and is answered. IPv4 and IPv6.
+#[test]
+fn fragmented_udp_through_a_nodeport() {
+    require_root!();
+    let mut c = Cluster::new("frag", &[1, 1]).expect("topology");
+    c.serve_all().unwrap();
+    let (n1p0, n2p0) = (c.pod("n1p0").clone(), c.pod("n2p0").clone());
+    let mut docs = c.node_objects();
+    docs.extend([
+        service(
+            "dns",
+            &["10.96.0.53", "fd00:96::53"],
+            json!({"ports": port(UDP_NODEPORT, "UDP")}),
+            json!({}),
+        ),
+        c.slice("dns", &[&n1p0, &n2p0], false, "UDP"),
+        c.slice("dns", &[&n1p0, &n2p0], true, "UDP"),
+    ]);
+    c.manifests.write("cluster.yaml", &docs).unwrap();
+    c.start_agents(&[]).unwrap();
+    for target in [
+        format!("{}:{UDP_NODEPORT}", node_v4(1)),
+        format!("[{}]:{UDP_NODEPORT}", node_v6(1)),
+    ] {
+        let addr: std::net::SocketAddr = target.parse().unwrap();
+        let replies = in_netns(&c.client_netns, move || {
+            let mut replies = Vec::new();
+            for _ in 0..20 {
+                let bind = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+                let s = std::net::UdpSocket::bind(bind).unwrap();
+                s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+                s.connect(addr).unwrap();
+                s.send(&vec![7u8; 3000]).unwrap();
+                let mut buf = [0u8; 512];
+                replies.push(match s.recv(&mut buf) {
+                    Ok(n) => Ok(String::from_utf8_lossy(&buf[..n]).to_string()),
+                    Err(e) => Err(e.to_string()),
+                });
+            }
+            replies
+        })
+        .unwrap();
+        assert!(replies.iter().all(|r| r.is_ok()), "{target}: {replies:?}");
+        let names: BTreeSet<String> = replies
+            .iter()
+            .map(|r| r.as_ref().unwrap().split(' ').next().unwrap().to_string())
+            .collect();
+        assert_eq!(names.len(), 2, "{target}: both backends: {replies:?}");
+    }
+}

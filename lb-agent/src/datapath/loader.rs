@@ -246,7 +246,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 11] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -275,6 +275,11 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 11] {
             ..source_ranges
         },
         layout::<u32, TcConfig>(map_names::TC_CONFIG, ARRAY, 1),
+        layout::<lb_common::FragKey, lb_common::FragEntry>(
+            map_names::FRAGMENTS,
+            LRU_HASH,
+            lb_common::capacity::FRAGMENTS,
+        ),
     ]
 }
 
@@ -429,9 +434,8 @@ impl Datapath {
         }
 
         for name in SOCK_PROGRAMS {
-            sock_program(&mut ebpf, name)?
-                .load()
-                .with_context(|| format!("verifying program {name}"))?;
+            let program = sock_program(&mut ebpf, name)?;
+            verify(|| program.load()).with_context(|| format!("verifying program {name}"))?;
         }
 
         let take = |ebpf: &mut Ebpf, name: &str| {
@@ -504,6 +508,26 @@ impl Datapath {
         drop(maps);
         drop(_ebpf);
         remove_pins(&pin_dir)
+    }
+}
+
+/// Runs `load` (a program's load, which runs the verifier) again if the
+/// verifier gave up because a signal arrived meanwhile (`EAGAIN`), as
+/// libbpf does: verifying the tc programs takes long enough for that to
+/// happen.
+pub fn verify(
+    mut load: impl FnMut() -> Result<(), aya::programs::ProgramError>,
+) -> Result<(), aya::programs::ProgramError> {
+    let mut tries = 5;
+    loop {
+        match load() {
+            Err(aya::programs::ProgramError::LoadError { io_error, .. })
+                if io_error.raw_os_error() == Some(libc::EAGAIN) && tries > 1 =>
+            {
+                tries -= 1;
+            }
+            result => return result,
+        }
     }
 }
 

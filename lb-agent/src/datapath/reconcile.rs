@@ -309,6 +309,9 @@ fn service_value(
     if maglev_size > 0 {
         flags |= service_flags::MAGLEV;
     }
+    if state.reject {
+        flags |= service_flags::REJECT;
+    }
     ServiceValue {
         id,
         backend_set,
@@ -1126,6 +1129,7 @@ mod tests {
             terminating: vec![],
             affinity_timeout: None,
             algorithm: Algorithm::Random,
+            reject: false,
         }
     }
 

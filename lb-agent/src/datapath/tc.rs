@@ -174,8 +174,7 @@ pub fn attach(ebpf: &mut Ebpf, links_dir: &Path, devices: &[String]) -> anyhow::
             continue;
         }
         if program.fd().is_err() {
-            program
-                .load()
+            crate::datapath::loader::verify(|| program.load())
                 .with_context(|| format!("verifying program {name}"))?;
         }
         for dev in devices {

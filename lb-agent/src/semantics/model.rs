@@ -157,6 +157,13 @@ pub struct FrontendState {
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
     pub algorithm: Algorithm,
+    /// An `External` frontend without backends whose Service has no usable
+    /// endpoint of its family anywhere: the tc path REJECTs (TCP RST, ICMP
+    /// port unreachable) where an empty frontend otherwise drops
+    /// (`externalTrafficPolicy: Local` with endpoints on other nodes only),
+    /// as kube-proxy does. Always false for `Internal` frontends, whose
+    /// emptiness the socket path already refuses.
+    pub reject: bool,
 }
 
 /// The whole desired datapath.

@@ -380,6 +380,7 @@ mod tests {
             terminating: Vec::new(),
             affinity_timeout: None,
             algorithm: Algorithm::Random,
+            reject: false,
         }
     }
 

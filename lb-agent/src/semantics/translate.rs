@@ -544,6 +544,15 @@ fn translate_service(
                 settings.topology,
                 node,
             );
+            // kube-proxy REJECTs when the Service has no endpoint at all,
+            // and DROPs when only the traffic policy leaves none here.
+            let reject = scope == Scope::External
+                && active.is_empty()
+                && terminating.is_empty()
+                && {
+                    let (a, t) = select(&candidates, Family::of(addr), Policy::Cluster, false, node);
+                    a.is_empty() && t.is_empty()
+                };
             let frontend = Frontend {
                 addr,
                 port: frontend_port,
@@ -558,6 +567,7 @@ fn translate_service(
                 terminating,
                 affinity_timeout: settings.affinity_timeout,
                 algorithm: settings.algorithm,
+                reject,
             };
             out.claims.push((frontend, state, field));
         };
@@ -1251,6 +1261,9 @@ mod tests {
                 if st.algorithm != Algorithm::Random {
                     line += &format!(" | {:?}", st.algorithm);
                 }
+                if st.reject {
+                    line += " | reject";
+                }
                 line
             })
             .collect()
@@ -1508,7 +1521,7 @@ mod tests {
                     "int 10.96.0.10:81/TCP ClusterIp default/b => none",
                     "int 10.96.0.12:80/TCP ClusterIp default/c => none",
                     "int 203.0.113.5:80/TCP ExternalIp default/a => none",
-                    "ext 203.0.113.5:80/TCP ExternalIp default/a => none",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/a => none | reject",
                 ],
             )
             .rejected(&["Service default/b spec.clusterIP", "Service default/c spec.externalIPs[0]"]),
@@ -1708,6 +1721,18 @@ mod tests {
             )
             .on(node("node-c", None)),
             Case::new(
+                "externalTrafficPolicy Local without any endpoint: the External copy rejects",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {type: NodePort, clusterIP: 10.96.0.10, externalTrafficPolicy: Local, ports: [{name: http, port: 80, nodePort: 30080}]}}",
+                ],
+                &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => none",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => none",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => none | reject",
+                ],
+            ),
+            Case::new(
                 "LoadBalancer: VIP-mode ingress IPs, Proxy mode and hostnames skipped, bad and other-family IPs rejected",
                 &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
@@ -1897,6 +1922,7 @@ mod tests {
                 terminating: vec![],
                 affinity_timeout: Some(DEFAULT_AFFINITY_TIMEOUT),
                 algorithm: Algorithm::Maglev,
+                reject: false,
             }
         );
     }

@@ -1,0 +1,100 @@
+//! The FIB lookup before a translated packet is sent with
+//! `bpf_redirect_neigh`, and what it can say: sent, too big for the next
+//! hop (the MTU of the route or device, checked against the packet's
+//! length, or its segments' when it is a GSO packet), or no route.
+use aya_ebpf::{
+    bindings::bpf_fib_lookup,
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
+    programs::TcContext,
+    EbpfContext,
+};
+use lb_common::proto;
+
+use super::{AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
+
+const FIB_FRAG_NEEDED: i64 = 8;
+
+pub enum Fib {
+    /// The verdict of `bpf_redirect_neigh`.
+    Sent(i32),
+    /// Too big for the next hop, whose MTU this is.
+    TooBig(u16),
+    NoRoute,
+}
+
+/// Where a translated packet goes.
+pub struct Target<'a> {
+    pub v6: bool,
+    pub proto: u8,
+    pub l4: usize,
+    pub src: &'a [u8; 16],
+    pub dst: &'a [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// The IP length the next hop must carry: the packet's, or for a GSO
+/// packet one segment's (headers plus `gso_size`).
+#[inline(always)]
+fn wire_len(ctx: &TcContext, t: &Target) -> u16 {
+    // SAFETY: the context pointer is valid for the program's run.
+    let gso = unsafe { (*ctx.skb.skb).gso_size };
+    if gso == 0 {
+        return (ctx.len() as usize).saturating_sub(ETH_HLEN) as u16;
+    }
+    let l4_len = if t.proto == proto::TCP {
+        ctx.load::<u8>(t.l4 + 12).map_or(20, |d| (d >> 4) as usize * 4)
+    } else {
+        8
+    };
+    (t.l4 - ETH_HLEN + l4_len + gso as usize) as u16
+}
+
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
+    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+        return Fib::NoRoute;
+    };
+    // SAFETY: this CPU's scratch element, used by this run only.
+    let fib = unsafe { &mut (*scratch).fib };
+    // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
+    *fib = unsafe { core::mem::zeroed() };
+    fib.family = if t.v6 { AF_INET6 } else { AF_INET };
+    fib.l4_protocol = t.proto;
+    fib.sport = t.sport.to_be();
+    fib.dport = t.dport.to_be();
+    // A length makes the lookup check it against the route's MTU (a
+    // lowered route MTU included), not only the device's.
+    fib.__bindgen_anon_1.tot_len = wire_len(ctx, t);
+    // SAFETY: the context pointer is valid for the program's run.
+    fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    if t.v6 {
+        // SAFETY: [u8; 16] and [u32; 4] have the same size; network order kept.
+        unsafe {
+            fib.__bindgen_anon_3.ipv6_src = core::mem::transmute::<[u8; 16], [u32; 4]>(*t.src);
+            fib.__bindgen_anon_4.ipv6_dst = core::mem::transmute::<[u8; 16], [u32; 4]>(*t.dst);
+        }
+    } else {
+        let (s, d) = (t.src, t.dst);
+        fib.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([s[12], s[13], s[14], s[15]]);
+        fib.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([d[12], d[13], d[14], d[15]]);
+    }
+    // SAFETY: helper call with a valid context and a buffer of the size passed.
+    let rc = unsafe {
+        fib_lookup(
+            ctx.as_ptr(),
+            fib as *mut bpf_fib_lookup,
+            core::mem::size_of::<bpf_fib_lookup>() as i32,
+            0,
+        )
+    };
+    match rc {
+        // SAFETY: plain helper call; a NULL neighbour makes it look up the next hop.
+        FIB_SUCCESS | FIB_NO_NEIGH => {
+            Fib::Sent(unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+        }
+        // SAFETY: the lookup wrote the MTU into the union.
+        FIB_FRAG_NEEDED => Fib::TooBig(unsafe { fib.__bindgen_anon_1.mtu_result }),
+        _ => Fib::NoRoute,
+    }
+}
