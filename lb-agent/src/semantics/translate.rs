@@ -22,8 +22,7 @@ use crate::{
     },
 };
 
-/// Services carrying this label belong to another proxy.
-pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+pub use crate::input::store::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 /// Per-Service override of the selection algorithm: `maglev` or `random`.
 pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
 /// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
@@ -256,7 +255,7 @@ impl Translator {
         key: &ObjectKey,
         svc: &Service,
     ) -> Option<(ServiceOut, Report)> {
-        if belongs_to_other_proxy(svc) {
+        if !serves(svc) {
             return None;
         }
         // The empty key sorts first: the range starts at this Service.
@@ -361,7 +360,12 @@ impl Translator {
 }
 
 /// The Service an EndpointSlice belongs to (same namespace), by its label.
+/// `None` for a slice carrying a label of another proxy or of a headless
+/// Service: kube-proxy's watch never sees it.
 fn service_of_slice(key: &ObjectKey, slice: &Slice) -> Option<ObjectKey> {
+    if slice.proxy_labels {
+        return None;
+    }
     let service = slice.service.as_deref()?;
     (!service.is_empty()).then(|| ObjectKey::new(key.namespace.clone(), service))
 }
@@ -400,11 +404,14 @@ impl Report {
     }
 }
 
-fn belongs_to_other_proxy(svc: &Service) -> bool {
-    svc.metadata
-        .labels
-        .as_ref()
-        .is_some_and(|labels| labels.contains_key(LABEL_SERVICE_PROXY_NAME))
+/// Whether this proxy serves `svc`. Like kube-proxy (whose watches select
+/// `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`),
+/// a Service labelled `service-proxy-name` (any value: another proxy's) or
+/// `headless` is left alone, with its health-check node port.
+pub fn serves(svc: &Service) -> bool {
+    svc.metadata.labels.as_ref().is_none_or(|labels| {
+        !labels.contains_key(LABEL_SERVICE_PROXY_NAME) && !labels.contains_key(LABEL_HEADLESS)
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -1372,6 +1379,31 @@ mod tests {
                     WEB_SLICE,
                 ],
                 NONE,
+            ),
+            Case::new(
+                "headless label (any value): skipped silently, like service-proxy-name",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web, labels: {service.kubernetes.io/headless: ''}}, \
+                     spec: {clusterIP: 10.96.0.10, clusterIPs: [bogus], ports: [{port: 80, protocol: SCTP}]}}",
+                    WEB_SLICE,
+                ],
+                NONE,
+            ),
+            Case::new(
+                "slices labelled headless or service-proxy-name: left out, as kube-proxy's watch never sees them",
+                &[
+                    WEB,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {name: web-1, labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.1], nodeName: node-a}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {name: web-2, labels: {kubernetes.io/service-name: web, service.kubernetes.io/service-proxy-name: other}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.2], nodeName: node-b}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {name: web-3, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.3], nodeName: node-c}]}",
+                ],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.3:8080"],
             ),
             Case::new(
                 "SCTP rejected, the TCP port kept",
