@@ -15,6 +15,13 @@ use k8s_openapi::api::{
 /// `discovery.k8s.io/v1` label joining an EndpointSlice to its Service.
 pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 
+/// Services (and their EndpointSlices) carrying this label belong to
+/// another proxy.
+pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+/// The label the EndpointSlice controller puts on the slices of headless
+/// Services; no proxy serves what carries it.
+pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+
 /// The well-known label carrying a Node's zone (`v1.LabelTopologyZone`).
 pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 
@@ -68,6 +75,9 @@ pub struct Slice {
     pub address_type: Box<str>,
     pub ports: Box<[SlicePort]>,
     pub endpoints: Box<[SliceEndpoint]>,
+    /// Whether the slice carries [`LABEL_SERVICE_PROXY_NAME`] or
+    /// [`LABEL_HEADLESS`]; `translate` leaves such slices alone.
+    pub proxy_labels: bool,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -121,11 +131,15 @@ impl Slice {
         ports: Vec<EndpointPort>,
         endpoints: impl IntoIterator<Item = SliceEndpoint>,
     ) -> Self {
+        let mut labels = labels.unwrap_or_default();
+        let proxy_labels =
+            labels.contains_key(LABEL_SERVICE_PROXY_NAME) || labels.contains_key(LABEL_HEADLESS);
         let service = labels
-            .and_then(|mut labels| labels.remove(LABEL_SERVICE_NAME))
+            .remove(LABEL_SERVICE_NAME)
             .map(String::into_boxed_str);
         Slice {
             service,
+            proxy_labels,
             address_type: address_type.into_boxed_str(),
             ports: ports.into_iter().map(SlicePort::from).collect(),
             endpoints: endpoints.into_iter().collect(),
@@ -293,7 +307,7 @@ mod tests {
     /// The compact form keeps exactly what translation reads.
     #[test]
     fn slice_from_endpoint_slice() {
-        let cases: [(&str, Slice); 2] = [
+        let cases: [(&str, Slice); 4] = [
             (
                 "{addressType: IPv4}",
                 Slice {
@@ -335,6 +349,24 @@ mod tests {
                         SliceEndpoint::default(),
                     ]
                     .into(),
+                    proxy_labels: false,
+                },
+            ),
+            (
+                "{metadata: {labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}}, addressType: IPv4}",
+                Slice {
+                    service: Some("web".into()),
+                    address_type: "IPv4".into(),
+                    proxy_labels: true,
+                    ..Default::default()
+                },
+            ),
+            (
+                "{metadata: {labels: {service.kubernetes.io/service-proxy-name: other}}, addressType: IPv4}",
+                Slice {
+                    address_type: "IPv4".into(),
+                    proxy_labels: true,
+                    ..Default::default()
                 },
             ),
         ];

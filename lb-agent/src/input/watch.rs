@@ -29,6 +29,13 @@ use crate::{
     input::store::{Changes, ObjectKey, Slice, Store},
 };
 
+/// The label selector of the Service and EndpointSlice watches, kube-proxy's
+/// (`cmd/kube-proxy/app/server.go`): objects of another proxy
+/// (`LABEL_SERVICE_PROXY_NAME`) and of headless Services (`LABEL_HEADLESS`)
+/// are never listed. `translate` skips them as well, for the manifests mode.
+pub const LABEL_SELECTOR: &str =
+    "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
 /// How to reach the API server.
 #[derive(Debug, Clone, Default)]
 pub struct ApiAccess {
@@ -253,6 +260,14 @@ fn init_watch_metrics(metrics: &Metrics) {
     }
 }
 
+/// The watcher configuration of the Node watch, and that of the Service and
+/// EndpointSlice watches (with [`LABEL_SELECTOR`]).
+fn configs() -> (watcher::Config, watcher::Config) {
+    let cfg = watcher::Config::default().any_semantic();
+    let labelled = cfg.clone().labels(LABEL_SELECTOR);
+    (cfg, labelled)
+}
+
 /// Starts the three watchers. Changes wake `wake`.
 pub fn start(
     client: Client,
@@ -265,15 +280,15 @@ pub fn start(
     let services: Api<Service> = Api::all(client.clone());
     let slices: Api<EndpointSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
-    let cfg = watcher::Config::default().any_semantic();
+    let (cfg, labelled) = configs();
     tokio::spawn(follow(
-        watcher(services, cfg.clone()).default_backoff(),
+        watcher(services, labelled.clone()).default_backoff(),
         state.clone(),
         wake.clone(),
         metrics.clone(),
     ));
     tokio::spawn(follow(
-        watcher(slices, cfg.clone()).default_backoff(),
+        watcher(slices, labelled).default_backoff(),
         state.clone(),
         wake.clone(),
         metrics.clone(),
@@ -374,6 +389,25 @@ mod tests {
                 .collect(),
         );
         assert_eq!(stored, ["ns/c", "ns/d"]);
+    }
+
+    /// kube-proxy's selector, built from the labels `translate` skips; the
+    /// Node watch is not filtered by it.
+    #[test]
+    fn services_and_slices_are_watched_with_kube_proxys_label_selector() {
+        use crate::input::store::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+        assert_eq!(
+            LABEL_SELECTOR,
+            format!("!{LABEL_SERVICE_PROXY_NAME},!{LABEL_HEADLESS}")
+        );
+        let (nodes, labelled) = configs();
+        assert_eq!(labelled.label_selector.as_deref(), Some(LABEL_SELECTOR));
+        assert_eq!(nodes.label_selector, None);
+        assert_eq!(
+            labelled.clone().labels(""),
+            nodes.clone().labels(""),
+            "nothing else differs"
+        );
     }
 
     #[test]

@@ -14,7 +14,10 @@ use k8s_openapi::api::core::v1::Node;
 
 use crate::{
     input::store::{ObjectKey, Rejection, Store},
-    semantics::model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
+    semantics::{
+        model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
+        translate,
+    },
 };
 
 const SOURCE: &str = "translate";
@@ -220,14 +223,16 @@ pub struct HealthCheck {
     pub local_endpoints: usize,
 }
 
-/// `healthCheckNodePort` of every `externalTrafficPolicy: Local` Service,
-/// with its count of ready local endpoints.
+/// `healthCheckNodePort` of every `externalTrafficPolicy: Local` Service
+/// this proxy serves (`translate::serves`: not another proxy's, not
+/// labelled headless), with its count of ready local endpoints; slices with
+/// those labels do not count, as in `translate`.
 pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
     // The Local Services first (usually few), then one walk over the slices.
     let mut local: BTreeMap<&ObjectKey, (u16, BTreeSet<&str>)> = BTreeMap::new();
     for (key, svc) in &store.services {
         let Some(spec) = &svc.spec else { continue };
-        if spec.external_traffic_policy.as_deref() != Some("Local") {
+        if !translate::serves(svc) || spec.external_traffic_policy.as_deref() != Some("Local") {
             continue;
         }
         let Some(port) = spec
@@ -241,7 +246,7 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
     }
     if !local.is_empty() {
         for (slice_key, slice) in &store.slices {
-            let Some(service) = slice.service.as_deref() else {
+            let Some(service) = slice.service.as_deref().filter(|_| !slice.proxy_labels) else {
                 continue;
             };
             let key = ObjectKey::new(slice_key.namespace.clone(), service);
@@ -532,5 +537,44 @@ mod tests {
             assert_eq!(hc[0].port, 32000);
             assert_eq!(hc[0].local_endpoints, want, "{node}");
         }
+    }
+
+    /// Like kube-proxy, no health-check node port for a Service it does not
+    /// serve, and no count from a slice its watch would not see.
+    #[test]
+    fn health_checks_only_for_services_this_proxy_serves() {
+        let mut store = Store::default();
+        let local = |s: &mut ServiceSpec, port| {
+            s.external_traffic_policy = Some("Local".into());
+            s.health_check_node_port = Some(port);
+        };
+        add_service(&mut store, "ours", |s| local(s, 32000));
+        add_service(&mut store, "theirs", |s| local(s, 32001));
+        add_service(&mut store, "headless", |s| local(s, 32002));
+        for (name, label) in [
+            ("theirs", "service.kubernetes.io/service-proxy-name"),
+            ("headless", "service.kubernetes.io/headless"),
+        ] {
+            let svc = store
+                .services
+                .get_mut(&ObjectKey::new("demo", name))
+                .unwrap();
+            svc.metadata.labels = Some([(label.to_owned(), "x".to_owned())].into());
+        }
+        store.slices.insert(
+            ObjectKey::new("demo", "ours-x"),
+            slice("ours", &[("10.244.1.10", "n1", true)]),
+        );
+        let mut labelled = slice("ours", &[("10.244.1.11", "n1", true)]);
+        labelled.proxy_labels = true;
+        store
+            .slices
+            .insert(ObjectKey::new("demo", "ours-y"), labelled);
+        let hc = health_checks(&store, "n1");
+        let got: Vec<(u16, &str, usize)> = hc
+            .iter()
+            .map(|h| (h.port, h.service.name.as_str(), h.local_endpoints))
+            .collect();
+        assert_eq!(got, [(32000, "ours", 1)]);
     }
 }

@@ -22,13 +22,9 @@ use crate::{
     },
 };
 
-/// Services carrying this label belong to another proxy.
-pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-name";
+pub use crate::input::store::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 /// Per-Service override of the selection algorithm: `maglev` or `random`.
 pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
-/// Topology opt-in annotations, the current one and its deprecated name.
-pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
-pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
 /// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// The largest timeout the API server accepts.
@@ -259,7 +255,7 @@ impl Translator {
         key: &ObjectKey,
         svc: &Service,
     ) -> Option<(ServiceOut, Report)> {
-        if belongs_to_other_proxy(svc) {
+        if !serves(svc) {
             return None;
         }
         // The empty key sorts first: the range starts at this Service.
@@ -364,7 +360,12 @@ impl Translator {
 }
 
 /// The Service an EndpointSlice belongs to (same namespace), by its label.
+/// `None` for a slice carrying a label of another proxy or of a headless
+/// Service: kube-proxy's watch never sees it.
 fn service_of_slice(key: &ObjectKey, slice: &Slice) -> Option<ObjectKey> {
+    if slice.proxy_labels {
+        return None;
+    }
     let service = slice.service.as_deref()?;
     (!service.is_empty()).then(|| ObjectKey::new(key.namespace.clone(), service))
 }
@@ -403,11 +404,14 @@ impl Report {
     }
 }
 
-fn belongs_to_other_proxy(svc: &Service) -> bool {
-    svc.metadata
-        .labels
-        .as_ref()
-        .is_some_and(|labels| labels.contains_key(LABEL_SERVICE_PROXY_NAME))
+/// Whether this proxy serves `svc`. Like kube-proxy (whose watches select
+/// `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`),
+/// a Service labelled `service-proxy-name` (any value: another proxy's) or
+/// `headless` is left alone, with its health-check node port.
+pub fn serves(svc: &Service) -> bool {
+    svc.metadata.labels.as_ref().is_none_or(|labels| {
+        !labels.contains_key(LABEL_SERVICE_PROXY_NAME) && !labels.contains_key(LABEL_HEADLESS)
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -461,7 +465,6 @@ struct Settings {
     service: ServiceName,
     internal_policy: Policy,
     external_policy: Policy,
-    topology: bool,
     affinity_timeout: Option<u32>,
     algorithm: Algorithm,
 }
@@ -518,7 +521,6 @@ fn translate_service(
             "spec.externalTrafficPolicy",
             report,
         ),
-        topology: wants_topology(svc),
         affinity_timeout: affinity_timeout(spec, report),
         algorithm: algorithm(svc, opts.default_algorithm, report),
     };
@@ -537,20 +539,14 @@ fn translate_service(
     for port in &ports {
         let candidates = candidates(&groups, port, node);
         let mut emit = |addr: IpAddr, frontend_port: u16, kind, scope, policy, field: String| {
-            let (active, terminating) = select(
-                &candidates,
-                Family::of(addr),
-                policy,
-                settings.topology,
-                node,
-            );
+            let (active, terminating) = select(&candidates, Family::of(addr), policy, node);
             // kube-proxy REJECTs when the Service has no endpoint at all,
             // and DROPs when only the traffic policy leaves none here.
             let reject = scope == Scope::External
                 && active.is_empty()
                 && terminating.is_empty()
                 && {
-                    let (a, t) = select(&candidates, Family::of(addr), Policy::Cluster, false, node);
+                    let (a, t) = select(&candidates, Family::of(addr), Policy::Cluster, node);
                     a.is_empty() && t.is_empty()
                 };
             let frontend = Frontend {
@@ -766,30 +762,6 @@ fn traffic_policy(value: Option<&str>, field: &str, report: &mut Report) -> Poli
             Policy::Cluster
         }
     }
-}
-
-/// Whether the Service asked for topology-aware routing. The EndpointSlice
-/// controller only writes hints for such Services; honouring hints only
-/// then keeps stale hints from steering traffic after an opt-out.
-fn wants_topology(svc: &Service) -> bool {
-    let distribution = svc
-        .spec
-        .as_ref()
-        .and_then(|s| s.traffic_distribution.as_deref());
-    if matches!(
-        distribution,
-        Some("PreferClose" | "PreferSameZone" | "PreferSameNode")
-    ) {
-        return true;
-    }
-    // Like kube-proxy before trafficDistribution: the new annotation wins
-    // over the deprecated one, and any value but "disabled" opts in.
-    let annotations = svc.metadata.annotations.as_ref();
-    let mode = annotations.and_then(|a| {
-        a.get(ANNOTATION_TOPOLOGY_MODE)
-            .or_else(|| a.get(ANNOTATION_TOPOLOGY_AWARE_HINTS))
-    });
-    mode.is_some_and(|m| !m.is_empty() && !m.eq_ignore_ascii_case("disabled"))
 }
 
 /// `sessionAffinity: ClientIP` and its timeout, defaulted like the API server.
@@ -1129,9 +1101,13 @@ impl Topology<'_> {
     }
 }
 
-/// Hints are used only when every ready endpoint has one (a partially
-/// hinted slice set is mid-update) and some endpoint is hinted for us (or we
-/// would send nowhere). Node hints win over zone hints.
+/// As current kube-proxy (`topology.go`), hints are used whenever they are
+/// there, whatever the Service's `trafficDistribution` or topology
+/// annotations say (the EndpointSlice controller writes hints only when
+/// they ask for them): only when every ready endpoint has one (a partially
+/// hinted slice set is mid-update) and some endpoint is hinted for us (or
+/// we would send nowhere). Node hints (`forNodes`, `PreferSameNode`) win
+/// over zone hints (`forZones`).
 fn topology_mode<'a>(endpoints: &[&Endpoint], node: &'a NodeInfo) -> Topology<'a> {
     let ready: Vec<&Endpoint> = endpoints.iter().copied().filter(|e| e.ready).collect();
     if ready.is_empty() {
@@ -1159,7 +1135,6 @@ fn select(
     candidates: &[(BackendAddr, Endpoint)],
     family: Family,
     policy: Policy,
-    topology: bool,
     node: &NodeInfo,
 ) -> (Vec<BackendRef>, Vec<BackendRef>) {
     // Endpoints of the other family belong to the other family's Service.
@@ -1171,7 +1146,7 @@ fn select(
     // Topology only narrows the cluster-wide set; the terminating fallback
     // ignores it, as a topology is only chosen when it has ready endpoints.
     let topology = match policy {
-        Policy::Cluster if topology => {
+        Policy::Cluster => {
             let endpoints: Vec<&Endpoint> = eligible.iter().map(|(_, ep)| ep).collect();
             topology_mode(&endpoints, node)
         }
@@ -1417,6 +1392,31 @@ mod tests {
                     WEB_SLICE,
                 ],
                 NONE,
+            ),
+            Case::new(
+                "headless label (any value): skipped silently, like service-proxy-name",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web, labels: {service.kubernetes.io/headless: ''}}, \
+                     spec: {clusterIP: 10.96.0.10, clusterIPs: [bogus], ports: [{port: 80, protocol: SCTP}]}}",
+                    WEB_SLICE,
+                ],
+                NONE,
+            ),
+            Case::new(
+                "slices labelled headless or service-proxy-name: left out, as kube-proxy's watch never sees them",
+                &[
+                    WEB,
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {name: web-1, labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.1], nodeName: node-a}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {name: web-2, labels: {kubernetes.io/service-name: web, service.kubernetes.io/service-proxy-name: other}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.2], nodeName: node-b}]}",
+                    "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {name: web-3, labels: {kubernetes.io/service-name: web}}, \
+                     addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.3], nodeName: node-c}]}",
+                ],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.3:8080"],
             ),
             Case::new(
                 "SCTP rejected, the TCP port kept",
@@ -1803,7 +1803,16 @@ mod tests {
              {addresses: [10.1.0.2], nodeName: node-b, hints: {forNodes: [{name: node-b}], forZones: [{name: zone-a}]}}, \
              {addresses: [10.1.0.3], nodeName: node-c, hints: {forNodes: [{name: node-c}], forZones: [{name: zone-a}]}}]",
         );
-        let not_opted_in = topology_service("", "");
+        // A node hint missing on a ready endpoint: node hints unusable, zone
+        // hints still complete.
+        let one_without_node_hint = web_slice(
+            "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forNodes: [{name: node-a}], forZones: [{name: zone-b}]}}, \
+             {addresses: [10.1.0.2], nodeName: node-b, hints: {forNodes: [{name: node-b}], forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.3], nodeName: node-c, hints: {forZones: [{name: zone-a}]}}]",
+        );
+        let no_distribution = topology_service("", "");
+        let same_node = topology_service("", ", trafficDistribution: PreferSameNode");
+        let mode_disabled_only = topology_service(", annotations: {service.kubernetes.io/topology-mode: Disabled}", "");
         let mode_auto = topology_service(", annotations: {service.kubernetes.io/topology-mode: Auto}", "");
         let hints_auto = topology_service(", annotations: {service.kubernetes.io/topology-aware-hints: auto}", "");
         let mode_disabled = topology_service(", annotations: {service.kubernetes.io/topology-mode: Disabled, service.kubernetes.io/topology-aware-hints: auto}", "");
@@ -1829,8 +1838,30 @@ mod tests {
             Case::new("trafficDistribution PreferSameZone: zone hints used", &[&same_zone, &zone_hinted], &[zone_a]),
             Case::new("annotation topology-mode Auto: zone hints used", &[&mode_auto, &zone_hinted], &[zone_a]),
             Case::new("deprecated annotation topology-aware-hints auto: zone hints used", &[&hints_auto, &zone_hinted], &[zone_a]),
-            Case::new("topology-mode Disabled wins over the deprecated annotation", &[&mode_disabled, &zone_hinted], &[all]),
-            Case::new("Service did not opt in: hints ignored", &[&not_opted_in, &zone_hinted], &[all]),
+            // Current kube-proxy reads hints, not the Service: the
+            // EndpointSlice controller writes them only when asked to, and
+            // removes them on an opt-out.
+            Case::new("no trafficDistribution nor annotation: zone hints used", &[&no_distribution, &zone_hinted], &[zone_a]),
+            Case::new("topology-mode Disabled: zone hints used all the same", &[&mode_disabled_only, &zone_hinted], &[zone_a]),
+            Case::new("topology-mode Disabled over the deprecated annotation: zone hints used", &[&mode_disabled, &zone_hinted], &[zone_a]),
+            Case::new("trafficDistribution PreferSameNode: node hints used", &[&same_node, &node_hinted], &[here]),
+            Case::new("no trafficDistribution: node hints used", &[&no_distribution, &node_hinted], &[here]),
+            Case::new("topology-mode Disabled: node hints used all the same", &[&mode_disabled_only, &node_hinted], &[here]),
+            Case::new(
+                "PreferSameNode, a ready endpoint without node hint: zone hints used",
+                &[&same_node, &one_without_node_hint],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080 10.1.0.3:8080"],
+            ),
+            Case::new(
+                "PreferSameNode, no node hint for this node: zone hints used",
+                &[&same_node, &node_hinted],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.2:8080 10.1.0.3:8080"],
+            )
+            .on(node("node-z", Some("zone-a"))),
+            Case::new("PreferSameNode on a node without name or zone: hints ignored", &[&same_node, &node_hinted], &[
+                "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080 10.1.0.2:8080 10.1.0.3:8080",
+            ])
+            .on(node("", None)),
             Case::new("a ready endpoint without hint: hints ignored", &[&prefer_close, &one_unhinted], &[all]),
             Case::new("no endpoint for our zone: hints ignored", &[&prefer_close, &other_zones], &[all]),
             Case::new("node without zone: hints ignored", &[&prefer_close, &zone_hinted], &[all]).on(node("node-a", None)),
