@@ -251,7 +251,11 @@ const NODE6: &str = "fd00:77::1";
 /// leads only to itself. The namespace goes with the thread.
 fn private_netns() {
     // SAFETY: plain syscall; affects this thread only.
-    assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare(CLONE_NEWNET)");
+    assert_eq!(
+        unsafe { libc::unshare(libc::CLONE_NEWNET) },
+        0,
+        "unshare(CLONE_NEWNET)"
+    );
     for args in [
         "link add d0 type veth peer name d1",
         "link set d1 up",
@@ -1185,14 +1189,26 @@ fn parse_error(f: &[u8]) -> (u8, u8, u32, Vec<u8>) {
     let icmp = &f[14 + hl..];
     if hl == 20 {
         assert_eq!(p, 1);
-        assert_eq!(u16::from_be_bytes([f[16], f[17]]) as usize, f.len() - 14, "IP length");
+        assert_eq!(
+            u16::from_be_bytes([f[16], f[17]]) as usize,
+            f.len() - 14,
+            "IP length"
+        );
         assert_eq!(fold(sum16(icmp)), 0, "ICMP checksum of {f:02x?}");
         assert!(f.len() - 14 <= 576);
     } else {
         assert_eq!(p, 58);
-        assert_eq!(u16::from_be_bytes([f[18], f[19]]) as usize, icmp.len(), "payload length");
+        assert_eq!(
+            u16::from_be_bytes([f[18], f[19]]) as usize,
+            icmp.len(),
+            "payload length"
+        );
         let pseudo = pseudo_header(src, dst, 58, icmp.len());
-        assert_eq!(fold(sum16(&pseudo) + sum16(icmp)), 0, "ICMPv6 checksum of {f:02x?}");
+        assert_eq!(
+            fold(sum16(&pseudo) + sum16(icmp)),
+            0,
+            "ICMPv6 checksum of {f:02x?}"
+        );
         assert!(f.len() - 14 <= 1280);
     }
     let info = u32::from_be_bytes(icmp[4..8].try_into().unwrap());
@@ -1224,7 +1240,11 @@ fn reject_answers_syn_with_rst_and_udp_with_port_unreachable() {
         let input = syn.bytes();
         let (rc, out) = fx.run_bytes("tc_ingress", &input);
         assert_eq!(rc, REDIRECT_OUT, "{client}: sent back");
-        assert_eq!((&out[..6], &out[6..12]), (&input[6..12], &input[..6]), "MACs swapped");
+        assert_eq!(
+            (&out[..6], &out[6..12]),
+            (&input[6..12], &input[..6]),
+            "MACs swapped"
+        );
         let (hl, _, _, _) = l3(&out);
         assert_eq!(out.len(), 14 + hl + 20, "IP and TCP headers only");
         let p = parse(&out);
@@ -1232,7 +1252,11 @@ fn reject_answers_syn_with_rst_and_udp_with_port_unreachable() {
         assert_eq!((p.dst, p.dport), (ip(client), 40000));
         let tcp = &out[14 + hl..];
         assert_eq!(tcp[13], TCP_RST | TCP_ACK);
-        assert_eq!(u32::from_be_bytes(tcp[8..12].try_into().unwrap()), 2, "ack = seq + 1");
+        assert_eq!(
+            u32::from_be_bytes(tcp[8..12].try_into().unwrap()),
+            2,
+            "ack = seq + 1"
+        );
         assert!(fx.conntrack.keys().next().is_none(), "no flow");
         // Not a SYN: dropped.
         let ack = Frame::tcp(client, 40000, node, 30090, TCP_ACK);
@@ -1274,8 +1298,14 @@ fn too_big_for_the_next_hop_answers_frag_needed_and_packet_too_big() {
         syn.frag = 0x4000;
         assert_eq!(fx.run("tc_ingress", &syn).0, REDIRECT, "small: forwarded");
         // The backend answers: established.
-        let snat = fx.entry(client, 40000, node, 30080, proto::TCP).unwrap().nat_sport;
-        fx.run("tc_ingress", &Frame::tcp(pod, 8080, node, snat, TCP_SYN | TCP_ACK));
+        let snat = fx
+            .entry(client, 40000, node, 30080, proto::TCP)
+            .unwrap()
+            .nat_sport;
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(pod, 8080, node, snat, TCP_SYN | TCP_ACK),
+        );
         let mut big = Frame::tcp(client, 40000, node, 30080, TCP_ACK);
         big.frag = 0x4000; // DF
         big.extra = 1400;
@@ -1292,13 +1322,21 @@ fn too_big_for_the_next_hop_answers_frag_needed_and_packet_too_big() {
         assert_eq!((src, dst), (ip(node), ip(client)), "from the frontend");
         let (kind, code, info, quote) = parse_error(&out);
         if node == NODE4 {
-            assert_eq!((kind, code, info & 0xffff), (3, 4, 1300), "frag needed, MTU");
+            assert_eq!(
+                (kind, code, info & 0xffff),
+                (3, 4, 1300),
+                "frag needed, MTU"
+            );
             assert_eq!(quote.len(), 576 - 28);
         } else {
             assert_eq!((kind, code, info), (2, 0, 1300), "packet too big, MTU");
             assert_eq!(quote.len(), 1280 - 48);
         }
-        assert_eq!(quote, input[14..14 + quote.len()], "quoted as the client sent it");
+        assert_eq!(
+            quote,
+            input[14..14 + quote.len()],
+            "quoted as the client sent it"
+        );
         if node == NODE4 {
             big.frag = 0;
             assert_eq!(fx.run("tc_ingress", &big).0, SHOT, "no DF: dropped");
@@ -1338,10 +1376,17 @@ fn icmpv6_errors_of_tracked_flows_reach_the_backend() {
     let router = "fd00:77::fe";
     for local in [true, false] {
         let mut fx = Fixture::new();
-        let pod = if local { "fd00:244:1::10" } else { "fd00:244:2::10" };
+        let pod = if local {
+            "fd00:244:1::10"
+        } else {
+            "fd00:244:2::10"
+        };
         fx.backend(1, pod, 8080, proto::TCP, local);
         fx.frontend(NODE6, 30080, proto::TCP, 3, &[1]);
-        let (_, out) = fx.run("tc_ingress", &Frame::tcp(client, 40000, NODE6, 30080, TCP_SYN));
+        let (_, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, NODE6, 30080, TCP_SYN),
+        );
         let fwd = parse(&out);
         let seen = Frame::tcp(NODE6, 30080, client, 40000, TCP_SYN | TCP_ACK).bytes();
         for from in [client, router] {
@@ -1355,7 +1400,10 @@ fn icmpv6_errors_of_tracked_flows_reach_the_backend() {
             let addr = |b: &[u8]| IpAddr::from(<[u8; 16]>::try_from(b).unwrap());
             let port = |b: &[u8]| u16::from_be_bytes([b[0], b[1]]);
             assert_eq!((addr(&quote[8..24]), port(&quote[40..42])), (ip(pod), 8080));
-            assert_eq!((addr(&quote[24..40]), port(&quote[42..44])), (fwd.src, fwd.sport));
+            assert_eq!(
+                (addr(&quote[24..40]), port(&quote[42..44])),
+                (fwd.src, fwd.sport)
+            );
         }
         let other = Frame::tcp(NODE6, 30080, client, 40999, TCP_ACK).bytes();
         let err = icmp6_error(client, NODE6, 2, &other);
@@ -1393,7 +1441,9 @@ fn ipv6_extension_headers_are_skipped() {
     stripped.extend(&out[70..]);
     let p = parse(&stripped);
     assert_eq!((p.dst, p.dport), (ip("fd00:244:1::10"), 8080));
-    assert!(fx.entry("fd00:77::100", 40000, NODE6, 30080, proto::TCP).is_some());
+    assert!(fx
+        .entry("fd00:77::100", 40000, NODE6, 30080, proto::TCP)
+        .is_some());
 }
 
 /// A UDP datagram split in two fragments, IPv4 or IPv6: (first, later).
@@ -1444,7 +1494,11 @@ fn reassemble(first: &[u8], later: &[u8]) -> Vec<u8> {
         f.extend(data);
         f
     } else {
-        assert_eq!(fold(sum16(&later[14..34])), 0, "later fragment's IP checksum");
+        assert_eq!(
+            fold(sum16(&later[14..34])),
+            0,
+            "later fragment's IP checksum"
+        );
         assert_eq!(&first[26..34], &later[26..34], "same addresses");
         let mut f = first[..34].to_vec();
         let data: Vec<u8> = first[34..].iter().chain(&later[34..]).copied().collect();

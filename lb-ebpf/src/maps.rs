@@ -6,8 +6,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, FragEntry, FragKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
-    SourceRangeData, TcConfig,
+    CtEntry, CtKey, FragEntry, FragKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
+    SockPeer, SourceRangeData, TcConfig,
 };
 
 #[btf_map]

@@ -186,7 +186,11 @@ pub fn serve(name: &str, port: u16, cpus: &[usize]) -> Result<()> {
     let out = Arc::new(Mutex::new(io::stdout()));
     {
         let mut o = out.lock().unwrap();
-        writeln!(o, "{}", serde_json::json!({"listening": true, "name": name, "port": port}))?;
+        writeln!(
+            o,
+            "{}",
+            serde_json::json!({"listening": true, "name": name, "port": port})
+        )?;
         o.flush()?;
     }
     for (n, conn) in l.incoming().enumerate() {
@@ -290,7 +294,10 @@ fn serve_conn(s: TcpStream, name: &str) -> ServerReport {
         if req.after_fin_chunks > 0 {
             // Wait for the client's FIN (the reader's EOF), then send late.
             if eof_rx.recv_timeout(Duration::from_secs(120)).is_err() {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "no FIN from the client"));
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "no FIN from the client",
+                ));
             }
             for k in 0..req.after_fin_chunks.min(1000) {
                 if k > 0 {
@@ -683,7 +690,11 @@ pub fn refuse_unsafe(target: Ipv4Addr) -> Result<()> {
     if has_default_route()? {
         bail!("this network namespace has a default route: refusing to send raw packets");
     }
-    if target.is_loopback() || target.is_broadcast() || target.is_multicast() || target.is_unspecified() {
+    if target.is_loopback()
+        || target.is_broadcast()
+        || target.is_multicast()
+        || target.is_unspecified()
+    {
         bail!("refusing to send raw packets to {target}");
     }
     Ok(())
@@ -726,7 +737,16 @@ pub fn syn_flood(
         let host = host.clamp(1, (!mask).saturating_sub(1).max(1));
         let src = Ipv4Addr::from(net | host);
         let sport = 1024 + (rng.next() % 64_000) as u16;
-        let pkt = tcp4_packet(src, *t.ip(), sport, t.port(), rng.next() as u32, 0, TCP_SYN, 64_240);
+        let pkt = tcp4_packet(
+            src,
+            *t.ip(),
+            sport,
+            t.port(),
+            rng.next() as u32,
+            0,
+            TCP_SYN,
+            64_240,
+        );
         match raw.send(&pkt, *t.ip()) {
             Ok(()) => sent += 1,
             Err(_) => errors += 1,
@@ -916,7 +936,12 @@ impl EchoFlow {
             let Some((s, d, sp, dp, seq, _ack, flags, len)) = parse_tcp4(&buf[..n]) else {
                 continue;
             };
-            if outgoing && s == *local.ip() && sp == local.port() && d == *target.ip() && dp == target.port() {
+            if outgoing
+                && s == *local.ip()
+                && sp == local.port()
+                && d == *target.ip()
+                && dp == target.port()
+            {
                 let extra = (flags & (TCP_SYN | TCP_FIN) != 0) as u32;
                 snd_nxt = Some(seq.wrapping_add(len as u32 + extra));
             }
@@ -927,7 +952,16 @@ impl EchoFlow {
             return st;
         };
         let seq = nxt.wrapping_add(0x8000_0000);
-        let pkt = tcp4_packet(*local.ip(), *target.ip(), local.port(), target.port(), seq, 0, TCP_RST, 0);
+        let pkt = tcp4_packet(
+            *local.ip(),
+            *target.ip(),
+            local.port(),
+            target.port(),
+            seq,
+            0,
+            TCP_RST,
+            0,
+        );
         let mut st = self.state(true);
         st.snd_nxt = Some(nxt);
         st.rst_seq = Some(seq);
@@ -985,14 +1019,21 @@ impl StreamServers {
         let cpus: Vec<String> = cpus.iter().map(|c| c.to_string()).collect();
         for pod in pods {
             let mut c = std::process::Command::new("ip");
-            c.args(["netns", "exec", &pod.netns])
-                .arg(&probe)
-                .args(["tcp-serve", "--name", &pod.name, "--port", &port.to_string()]);
+            c.args(["netns", "exec", &pod.netns]).arg(&probe).args([
+                "tcp-serve",
+                "--name",
+                &pod.name,
+                "--port",
+                &port.to_string(),
+            ]);
             if !cpus.is_empty() {
                 c.args(["--cpus", &cpus.join(",")]);
             }
-            let (mut child, line) =
-                crate::cmd::spawn_piped(&mut c, std::process::Stdio::null(), std::process::Stdio::inherit())?;
+            let (mut child, line) = crate::cmd::spawn_piped(
+                &mut c,
+                std::process::Stdio::null(),
+                std::process::Stdio::inherit(),
+            )?;
             let stdout = child.stdout.take().expect("piped");
             me.children.push(child);
             let mut lines = BufReader::new(stdout).lines();
@@ -1037,8 +1078,11 @@ pub fn run_clients(runs: &[Vec<String>], deadline: Duration) -> Result<Vec<Clien
     for args in runs {
         let mut c = std::process::Command::new(&probe);
         c.args(args);
-        let (mut child, line) =
-            crate::cmd::spawn_piped(&mut c, std::process::Stdio::null(), std::process::Stdio::inherit())?;
+        let (mut child, line) = crate::cmd::spawn_piped(
+            &mut c,
+            std::process::Stdio::null(),
+            std::process::Stdio::inherit(),
+        )?;
         let stdout = child.stdout.take().expect("piped");
         let tx = tx.clone();
         std::thread::spawn(move || {
@@ -1107,8 +1151,15 @@ impl ClientRun {
 
     pub fn args(&self) -> Vec<String> {
         let mut a: Vec<String> = [
-            "tcp-client", "--netns", &self.netns, "--target", &self.target, "--id", &self.id,
-            "--mode", self.mode,
+            "tcp-client",
+            "--netns",
+            &self.netns,
+            "--target",
+            &self.target,
+            "--id",
+            &self.id,
+            "--mode",
+            self.mode,
         ]
         .iter()
         .map(|s| s.to_string())
@@ -1126,18 +1177,28 @@ impl ClientRun {
 /// one backend, and exactly one server report has its id, from that
 /// backend, without error, with the pattern intact both ways and the same
 /// byte counts at both ends.
-pub fn problems(clients: &[ClientReport], servers: &[ServerReport], expected_ids: &[String]) -> Vec<String> {
+pub fn problems(
+    clients: &[ClientReport],
+    servers: &[ServerReport],
+    expected_ids: &[String],
+) -> Vec<String> {
     let mut out = Vec::new();
     for id in expected_ids {
         if !clients.iter().any(|c| &c.id == id) {
-            out.push(format!("{id}: no client report (the client overran its deadline)"));
+            out.push(format!(
+                "{id}: no client report (the client overran its deadline)"
+            ));
         }
     }
     for c in clients {
         let mine: Vec<&ServerReport> = servers.iter().filter(|s| s.id == c.id).collect();
         let mut why = Vec::new();
         if let Some(e) = &c.error {
-            why.push(format!("client {} at {}", e, c.stage.as_deref().unwrap_or("?")));
+            why.push(format!(
+                "client {} at {}",
+                e,
+                c.stage.as_deref().unwrap_or("?")
+            ));
         }
         if !c.recv_ok {
             why.push("client: pattern broken".into());
@@ -1155,10 +1216,16 @@ pub fn problems(clients: &[ClientReport], servers: &[ServerReport], expected_ids
                     why.push(format!("server {}: pattern broken", s.name));
                 }
                 if s.recv != c.sent {
-                    why.push(format!("client sent {} B, server {} got {} B", c.sent, s.name, s.recv));
+                    why.push(format!(
+                        "client sent {} B, server {} got {} B",
+                        c.sent, s.name, s.recv
+                    ));
                 }
                 if s.sent != c.recv {
-                    why.push(format!("server {} sent {} B, client got {} B", s.name, s.sent, c.recv));
+                    why.push(format!(
+                        "server {} sent {} B, client got {} B",
+                        s.name, s.sent, c.recv
+                    ));
                 }
             }
             many => why.push(format!(
@@ -1189,7 +1256,11 @@ pub fn tally(clients: &[ClientReport]) -> (usize, usize, usize, u64, u64) {
     let err = clients.iter().filter(|c| c.error.is_some()).count();
     let rst = clients
         .iter()
-        .filter(|c| c.error.as_deref().is_some_and(|e| e.contains("ECONNRESET") || e.contains("EPIPE")))
+        .filter(|c| {
+            c.error
+                .as_deref()
+                .is_some_and(|e| e.contains("ECONNRESET") || e.contains("EPIPE"))
+        })
         .count();
     (
         clients.len(),

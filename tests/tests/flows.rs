@@ -38,7 +38,9 @@ use integration_tests::{
     cmd,
     nodes::{node_v4, Cluster, POD_PORT},
     require_root,
-    tcpflow::{self, problems, run_clients, tally, ClientReport, ClientRun, FlowState, StreamServers},
+    tcpflow::{
+        self, problems, run_clients, tally, ClientReport, ClientRun, FlowState, StreamServers,
+    },
 };
 use serde_json::{json, Value};
 
@@ -79,7 +81,11 @@ fn service(name: &str, ip: &str, node_port: u16) -> Value {
 fn setup(tag: &str, agent_args: &[&str], cpus: &[usize]) -> Bed {
     let mut c = Cluster::new(tag, &[2, 1]).expect("topology");
     let servers = StreamServers::start(&c.pods, POD_PORT, cpus).expect("servers");
-    let (n1p0, n1p1, n2p0) = (c.pod("n1p0").clone(), c.pod("n1p1").clone(), c.pod("n2p0").clone());
+    let (n1p0, n1p1, n2p0) = (
+        c.pod("n1p0").clone(),
+        c.pod("n1p1").clone(),
+        c.pod("n2p0").clone(),
+    );
     let mut docs = c.node_objects();
     docs.extend([
         service("mixed", "10.96.0.90", MIXED),
@@ -159,7 +165,8 @@ impl Drop for Frozen {
 fn by_backend(clients: &[ClientReport]) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for c in clients {
-        *m.entry(c.backend.clone().unwrap_or_else(|| "-".into())).or_insert(0) += 1;
+        *m.entry(c.backend.clone().unwrap_or_else(|| "-".into()))
+            .or_insert(0) += 1;
     }
     m
 }
@@ -204,8 +211,14 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     let clients = [c.client_netns.clone(), c.client2_netns.clone(), c3, c4];
     if one_cpu {
         for a in &c.agents {
-            cmd::run(std::process::Command::new("taskset").args(["-a", "-p", "-c", "0", &a.pid().to_string()]))
-                .expect("taskset");
+            cmd::run(std::process::Command::new("taskset").args([
+                "-a",
+                "-p",
+                "-c",
+                "0",
+                &a.pid().to_string(),
+            ]))
+            .expect("taskset");
         }
     }
     // A node with some thousands of flows: the sweep reads the clock, then
@@ -215,34 +228,55 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     // take milliseconds instead of microseconds.
     let probe = integration_tests::probe_bin().expect("lb-probe");
     let fill = cmd::run(std::process::Command::new(&probe).args([
-        "udp-fill", "--netns", &clients[3], "--target", &target(FILL), "--first-port", "20000", "--count", "4000",
+        "udp-fill",
+        "--netns",
+        &clients[3],
+        "--target",
+        &target(FILL),
+        "--first-port",
+        "20000",
+        "--count",
+        "4000",
     ]))
     .expect("udp-fill");
-    let entries = c.agents[0].inspect_conntrack().map(|v| v.len()).unwrap_or(0);
+    let entries = c.agents[0]
+        .inspect_conntrack()
+        .map(|v| v.len())
+        .unwrap_or(0);
     const STREAM_MS: u64 = 16_000;
     let cpu = |i: usize| Some(cpus[i % cpus.len()]);
     let mut runs = Vec::new();
     let mut expected = Vec::new();
     for i in 0..4 {
         runs.push(
-            ClientRun::new(&clients[i % clients.len()], &target(MIXED), &format!("bulk{i}"), "bulk")
-                .cpu(cpu(i))
-                .arg("--up-bytes", 8 * MIB)
-                .arg("--down-bytes", 8 * MIB)
-                .arg("--rounds", 200)
-                .arg("--until-ms", STREAM_MS)
-                .arg("--connect-timeout-ms", 10_000)
-                .args(),
+            ClientRun::new(
+                &clients[i % clients.len()],
+                &target(MIXED),
+                &format!("bulk{i}"),
+                "bulk",
+            )
+            .cpu(cpu(i))
+            .arg("--up-bytes", 8 * MIB)
+            .arg("--down-bytes", 8 * MIB)
+            .arg("--rounds", 200)
+            .arg("--until-ms", STREAM_MS)
+            .arg("--connect-timeout-ms", 10_000)
+            .args(),
         );
         expected.push(format!("bulk{i}.0"));
     }
     for i in 0..6 {
         runs.push(
-            ClientRun::new(&clients[(i + 1) % clients.len()], &target(MIXED), &format!("stream{i}"), "stream")
-                .cpu(cpu(i + 1))
-                .arg("--duration-ms", STREAM_MS)
-                .arg("--connect-timeout-ms", 10_000)
-                .args(),
+            ClientRun::new(
+                &clients[(i + 1) % clients.len()],
+                &target(MIXED),
+                &format!("stream{i}"),
+                "stream",
+            )
+            .cpu(cpu(i + 1))
+            .arg("--duration-ms", STREAM_MS)
+            .arg("--connect-timeout-ms", 10_000)
+            .args(),
         );
         expected.push(format!("stream{i}"));
     }
@@ -258,8 +292,16 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
     let rsts = pod_rsts(c) - rsts0;
     let expired1 = expired(c);
-    let bulk: Vec<ClientReport> = reports.iter().filter(|r| r.id.starts_with("bulk")).cloned().collect();
-    let streams: Vec<ClientReport> = reports.iter().filter(|r| r.id.starts_with("stream")).cloned().collect();
+    let bulk: Vec<ClientReport> = reports
+        .iter()
+        .filter(|r| r.id.starts_with("bulk"))
+        .cloned()
+        .collect();
+    let streams: Vec<ClientReport> = reports
+        .iter()
+        .filter(|r| r.id.starts_with("stream"))
+        .cloned()
+        .collect();
     let bad = problems(&reports, &servers, &expected);
     println!(
         "multi-CPU ({} CPU{}, agents {}), {:.1} s, n1 conntrack filled with {} ({entries} entries):\n  {}\n  {}\n  RSTs sent by the pods: {rsts}\n  lb_conntrack_expired_total per agent: {expired0:?} -> {expired1:?}\n  broken connections: {}",
@@ -275,18 +317,34 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     for b in &bad {
         println!("  - {b}");
     }
-    assert!(bad.is_empty(), "{} of {} connections broken:\n{}", bad.len(), reports.len(), bad.join("\n"));
-    assert_eq!(rsts, 0, "the pods sent RSTs: segments of flows they did not have");
+    assert!(
+        bad.is_empty(),
+        "{} of {} connections broken:\n{}",
+        bad.len(),
+        reports.len(),
+        bad.join("\n")
+    );
+    assert_eq!(
+        rsts, 0,
+        "the pods sent RSTs: segments of flows they did not have"
+    );
     for i in 0..4 {
-        let rounds = bulk.iter().filter(|r| r.id.starts_with(&format!("bulk{i}."))).count();
-        assert!(rounds >= 3, "bulk{i} did only {rounds} rounds: the machine is too slow for this test");
+        let rounds = bulk
+            .iter()
+            .filter(|r| r.id.starts_with(&format!("bulk{i}.")))
+            .count();
+        assert!(
+            rounds >= 3,
+            "bulk{i} did only {rounds} rounds: the machine is too slow for this test"
+        );
     }
     for s in &streams {
         assert!(s.ms >= 12_000, "{} lasted {} ms", s.id, s.ms);
     }
     let backends = by_backend(&reports);
     assert!(
-        backends.contains_key("n2p0") && (backends.contains_key("n1p0") || backends.contains_key("n1p1")),
+        backends.contains_key("n2p0")
+            && (backends.contains_key("n1p0") || backends.contains_key("n1p1")),
         "both the local and the masquerade path must be used: {backends:?}"
     );
 }
@@ -332,7 +390,13 @@ fn half_closed_connection_keeps_flowing() {
     for b in &bad {
         println!("  - {b}");
     }
-    assert!(bad.is_empty(), "{} of {} half-closed connections broken:\n{}", bad.len(), reports.len(), bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "{} of {} half-closed connections broken:\n{}",
+        bad.len(),
+        reports.len(),
+        bad.join("\n")
+    );
     for r in &reports {
         assert_eq!(r.recv, 3 * 65_536, "{}", r.id);
     }
@@ -346,7 +410,14 @@ struct EchoFlows {
 impl EchoFlows {
     fn open(netns: &str, port: u16, id: &str, sockets: usize) -> (Self, Vec<FlowState>) {
         let args: Vec<String> = [
-            "tcp-flows", "--netns", netns, "--target", &target(port), "--id", id, "--sockets",
+            "tcp-flows",
+            "--netns",
+            netns,
+            "--target",
+            &target(port),
+            "--id",
+            id,
+            "--sockets",
             &sockets.to_string(),
         ]
         .iter()
@@ -365,7 +436,10 @@ impl EchoFlows {
         if let Some(cmd) = cmd {
             self.child.send_line(cmd).expect("stdin");
         }
-        let line = self.child.next_line(Duration::from_secs(60)).expect("an event line");
+        let line = self
+            .child
+            .next_line(Duration::from_secs(60))
+            .expect("an event line");
         let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
         serde_json::from_value(v["flows"].clone()).expect("flow states")
     }
@@ -373,10 +447,20 @@ impl EchoFlows {
 
 /// Adds the failures of `st` not seen before to `bad` (a broken flow
 /// stays broken: it is listed once, at its first failure).
-fn note(bad: &mut Vec<String>, seen: &mut std::collections::BTreeSet<String>, when: &str, st: &[FlowState]) {
+fn note(
+    bad: &mut Vec<String>,
+    seen: &mut std::collections::BTreeSet<String>,
+    when: &str,
+    st: &[FlowState],
+) {
     for s in st.iter().filter(|s| !s.ok) {
         if seen.insert(s.id.clone()) {
-            bad.push(format!("{when}: {} ({:?}): {}", s.id, s.backend, s.error.as_deref().unwrap_or("?")));
+            bad.push(format!(
+                "{when}: {} ({:?}): {}",
+                s.id,
+                s.backend,
+                s.error.as_deref().unwrap_or("?")
+            ));
         }
     }
 }
@@ -384,7 +468,14 @@ fn note(bad: &mut Vec<String>, seen: &mut std::collections::BTreeSet<String>, wh
 fn failed(st: &[FlowState]) -> Vec<String> {
     st.iter()
         .filter(|s| !s.ok)
-        .map(|s| format!("{} ({:?}): {}", s.id, s.backend, s.error.as_deref().unwrap_or("?")))
+        .map(|s| {
+            format!(
+                "{} ({:?}): {}",
+                s.id,
+                s.backend,
+                s.error.as_deref().unwrap_or("?")
+            )
+        })
         .collect()
 }
 
@@ -395,13 +486,19 @@ fn echo_problems(flows: &[FlowState], servers: &[tcpflow::ServerReport]) -> Vec<
     for f in flows {
         let mine: Vec<_> = servers.iter().filter(|s| s.id == f.id).collect();
         match mine.as_slice() {
-            [s] if Some(&s.name) == f.backend.as_ref() && s.error.is_none() && s.recv == f.sent && s.sent == f.sent => {}
+            [s] if Some(&s.name) == f.backend.as_ref()
+                && s.error.is_none()
+                && s.recv == f.sent
+                && s.sent == f.sent => {}
             other => out.push(format!(
                 "{}: client {:?} sent {} B; server side {:?}",
                 f.id,
                 f.backend,
                 f.sent,
-                other.iter().map(|s| (&s.name, s.recv, s.sent, &s.error)).collect::<Vec<_>>()
+                other
+                    .iter()
+                    .map(|s| (&s.name, s.recv, s.sent, &s.error))
+                    .collect::<Vec<_>>()
             )),
         }
     }
@@ -422,7 +519,11 @@ fn out_of_window_rst_does_not_end_a_flow() {
     let bed = setup("rst", &["--conntrack-tcp-close-timeout", "2s"], &[]);
     let c = &bed.c;
     let mut sets = Vec::new();
-    for (port, name, n) in [(REMOTE, "remote", 2), (MIXED, "mixed", 4), (LOCAL, "local", 2)] {
+    for (port, name, n) in [
+        (REMOTE, "remote", 2),
+        (MIXED, "mixed", 4),
+        (LOCAL, "local", 2),
+    ] {
         let (f, st) = EchoFlows::open(&c.client_netns, port, name, n);
         assert!(failed(&st).is_empty(), "opening: {:?}", failed(&st));
         sets.push((name, f));
@@ -434,7 +535,11 @@ fn out_of_window_rst_does_not_end_a_flow() {
     let mut finals = Vec::new();
     for (name, f) in &mut sets {
         let st = f.event(Some("ping"));
-        assert!(failed(&st).is_empty(), "{name} before the RST: {:?}", failed(&st));
+        assert!(
+            failed(&st).is_empty(),
+            "{name} before the RST: {:?}",
+            failed(&st)
+        );
         let inj = f.event(Some("rst"));
         assert!(
             inj.iter().all(|s| s.injected > 0 && s.error.is_none()),
@@ -443,14 +548,24 @@ fn out_of_window_rst_does_not_end_a_flow() {
         lines.push(format!(
             "{name}: injected {} RSTs (seq = snd_nxt + 2^31) on {:?}",
             inj.iter().map(|s| s.injected).sum::<u32>(),
-            inj.iter().map(|s| (s.local.clone().unwrap_or_default(), s.backend.clone().unwrap_or_default())).collect::<Vec<_>>()
+            inj.iter()
+                .map(|s| (
+                    s.local.clone().unwrap_or_default(),
+                    s.backend.clone().unwrap_or_default()
+                ))
+                .collect::<Vec<_>>()
         ));
     }
     std::thread::sleep(Duration::from_millis(300));
     for (name, f) in &mut sets {
         for round in 0..3 {
             let st = f.event(Some("ping"));
-            note(&mut bad, &mut seen, &format!("{name}, ping {round} right after the RST"), &st);
+            note(
+                &mut bad,
+                &mut seen,
+                &format!("{name}, ping {round} right after the RST"),
+                &st,
+            );
         }
     }
     // Idle for longer than the close timeout: the flows must still be
@@ -458,7 +573,12 @@ fn out_of_window_rst_does_not_end_a_flow() {
     std::thread::sleep(Duration::from_secs(3));
     for (name, f) in &mut sets {
         let st = f.event(Some("ping"));
-        note(&mut bad, &mut seen, &format!("{name}, ping after 3 s idle"), &st);
+        note(
+            &mut bad,
+            &mut seen,
+            &format!("{name}, ping after 3 s idle"),
+            &st,
+        );
         let st = f.event(Some("close"));
         note(&mut bad, &mut seen, &format!("{name}, close"), &st);
         finals.extend(st);
@@ -476,9 +596,16 @@ fn out_of_window_rst_does_not_end_a_flow() {
     for b in bad.iter().chain(&server_bad) {
         println!("  - {b}");
     }
-    assert!(bad.is_empty(), "flows broken by an out-of-window RST:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "flows broken by an out-of-window RST:\n{}",
+        bad.join("\n")
+    );
     assert!(server_bad.is_empty(), "{}", server_bad.join("\n"));
-    assert_eq!(rsts, 0, "the pods sent RSTs: segments of flows they did not have");
+    assert_eq!(
+        rsts, 0,
+        "the pods sent RSTs: segments of flows they did not have"
+    );
 }
 
 /// Issue 10: a SYN or a stray ACK created two entries for 6 h in one LRU
@@ -499,24 +626,51 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
     const SYN_TIMEOUT_MS: u64 = 5_000;
     let bed = setup(
         "flood",
-        &["--max-conntrack", "2048", "--conntrack-tcp-syn-timeout", "5s"],
+        &[
+            "--max-conntrack",
+            "2048",
+            "--conntrack-tcp-syn-timeout",
+            "5s",
+        ],
         &[],
     );
     let c = &bed.c;
     let attacker = c.add_external("atk", 110).expect("attacker");
-    cmd::ip(&["-n", &c.nodes[0].netns, "route", "add", "198.18.0.0/16", "via", &node_v4(110).to_string()])
-        .expect("route to the spoofed sources");
+    cmd::ip(&[
+        "-n",
+        &c.nodes[0].netns,
+        "route",
+        "add",
+        "198.18.0.0/16",
+        "via",
+        &node_v4(110).to_string(),
+    ])
+    .expect("route to the spoofed sources");
     let bad_routes = c.with_default_route();
-    assert!(bad_routes.is_empty(), "namespaces with a default route: {bad_routes:?}");
+    assert!(
+        bad_routes.is_empty(),
+        "namespaces with a default route: {bad_routes:?}"
+    );
     let mut sets = Vec::new();
-    for (port, name, n) in [(REMOTE, "remote", 4), (MIXED, "mixed", 4), (LOCAL, "local", 2)] {
+    for (port, name, n) in [
+        (REMOTE, "remote", 4),
+        (MIXED, "mixed", 4),
+        (LOCAL, "local", 2),
+    ] {
         let (mut f, st) = EchoFlows::open(&c.client_netns, port, name, n);
         assert!(failed(&st).is_empty(), "opening: {:?}", failed(&st));
         let st = f.event(Some("ping"));
-        assert!(failed(&st).is_empty(), "{name} before the flood: {:?}", failed(&st));
+        assert!(
+            failed(&st).is_empty(),
+            "{name} before the flood: {:?}",
+            failed(&st)
+        );
         sets.push((name, f));
     }
-    let entries_before = c.agents[0].inspect_conntrack().map(|v| v.len()).unwrap_or(0);
+    let entries_before = c.agents[0]
+        .inspect_conntrack()
+        .map(|v| v.len())
+        .unwrap_or(0);
     let rsts0 = pod_rsts(c);
     // The legitimate client: 1 s before the flood until 3 s after it.
     let legit = ClientRun::new(&c.client2_netns, &target(MIXED), "legit", "crr")
@@ -532,19 +686,36 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
     let flood_start = Instant::now();
     let probe = integration_tests::probe_bin().expect("lb-probe");
     let flood = cmd::run(std::process::Command::new(probe).args([
-        "syn-flood", "--netns", &attacker, "--target", &target(MIXED), "--sources", "198.18.0.0/16",
-        "--count", "30000", "--duration-ms", "10000",
+        "syn-flood",
+        "--netns",
+        &attacker,
+        "--target",
+        &target(MIXED),
+        "--sources",
+        "198.18.0.0/16",
+        "--count",
+        "30000",
+        "--duration-ms",
+        "10000",
     ]))
     .expect("syn-flood");
     let flood_ms = flood_start.elapsed().as_millis() as u64;
-    let entries_after_flood = c.agents[0].inspect_conntrack().map(|v| v.len()).unwrap_or(0);
+    let entries_after_flood = c.agents[0]
+        .inspect_conntrack()
+        .map(|v| v.len())
+        .unwrap_or(0);
     let legit = legit.join().expect("legit thread").expect("legit client");
     let mut bad = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     let mut finals = Vec::new();
     for (name, f) in &mut sets {
         let st = f.event(Some("ping"));
-        note(&mut bad, &mut seen, &format!("{name}, after the flood"), &st);
+        note(
+            &mut bad,
+            &mut seen,
+            &format!("{name}, after the flood"),
+            &st,
+        );
         let st = f.event(Some("close"));
         note(&mut bad, &mut seen, &format!("{name}, close"), &st);
         finals.extend(st);
@@ -576,11 +747,18 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
     if let (Some(f), Some(last)) = (first_fail, legit.last()) {
         longest = longest.max(last.start_ms + last.ms - f);
     }
-    let errors: BTreeMap<String, usize> = legit.iter().filter_map(|r| r.error.clone()).fold(BTreeMap::new(), |mut m, e| {
-        *m.entry(e).or_insert(0) += 1;
-        m
-    });
-    let metrics = c.agents[0].get("/metrics").map(|(_, t)| t).unwrap_or_default();
+    let errors: BTreeMap<String, usize> =
+        legit
+            .iter()
+            .filter_map(|r| r.error.clone())
+            .fold(BTreeMap::new(), |mut m, e| {
+                *m.entry(e).or_insert(0) += 1;
+                m
+            });
+    let metrics = c.agents[0]
+        .get("/metrics")
+        .map(|(_, t)| t)
+        .unwrap_or_default();
     let tc_lines: Vec<&str> = metrics
         .lines()
         .filter(|l| !l.starts_with('#') && (l.contains("conntrack") || l.contains("drop")))
@@ -597,9 +775,24 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
     for b in bad.iter().chain(&server_bad) {
         println!("  - {b}");
     }
-    assert!(bad.is_empty(), "established flows broken by the SYN flood:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "established flows broken by the SYN flood:\n{}",
+        bad.join("\n")
+    );
     assert!(server_bad.is_empty(), "{}", server_bad.join("\n"));
-    assert!(during.len() >= 50, "too few legitimate attempts during the flood: {}", during.len());
-    assert!(rate >= 0.95, "legitimate client: {:.1} % success during the flood", rate * 100.0);
-    assert!(longest <= SYN_TIMEOUT_MS, "legitimate client failed for {longest} ms in a row");
+    assert!(
+        during.len() >= 50,
+        "too few legitimate attempts during the flood: {}",
+        during.len()
+    );
+    assert!(
+        rate >= 0.95,
+        "legitimate client: {:.1} % success during the flood",
+        rate * 100.0
+    );
+    assert!(
+        longest <= SYN_TIMEOUT_MS,
+        "legitimate client failed for {longest} ms in a row"
+    );
 }

@@ -874,7 +874,10 @@ fn path_mtu_discovery_through_a_lowered_route_mtu() {
     ]);
     c.manifests.write("cluster.yaml", &docs).unwrap();
     // A sink in the pod: reads everything, answers with the byte count.
-    let listener = in_netns(&pod.netns, || std::net::TcpListener::bind("[::]:9000").unwrap()).unwrap();
+    let listener = in_netns(&pod.netns, || {
+        std::net::TcpListener::bind("[::]:9000").unwrap()
+    })
+    .unwrap();
     std::thread::spawn(move || {
         for s in listener.incoming() {
             let Ok(mut s) = s else { return };
@@ -893,11 +896,30 @@ fn path_mtu_discovery_through_a_lowered_route_mtu() {
     });
     let n1 = c.nodes[0].netns.clone();
     integration_tests::cmd::ip(&[
-        "-n", &n1, "route", "replace", "10.244.2.0/24", "via", "192.168.77.2", "mtu", "lock", "1300",
+        "-n",
+        &n1,
+        "route",
+        "replace",
+        "10.244.2.0/24",
+        "via",
+        "192.168.77.2",
+        "mtu",
+        "lock",
+        "1300",
     ])
     .unwrap();
     integration_tests::cmd::ip(&[
-        "-n", &n1, "-6", "route", "replace", "fd00:244:2::/64", "via", "fd00:77::2", "mtu", "lock", "1300",
+        "-n",
+        &n1,
+        "-6",
+        "route",
+        "replace",
+        "fd00:244:2::/64",
+        "via",
+        "fd00:77::2",
+        "mtu",
+        "lock",
+        "1300",
     ])
     .unwrap();
     c.start_agents(&[]).unwrap();
@@ -917,11 +939,17 @@ fn path_mtu_discovery_through_a_lowered_route_mtu() {
         let t0 = Instant::now();
         let mut s = s;
         let data = vec![0x5au8; SIZE];
-        s.write_all(&data)
-            .unwrap_or_else(|e| panic!("{target}: upload stalled after {:?}: {e}\n{}", t0.elapsed(), c.agent_logs()));
+        s.write_all(&data).unwrap_or_else(|e| {
+            panic!(
+                "{target}: upload stalled after {:?}: {e}\n{}",
+                t0.elapsed(),
+                c.agent_logs()
+            )
+        });
         s.shutdown(std::net::Shutdown::Write).unwrap();
         let mut n = [0u8; 8];
-        s.read_exact(&mut n).unwrap_or_else(|e| panic!("{target}: {e}"));
+        s.read_exact(&mut n)
+            .unwrap_or_else(|e| panic!("{target}: {e}"));
         assert_eq!(u64::from_be_bytes(n), SIZE as u64, "{target}");
     }
 }
@@ -956,7 +984,11 @@ fn fragmented_udp_through_a_nodeport() {
         let replies = in_netns(&c.client_netns, move || {
             let mut replies = Vec::new();
             for _ in 0..20 {
-                let bind = if addr.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+                let bind = if addr.is_ipv4() {
+                    "0.0.0.0:0"
+                } else {
+                    "[::]:0"
+                };
                 let s = std::net::UdpSocket::bind(bind).unwrap();
                 s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
                 s.connect(addr).unwrap();

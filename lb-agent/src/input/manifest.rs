@@ -1263,7 +1263,12 @@ mod tests {
     /// The store's content as sorted "Kind ns/name" labels.
     fn contents(store: &Store) -> Vec<String> {
         let s = store;
-        labels(s.services.keys(), s.slices.keys(), s.endpoints.keys(), s.nodes.keys())
+        labels(
+            s.services.keys(),
+            s.slices.keys(),
+            s.endpoints.keys(),
+            s.nodes.keys(),
+        )
     }
 
     const SERVICE_WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
@@ -1507,7 +1512,12 @@ mod tests {
     /// The changes as sorted "Kind key" labels.
     fn changed(changes: &Changes) -> Vec<String> {
         let c = changes;
-        labels(c.services.iter(), c.slices.iter(), c.endpoints.iter(), c.nodes.iter())
+        labels(
+            c.services.iter(),
+            c.slices.iter(),
+            c.endpoints.iter(),
+            c.nodes.iter(),
+        )
     }
 
     enum Step {

@@ -542,10 +542,8 @@ fn translate_service(
             let (active, terminating) = select(&candidates, Family::of(addr), policy, node);
             // kube-proxy REJECTs when the Service has no endpoint at all,
             // and DROPs when only the traffic policy leaves none here.
-            let reject = scope == Scope::External
-                && active.is_empty()
-                && terminating.is_empty()
-                && {
+            let reject =
+                scope == Scope::External && active.is_empty() && terminating.is_empty() && {
                     let (a, t) = select(&candidates, Family::of(addr), Policy::Cluster, node);
                     a.is_empty() && t.is_empty()
                 };
@@ -989,7 +987,8 @@ fn endpoints_groups(endpoints: &Endpoints, report: &mut Report) -> Vec<EndpointG
             let Some(protocol) = endpoint_protocol(p.protocol.as_deref()) else {
                 continue;
             };
-            let Some(port) = report.port(p.port, format_args!("subsets[{i}].ports[{k}].port")) else {
+            let Some(port) = report.port(p.port, format_args!("subsets[{i}].ports[{k}].port"))
+            else {
                 continue;
             };
             ports.push(GroupPort {
@@ -1812,14 +1811,29 @@ mod tests {
         );
         let no_distribution = topology_service("", "");
         let same_node = topology_service("", ", trafficDistribution: PreferSameNode");
-        let mode_disabled_only = topology_service(", annotations: {service.kubernetes.io/topology-mode: Disabled}", "");
-        let mode_auto = topology_service(", annotations: {service.kubernetes.io/topology-mode: Auto}", "");
-        let hints_auto = topology_service(", annotations: {service.kubernetes.io/topology-aware-hints: auto}", "");
+        let mode_disabled_only = topology_service(
+            ", annotations: {service.kubernetes.io/topology-mode: Disabled}",
+            "",
+        );
+        let mode_auto = topology_service(
+            ", annotations: {service.kubernetes.io/topology-mode: Auto}",
+            "",
+        );
+        let hints_auto = topology_service(
+            ", annotations: {service.kubernetes.io/topology-aware-hints: auto}",
+            "",
+        );
         let mode_disabled = topology_service(", annotations: {service.kubernetes.io/topology-mode: Disabled, service.kubernetes.io/topology-aware-hints: auto}", "");
         let same_zone = topology_service("", ", trafficDistribution: PreferSameZone");
-        let itp_local = topology_service("", ", trafficDistribution: PreferClose, internalTrafficPolicy: Local");
+        let itp_local = topology_service(
+            "",
+            ", trafficDistribution: PreferClose, internalTrafficPolicy: Local",
+        );
         let etp_local = topology_service("", ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5], externalTrafficPolicy: Local");
-        let etp_cluster = topology_service("", ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5]");
+        let etp_cluster = topology_service(
+            "",
+            ", trafficDistribution: PreferClose, externalIPs: [203.0.113.5]",
+        );
 
         let all = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 10.1.0.3:8080";
         let zone_a = "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080";

@@ -20,8 +20,7 @@ use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, progra
 use lb_common::{ct_flags, frag_flags, proto, stat, CtEntry, FragEntry, FragKey};
 
 use super::{
-    at, route, Pkt, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK, TC_ACT_SHOT,
-    TC_ACT_UNSPEC,
+    at, route, Pkt, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use crate::maps::{count, LB_FRAGMENTS};
 
@@ -44,7 +43,9 @@ static LB_TC_FRAG_SCRATCH: PerCpuArray<Work, 1> = PerCpuArray::new();
 #[inline(always)]
 fn work() -> Option<&'static mut Work> {
     // SAFETY: this CPU's element, used by this run only.
-    LB_TC_FRAG_SCRATCH.get_ptr_mut(0).map(|w| unsafe { &mut *w })
+    LB_TC_FRAG_SCRATCH
+        .get_ptr_mut(0)
+        .map(|w| unsafe { &mut *w })
 }
 
 /// Where an IPv6 packet's upper-layer data starts.
@@ -75,10 +76,22 @@ pub fn ipv6(ctx: &TcContext) -> Option<V6> {
                 frag_at = off;
                 off += 8;
                 if u16::from_be_bytes([h[2], h[3]]) & 0xfff8 != 0 {
-                    return Some(V6 { l4: off, proto: nh, frag_at, later: true });
+                    return Some(V6 {
+                        l4: off,
+                        proto: nh,
+                        frag_at,
+                        later: true,
+                    });
                 }
             }
-            _ => return Some(V6 { l4: off, proto: nh, frag_at, later: false }),
+            _ => {
+                return Some(V6 {
+                    l4: off,
+                    proto: nh,
+                    frag_at,
+                    later: false,
+                })
+            }
         }
     }
     None
@@ -254,9 +267,17 @@ fn set_ip_addrs(ctx: &TcContext, v6: bool, key: &FragKey, e: &FragEntry) -> bool
             && ctx.store(ETH_HLEN + 24, &e.nat_dst, 0).is_ok();
     }
     let word = |a: &[u8; 16]| u32::from_ne_bytes([a[12], a[13], a[14], a[15]]);
-    let (os, od, ns, nd) = (word(&key.src), word(&key.dst), word(&e.nat_src), word(&e.nat_dst));
-    ctx.l3_csum_replace(ETH_HLEN + 10, os as u64, ns as u64, 4).is_ok()
-        && ctx.l3_csum_replace(ETH_HLEN + 10, od as u64, nd as u64, 4).is_ok()
+    let (os, od, ns, nd) = (
+        word(&key.src),
+        word(&key.dst),
+        word(&e.nat_src),
+        word(&e.nat_dst),
+    );
+    ctx.l3_csum_replace(ETH_HLEN + 10, os as u64, ns as u64, 4)
+        .is_ok()
+        && ctx
+            .l3_csum_replace(ETH_HLEN + 10, od as u64, nd as u64, 4)
+            .is_ok()
         && ctx.store(ETH_HLEN + 12, &ns, 0).is_ok()
         && ctx.store(ETH_HLEN + 16, &nd, 0).is_ok()
 }

@@ -17,11 +17,11 @@
 //! after the Ethernet header (`bpf_skb_adjust_room`, MAC mode), checksums
 //! computed over the whole answer.
 use aya_ebpf::{
-    bindings::{BPF_F_PSEUDO_HDR, __sk_buff},
+    bindings::{__sk_buff, BPF_F_PSEUDO_HDR},
     btf_maps::PerCpuArray,
     helpers::{
-        bpf_csum_diff, bpf_redirect, bpf_skb_adjust_room, bpf_skb_change_tail,
-        bpf_skb_load_bytes, bpf_skb_store_bytes,
+        bpf_csum_diff, bpf_redirect, bpf_skb_adjust_room, bpf_skb_change_tail, bpf_skb_load_bytes,
+        bpf_skb_store_bytes,
     },
     macros::btf_map,
     programs::TcContext,
@@ -60,7 +60,9 @@ static LB_TC_ICMP_SCRATCH: PerCpuArray<Work, 1> = PerCpuArray::new();
 #[inline(always)]
 fn work() -> Option<&'static mut Work> {
     // SAFETY: this CPU's element, used by this run only.
-    LB_TC_ICMP_SCRATCH.get_ptr_mut(0).map(|w| unsafe { &mut *w })
+    LB_TC_ICMP_SCRATCH
+        .get_ptr_mut(0)
+        .map(|w| unsafe { &mut *w })
 }
 
 /// A ones' complement sum of `len` bytes at `buf` (a multiple of 4) on top of `seed`.
@@ -145,7 +147,15 @@ fn store(ctx: &TcContext, off: usize, buf: &[u8; 64], len: usize) -> bool {
         return false;
     }
     // SAFETY: `len` bytes of `buf` are initialised and the helper bounds the write.
-    unsafe { bpf_skb_store_bytes(ctx.as_ptr() as *mut _, off as u32, buf.as_ptr() as *const _, len as u32, 0) == 0 }
+    unsafe {
+        bpf_skb_store_bytes(
+            ctx.as_ptr() as *mut _,
+            off as u32,
+            buf.as_ptr() as *const _,
+            len as u32,
+            0,
+        ) == 0
+    }
 }
 
 #[inline(always)]
@@ -232,7 +242,11 @@ pub fn error(ctx: &TcContext, p: &Pkt, kind: u8, code: u8, info: u32) -> i32 {
             break;
         }
         let rest = quote - off;
-        let n = if rest > CHUNK as u32 { CHUNK as u32 } else { rest };
+        let n = if rest > CHUNK as u32 {
+            CHUNK as u32
+        } else {
+            rest
+        };
         // Hidden from LLVM, which would drop the check the verifier needs.
         // SAFETY: a read of a local.
         let n = unsafe { core::ptr::read_volatile(&n) };
@@ -241,14 +255,23 @@ pub fn error(ctx: &TcContext, p: &Pkt, kind: u8, code: u8, info: u32) -> i32 {
         }
         // SAFETY: `n` (1..=64) bytes into this CPU's 64-byte chunk.
         let rc = unsafe {
-            bpf_skb_load_bytes(ctx.as_ptr(), ETH_HLEN as u32 + off, w.chunk.as_mut_ptr() as *mut _, n)
+            bpf_skb_load_bytes(
+                ctx.as_ptr(),
+                ETH_HLEN as u32 + off,
+                w.chunk.as_mut_ptr() as *mut _,
+                n,
+            )
         };
         if rc != 0 {
             return TC_ACT_SHOT;
         }
         acc = sum(w.chunk.as_ptr(), n, acc);
     }
-    let (l4proto, hdr_len) = if p.v6 { (IPPROTO_ICMPV6, 48u32) } else { (IPPROTO_ICMP, 28) };
+    let (l4proto, hdr_len) = if p.v6 {
+        (IPPROTO_ICMPV6, 48u32)
+    } else {
+        (IPPROTO_ICMP, 28)
+    };
     let payload = (8 + quote) as u16;
     let (ip_len, pseudo) = ip_header(w, p, l4proto, payload, if p.v6 { 0 } else { 0xc0 });
     let icmp = [kind, code, 0, 0];
@@ -373,7 +396,13 @@ fn icmp6_error_inner(ctx: &TcContext) -> Option<i32> {
     // SAFETY: both buffers are this CPU's scratch, of the sizes passed.
     let (quoted, pseudo) = unsafe {
         (
-            bpf_csum_diff(w.old.as_mut_ptr() as *mut u32, 36, w.new.as_mut_ptr() as *mut u32, 36, 0),
+            bpf_csum_diff(
+                w.old.as_mut_ptr() as *mut u32,
+                36,
+                w.new.as_mut_ptr() as *mut u32,
+                36,
+                0,
+            ),
             bpf_csum_diff(
                 w.old[36..].as_mut_ptr() as *mut u32,
                 16,
@@ -391,7 +420,9 @@ fn icmp6_error_inner(ctx: &TcContext) -> Option<i32> {
     let ok = ctx.store(inner + 8, &addrs, 0).is_ok()
         && ctx.store(inner + 40, &new_ports, 0).is_ok()
         && ctx.store(ETH_HLEN + 24, &e.nat_dst, 0).is_ok()
-        && ctx.l4_csum_replace(csum, 0, quoted as u32 as u64, 0).is_ok()
+        && ctx
+            .l4_csum_replace(csum, 0, quoted as u32 as u64, 0)
+            .is_ok()
         && ctx
             .l4_csum_replace(csum, 0, pseudo as u32 as u64, BPF_F_PSEUDO_HDR as u64)
             .is_ok();

@@ -43,7 +43,8 @@ fn wire_len(ctx: &TcContext, t: &Target) -> u16 {
         return (ctx.len() as usize).saturating_sub(ETH_HLEN) as u16;
     }
     let l4_len = if t.proto == proto::TCP {
-        ctx.load::<u8>(t.l4 + 12).map_or(20, |d| (d >> 4) as usize * 4)
+        ctx.load::<u8>(t.l4 + 12)
+            .map_or(20, |d| (d >> 4) as usize * 4)
     } else {
         8
     };
@@ -91,7 +92,9 @@ pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
     match rc {
         // SAFETY: plain helper call; a NULL neighbour makes it look up the next hop.
         FIB_SUCCESS | FIB_NO_NEIGH => {
-            Fib::Sent(unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) } as i32)
+            Fib::Sent(
+                unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) } as i32,
+            )
         }
         // SAFETY: the lookup wrote the MTU into the union.
         FIB_FRAG_NEEDED => Fib::TooBig(unsafe { fib.__bindgen_anon_1.mtu_result }),

@@ -292,8 +292,12 @@ fn main() -> Result<()> {
         Cmd::UdpFill(a) => {
             let target = resolve_target(&a.at.target, None)?;
             a.at.enter()?;
-            let (sent, answered) = integration_tests::tcpflow::udp_fill(target, a.first_port, a.count)?;
-            println!("{}", serde_json::json!({"sent": sent, "answered": answered}));
+            let (sent, answered) =
+                integration_tests::tcpflow::udp_fill(target, a.first_port, a.count)?;
+            println!(
+                "{}",
+                serde_json::json!({"sent": sent, "answered": answered})
+            );
             Ok(())
         }
     }
@@ -762,11 +766,19 @@ fn tcp_client(a: TcpClientArgs) -> Result<()> {
         };
         let (req, up) = match a.mode {
             TcpMode::Bulk => (
-                Request { id, down_bytes: a.down_bytes, ..Default::default() },
+                Request {
+                    id,
+                    down_bytes: a.down_bytes,
+                    ..Default::default()
+                },
                 Up::Bytes(a.up_bytes),
             ),
             TcpMode::Stream => (
-                Request { id, down_ms: a.duration_ms, ..Default::default() },
+                Request {
+                    id,
+                    down_ms: a.duration_ms,
+                    ..Default::default()
+                },
                 Up::ForMs(a.duration_ms),
             ),
             TcpMode::HalfClose => (
@@ -780,7 +792,11 @@ fn tcp_client(a: TcpClientArgs) -> Result<()> {
                 Up::Bytes(a.up_bytes),
             ),
             TcpMode::Crr => (
-                Request { id, down_bytes: a.down_bytes, ..Default::default() },
+                Request {
+                    id,
+                    down_bytes: a.down_bytes,
+                    ..Default::default()
+                },
                 Up::Bytes(a.up_bytes),
             ),
         };
@@ -808,11 +824,16 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
         .map(|k| EchoFlow::open(target, format!("{}-{k}", a.id), timeout))
         .collect();
     let mut out = io::stdout().lock();
-    let mut print = |event: &str, states: Vec<integration_tests::tcpflow::FlowState>| -> Result<()> {
-        writeln!(out, "{}", serde_json::json!({"event": event, "flows": states}))?;
-        out.flush()?;
-        Ok(())
-    };
+    let mut print =
+        |event: &str, states: Vec<integration_tests::tcpflow::FlowState>| -> Result<()> {
+            writeln!(
+                out,
+                "{}",
+                serde_json::json!({"event": event, "flows": states})
+            )?;
+            out.flush()?;
+            Ok(())
+        };
     print("open", flows.iter().map(|f| f.state(true)).collect())?;
     let mut lines = io::stdin().lines();
     loop {
@@ -822,7 +843,13 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
         };
         match cmd.as_str() {
             "ping" => {
-                let st = flows.iter_mut().map(|f| { let ok = f.ping(1000); f.state(ok) }).collect();
+                let st = flows
+                    .iter_mut()
+                    .map(|f| {
+                        let ok = f.ping(1000);
+                        f.state(ok)
+                    })
+                    .collect();
                 print("ping", st)?;
             }
             "rst" => {
@@ -831,11 +858,20 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
                 if let SocketAddr::V4(t) = target {
                     integration_tests::tcpflow::refuse_unsafe(*t.ip())?;
                 }
-                let st = flows.iter_mut().map(|f| f.bad_rst(&sniffer, &raw, a.rst_copies)).collect();
+                let st = flows
+                    .iter_mut()
+                    .map(|f| f.bad_rst(&sniffer, &raw, a.rst_copies))
+                    .collect();
                 print("rst", st)?;
             }
             "close" => {
-                let st = flows.iter_mut().map(|f| { let ok = f.close(); f.state(ok) }).collect();
+                let st = flows
+                    .iter_mut()
+                    .map(|f| {
+                        let ok = f.close();
+                        f.state(ok)
+                    })
+                    .collect();
                 print("close", st)?;
                 return Ok(());
             }
@@ -846,10 +882,7 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
 
 fn syn_flood(a: SynFloodArgs) -> Result<()> {
     let target = resolve_target(&a.at.target, None)?;
-    let (base, len) = a
-        .sources
-        .split_once('/')
-        .context("--sources: ADDR/LEN")?;
+    let (base, len) = a.sources.split_once('/').context("--sources: ADDR/LEN")?;
     let base: std::net::Ipv4Addr = base.parse().context("--sources address")?;
     let len: u8 = len.parse().context("--sources length")?;
     a.at.enter()?;
