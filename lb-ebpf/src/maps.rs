@@ -71,6 +71,15 @@ pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
 #[btf_map]
 pub static LB_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();
 
+/// This CPU's element of a one-element per-CPU scratch array: room for
+/// values too large for the 512-byte BPF stack. Programs do not nest on one
+/// CPU here, so the run that takes it has it to itself.
+#[inline(always)]
+pub fn this_cpu<T>(scratch: &'static PerCpuArray<T, 1>) -> Option<&'static mut T> {
+    // SAFETY: one user per CPU at a time, as said above.
+    scratch.get_ptr_mut(0).map(|p| unsafe { &mut *p })
+}
+
 #[inline(always)]
 pub fn count(index: u32) {
     if let Some(counter) = LB_STATS.get_ptr_mut(index) {

@@ -40,7 +40,7 @@ use lb_common::{
 
 use crate::{
     lb,
-    maps::{count, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES, LB_TC_CONFIG},
+    maps::{count, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES, LB_TC_CONFIG},
 };
 
 mod frag;
@@ -382,11 +382,9 @@ fn established(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pk
         mark_partner(table, e, p.proto, ct_state::SEEN_REPLY);
         return;
     }
-    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = this_cpu(&LB_TC_SCRATCH) else {
         return;
     };
-    // SAFETY: this CPU's scratch element, used by this run only.
-    let scratch = unsafe { &mut *scratch };
     scratch.reply_key = CtKey::partner(e, p.proto);
     let Some(fwd) = LB_CT_SYN.get_ptr(&scratch.reply_key) else {
         return;
@@ -597,11 +595,9 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         count(stat::TC_DROP_FAMILY);
         return TC_ACT_SHOT;
     }
-    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = this_cpu(&LB_TC_SCRATCH) else {
         return TC_ACT_SHOT;
     };
-    // SAFETY: this CPU's scratch element, used by this run only.
-    let scratch = unsafe { &mut *scratch };
     let table = if p.proto == proto::TCP {
         Table::Syn
     } else {
@@ -763,15 +759,7 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
         proto: iproto,
         _pad: [0; 3],
     };
-    // Errors are rare: both tables, since one may answer a SYN.
-    let e = LB_CONNTRACK
-        .get_ptr(&key)
-        .or_else(|| LB_CT_SYN.get_ptr(&key))?;
-    // SAFETY: valid for this run; read in place.
-    let e = unsafe { &*e };
-    if e.flags & ct_flags::REPLY != 0 {
-        return None;
-    }
+    let e = quoted_flow(&key)?;
     let backend = u32::from_ne_bytes([e.nat_dst[12], e.nat_dst[13], e.nat_dst[14], e.nat_dst[15]]);
     let peer = u32::from_ne_bytes([e.nat_src[12], e.nat_src[13], e.nat_src[14], e.nat_src[15]]);
     let (old_src, old_dst) = (u32::from_ne_bytes(isrc), u32::from_ne_bytes(idst));
@@ -855,6 +843,20 @@ fn follow(
         return Some(TC_ACT_SHOT);
     }
     Some(finish(ctx, p, &e, at_ingress))
+}
+
+/// The forward entry of the flow an ICMP error is about (`key`: client ->
+/// frontend, from the quoted reply), in either table: errors are rare, and
+/// one may answer a SYN.
+#[inline(always)]
+pub(crate) fn quoted_flow(key: &CtKey) -> Option<&'static CtEntry> {
+    let e = LB_CONNTRACK
+        .get_ptr(key)
+        .or_else(|| LB_CT_SYN.get_ptr(key))?;
+    // SAFETY: valid for this program run, the only time it is used; read
+    // in place.
+    let e = unsafe { &*e };
+    (e.flags & ct_flags::REPLY == 0).then_some(e)
 }
 
 /// tc ingress of an external device.

@@ -277,29 +277,20 @@ pub fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
 
 impl Timeouts {
     /// The timeouts as the kernel reads them (`LB_TC_CONFIG`), in whole
-    /// seconds, at least one.
-    pub fn apply_to(&self, cfg: &mut TcConfig) {
+    /// seconds, at least one; the other fields zero.
+    pub fn config(&self) -> TcConfig {
         let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
-        cfg.tcp_timeout_s = secs(self.tcp);
-        cfg.tcp_syn_timeout_s = secs(self.tcp_syn);
-        cfg.tcp_close_timeout_s = secs(self.tcp_close);
-        cfg.udp_timeout_s = secs(self.udp);
-    }
-
-    fn config(&self) -> TcConfig {
-        let mut cfg = TcConfig {
+        TcConfig {
             snat_v4: [0; 16],
             snat_v6: [0; 16],
-            tcp_timeout_s: 0,
-            tcp_close_timeout_s: 0,
-            udp_timeout_s: 0,
+            tcp_timeout_s: secs(self.tcp),
+            tcp_close_timeout_s: secs(self.tcp_close),
+            udp_timeout_s: secs(self.udp),
             snat_port_min: 0,
             snat_port_max: 0,
-            tcp_syn_timeout_s: 0,
+            tcp_syn_timeout_s: secs(self.tcp_syn),
             l4_csum_v6_flags: 0,
-        };
-        self.apply_to(&mut cfg);
-        cfg
+        }
     }
 }
 
@@ -312,13 +303,13 @@ pub fn entry_live(
     e: &CtEntry,
     partner: Option<&CtEntry>,
     now: u64,
-    t: &Timeouts,
+    cfg: &TcConfig,
 ) -> bool {
     let mut e = *e;
     if partner.is_some_and(|p| p.state[ct_state::FIN] != 0) && e.state[ct_state::FIN] != 0 {
         e.state[ct_state::CLOSING] = 1;
     }
-    conntrack::live(&e, key.proto, now, &t.config())
+    conntrack::live(&e, key.proto, now, cfg)
 }
 
 /// The backend an entry is about: the destination of a forward entry, the
@@ -432,17 +423,18 @@ impl TcMaps {
 /// to send its next packet in exactly that window.)
 fn sweep_table(map: &mut HashMap<MapData, CtKey, CtEntry>, t: &Timeouts) -> (usize, usize) {
     let snapshot: BTreeMap<CtKey, CtEntry> = map.iter().filter_map(Result::ok).collect();
-    let candidates = expired(&snapshot, monotonic_now_ns(), t);
-    let deleted = delete_if_still_expired(map, &candidates, monotonic_now_ns, t);
+    let cfg = t.config();
+    let candidates = expired(&snapshot, monotonic_now_ns(), &cfg);
+    let deleted = delete_if_still_expired(map, &candidates, monotonic_now_ns, &cfg);
     (snapshot.len() - deleted, deleted)
 }
 
 /// The keys of `snapshot` whose entries are expired at `now`.
-fn expired(snapshot: &BTreeMap<CtKey, CtEntry>, now: u64, t: &Timeouts) -> Vec<CtKey> {
+fn expired(snapshot: &BTreeMap<CtKey, CtEntry>, now: u64, cfg: &TcConfig) -> Vec<CtKey> {
     let partner = |k: &CtKey, e: &CtEntry| snapshot.get(&CtKey::partner(e, k.proto)).copied();
     snapshot
         .iter()
-        .filter(|(k, e)| !entry_live(k, e, partner(k, e).as_ref(), now, t))
+        .filter(|(k, e)| !entry_live(k, e, partner(k, e).as_ref(), now, cfg))
         .map(|(k, _)| *k)
         .collect()
 }
@@ -468,7 +460,7 @@ fn delete_if_still_expired(
     map: &mut impl CtTable,
     candidates: &[CtKey],
     clock: impl Fn() -> u64,
-    t: &Timeouts,
+    cfg: &TcConfig,
 ) -> usize {
     let mut deleted = 0;
     for key in candidates {
@@ -476,7 +468,7 @@ fn delete_if_still_expired(
             continue;
         };
         let other = map.entry(&CtKey::partner(&fresh, key.proto));
-        if !entry_live(key, &fresh, other.as_ref(), clock(), t) && map.delete(key) {
+        if !entry_live(key, &fresh, other.as_ref(), clock(), cfg) && map.delete(key) {
             deleted += 1;
         }
     }
@@ -671,7 +663,7 @@ mod tests {
             let e = with_state(entry(0, 1000 * s as u64), states);
             let now = (1000 * s + age) as u64;
             assert_eq!(
-                entry_live(&key(p), &e, None, now, &t),
+                entry_live(&key(p), &e, None, now, &t.config()),
                 want,
                 "{p} {states:?} {age}"
             );
@@ -680,8 +672,14 @@ mod tests {
         // closing all the same.
         let fin = with_state(entry(0, 1000 * s as u64), &[SEEN_REPLY, FIN]);
         let now = (1011 * s) as u64;
-        assert!(entry_live(&key(proto::TCP), &fin, None, now, &t));
-        assert!(!entry_live(&key(proto::TCP), &fin, Some(&fin), now, &t));
+        assert!(entry_live(&key(proto::TCP), &fin, None, now, &t.config()));
+        assert!(!entry_live(
+            &key(proto::TCP),
+            &fin,
+            Some(&fin),
+            now,
+            &t.config()
+        ));
     }
 
     impl CtTable for BTreeMap<CtKey, CtEntry> {
@@ -713,11 +711,11 @@ mod tests {
         table.insert(busy, entry(0, 10 * s));
         table.insert(idle, entry(0, 10 * s));
         let now = 50 * s;
-        let candidates = expired(&table, now, &t);
+        let candidates = expired(&table, now, &t.config());
         assert_eq!(candidates, vec![busy, idle]);
         // A packet of the busy flow, on another CPU, after the snapshot.
         table.get_mut(&busy).unwrap().last_seen_ns = now + 1;
-        let deleted = delete_if_still_expired(&mut table, &candidates, || now, &t);
+        let deleted = delete_if_still_expired(&mut table, &candidates, || now, &t.config());
         assert_eq!(deleted, 1);
         assert!(table.contains_key(&busy), "refreshed entry deleted");
         assert!(!table.contains_key(&idle));

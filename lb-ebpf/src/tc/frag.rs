@@ -22,7 +22,7 @@ use lb_common::{ct_flags, frag_flags, proto, stat, CtEntry, FragEntry, FragKey};
 use super::{
     at, route, Pkt, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
-use crate::maps::{count, LB_FRAGMENTS};
+use crate::maps::{count, this_cpu, LB_FRAGMENTS};
 
 const NH_HOP_BY_HOP: u8 = 0;
 const NH_ROUTING: u8 = 43;
@@ -42,10 +42,7 @@ static LB_TC_FRAG_SCRATCH: PerCpuArray<Work, 1> = PerCpuArray::new();
 
 #[inline(always)]
 fn work() -> Option<&'static mut Work> {
-    // SAFETY: this CPU's element, used by this run only.
-    LB_TC_FRAG_SCRATCH
-        .get_ptr_mut(0)
-        .map(|w| unsafe { &mut *w })
+    this_cpu(&LB_TC_FRAG_SCRATCH)
 }
 
 /// Where an IPv6 packet's upper-layer data starts.

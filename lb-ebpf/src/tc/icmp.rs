@@ -27,13 +27,13 @@ use aya_ebpf::{
     programs::TcContext,
     EbpfContext,
 };
-use lb_common::{ct_flags, proto, stat, CtEntry, CtKey};
+use lb_common::{proto, stat, CtEntry, CtKey};
 
 use super::{
-    set_addr, set_port, Pkt, ETH_HLEN, ETH_P_IPV6, TCP_ACK, TCP_RST, TCP_SYN, TC_ACT_OK,
-    TC_ACT_SHOT, TC_ACT_UNSPEC,
+    quoted_flow, set_addr, set_port, Pkt, ETH_HLEN, ETH_P_IPV6, TCP_ACK, TCP_RST, TCP_SYN,
+    TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
-use crate::maps::{count, LB_CONNTRACK, LB_CT_SYN};
+use crate::maps::{count, this_cpu};
 
 const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_ICMPV6: u8 = 58;
@@ -59,10 +59,7 @@ static LB_TC_ICMP_SCRATCH: PerCpuArray<Work, 1> = PerCpuArray::new();
 
 #[inline(always)]
 fn work() -> Option<&'static mut Work> {
-    // SAFETY: this CPU's element, used by this run only.
-    LB_TC_ICMP_SCRATCH
-        .get_ptr_mut(0)
-        .map(|w| unsafe { &mut *w })
+    this_cpu(&LB_TC_ICMP_SCRATCH)
 }
 
 /// A ones' complement sum of `len` bytes at `buf` (a multiple of 4) on top of `seed`.
@@ -371,15 +368,7 @@ fn icmp6_error_inner(ctx: &TcContext) -> Option<i32> {
         proto: iproto,
         _pad: [0; 3],
     };
-    // Errors are rare: both tables, since one may answer a SYN.
-    let e = LB_CONNTRACK
-        .get_ptr(&key)
-        .or_else(|| LB_CT_SYN.get_ptr(&key))?;
-    // SAFETY: valid for this run; read in place.
-    let e = unsafe { &*e };
-    if e.flags & ct_flags::REPLY != 0 {
-        return None;
-    }
+    let e = quoted_flow(&key)?;
     let w = work()?;
     // The quoted packet becomes backend -> client (or node address and
     // SNAT port); the outer destination the backend. One checksum diff

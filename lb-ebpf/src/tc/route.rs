@@ -11,6 +11,7 @@ use aya_ebpf::{
 use lb_common::proto;
 
 use super::{AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
+use crate::maps::this_cpu;
 
 const FIB_FRAG_NEEDED: i64 = 8;
 
@@ -53,11 +54,10 @@ fn wire_len(ctx: &TcContext, t: &Target) -> u16 {
 
 #[inline(always)]
 pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
-    let Some(scratch) = LB_TC_SCRATCH.get_ptr_mut(0) else {
+    let Some(scratch) = this_cpu(&LB_TC_SCRATCH) else {
         return Fib::NoRoute;
     };
-    // SAFETY: this CPU's scratch element, used by this run only.
-    let fib = unsafe { &mut (*scratch).fib };
+    let fib = &mut scratch.fib;
     // SAFETY: an all-zero bpf_fib_lookup is a valid request to fill in.
     *fib = unsafe { core::mem::zeroed() };
     fib.family = if t.v6 { AF_INET6 } else { AF_INET };
