@@ -1555,3 +1555,83 @@ fn fragments_follow_the_first_fragment() {
         }
     }
 }
+
+/// A flow's entries outlive it until the agent's sweep. A new flow that
+/// takes its SNAT port (or, with a local backend, its client port) again
+/// lives in LB_CT_SYN; the old, expired entry in LB_CONNTRACK must not
+/// hide it: the new flow's SYN-ACK is translated for the new client.
+#[test]
+fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
+    if skip() {
+        return;
+    }
+    let (pod, local_pod) = ("10.244.2.10", "10.244.1.10");
+    let mut fx = Fixture::new();
+    fx.snat_ports(61_000, 61_000);
+    fx.backend(1, pod, 8080, proto::TCP, false);
+    fx.backend(2, local_pod, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    fx.frontend(NODE4, 30081, proto::TCP, 2, &[2]);
+    let expire = |fx: &mut Fixture, key: CtKey| {
+        let mut e = fx.conntrack.get(&key, 0).unwrap();
+        e.last_seen_ns = 1;
+        fx.conntrack.insert(key, e, 0).unwrap();
+    };
+    // Remote backend: the old flow held SNAT port 61 000; the new client
+    // gets it again once the old flow expired.
+    let (old, new) = ("192.168.77.100", "192.168.77.101");
+    fx.run("tc_ingress", &Frame::tcp(old, 40000, NODE4, 30080, TCP_SYN));
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, 61_000, TCP_SYN | TCP_ACK),
+    );
+    expire(&mut fx, ct_key(pod, 8080, NODE4, 61_000, proto::TCP));
+    expire(&mut fx, ct_key(old, 40000, NODE4, 30080, proto::TCP));
+    let (_, out) = fx.run("tc_ingress", &Frame::tcp(new, 40000, NODE4, 30080, TCP_SYN));
+    assert_eq!(parse(&out).sport, 61_000, "the expired flow's port");
+    let (rc, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, 61_000, TCP_SYN | TCP_ACK),
+    );
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    let p = parse(&out);
+    assert_eq!(
+        (p.src, p.dst, p.dport),
+        (ip(NODE4), ip(new), 40000),
+        "to the new client"
+    );
+    assert!(
+        !fx.in_syn_table(pod, 8080, NODE4, 61_000, proto::TCP),
+        "established"
+    );
+
+    // Local backend: the client reopens a port whose flow expired (not
+    // closed); the new flow's reply, leaving through egress, must not hit
+    // the old expired reply entry.
+    let client = "192.168.77.102";
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 41000, NODE4, 30081, TCP_SYN),
+    );
+    fx.run(
+        "tc_egress",
+        &Frame::tcp(local_pod, 8080, client, 41000, TCP_SYN | TCP_ACK),
+    );
+    expire(&mut fx, ct_key(client, 41000, NODE4, 30081, proto::TCP));
+    expire(&mut fx, ct_key(local_pod, 8080, client, 41000, proto::TCP));
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 41000, NODE4, 30081, TCP_SYN),
+    );
+    assert_eq!(rc, OK);
+    let (rc, out) = fx.run(
+        "tc_egress",
+        &Frame::tcp(local_pod, 8080, client, 41000, TCP_SYN | TCP_ACK),
+    );
+    assert_eq!(rc, OK);
+    assert_eq!(
+        parse(&out).src,
+        ip(NODE4),
+        "the reply gets its frontend back"
+    );
+}

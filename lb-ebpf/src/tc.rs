@@ -807,34 +807,60 @@ fn lookup(key: &CtKey, p: &Pkt) -> Option<(Table, *mut CtEntry)> {
     if let Some(ptr) = LB_CONNTRACK.get_ptr_mut(key) {
         return Some((Table::Main, ptr));
     }
+    lookup_syn(key, p).map(|ptr| (Table::Syn, ptr))
+}
+
+#[inline(always)]
+fn lookup_syn(key: &CtKey, p: &Pkt) -> Option<*mut CtEntry> {
     if p.proto != proto::TCP || p.tcp_flags & (TCP_SYN | TCP_RST) == 0 {
         return None;
     }
-    LB_CT_SYN.get_ptr_mut(key).map(|ptr| (Table::Syn, ptr))
+    LB_CT_SYN.get_ptr_mut(key)
 }
 
 /// Translates a packet of the flow whose entry for `key` is `ptr` in
-/// `table`. None when the entry no longer stands for a flow (expired, or a
-/// new connection reusing the tuple); both its entries are then removed.
+/// `table` (at egress, only reply entries are followed). None when the
+/// tuple has no live flow: its entry expired (and goes), or a new
+/// connection reuses a closing flow's tuple (both its entries go).
 #[inline(always)]
 fn follow(
     ctx: &TcContext,
     p: &Pkt,
     key: &CtKey,
-    (table, ptr): (Table, *mut CtEntry),
+    (mut table, mut ptr): (Table, *mut CtEntry),
     now: u64,
     cfg: &TcConfig,
     at_ingress: bool,
 ) -> Option<i32> {
-    // SAFETY: valid for this run; a copy, since a moved entry's memory may
-    // be reused by another CPU before this run ends.
-    let e = unsafe { core::ptr::read(ptr) };
+    // SAFETY (both reads): valid for this run; a copy, since a moved
+    // entry's memory may be reused by another CPU before this run ends.
+    let mut e = unsafe { core::ptr::read(ptr) };
+    if !conntrack::live(&e, p.proto, now, cfg) {
+        // Alone: its partner's tuple may be a newer flow's by now.
+        let _ = table.map().remove(key);
+        // An expired LB_CONNTRACK entry must not hide a new flow of the same
+        // tuple in LB_CT_SYN: a client port, or a SNAT port, taken again
+        // once the old flow ended (until the sweep, the old entry stays).
+        if table == Table::Syn {
+            return None;
+        }
+        ptr = lookup_syn(key, p)?;
+        table = Table::Syn;
+        e = unsafe { core::ptr::read(ptr) };
+        if !conntrack::live(&e, p.proto, now, cfg) {
+            let _ = LB_CT_SYN.remove(key);
+            return None;
+        }
+    }
+    if !at_ingress && e.flags & ct_flags::REPLY == 0 {
+        return Some(TC_ACT_UNSPEC);
+    }
     // A new SYN on a closing forward entry is a new connection that
     // reuses the client port: it gets a fresh choice.
     let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
         && e.state[ct_state::CLOSING] != 0
         && e.flags & ct_flags::REPLY == 0;
-    if reopened || !conntrack::live(&e, p.proto, now, cfg) {
+    if reopened {
         let _ = table.map().remove(&CtKey::partner(&e, p.proto));
         let _ = table.map().remove(key);
         return None;
