@@ -26,7 +26,9 @@
 //! endpoints, fragmentation needed / packet too big; ICMPv6 errors),
 //! `frag` (IPv6 extension headers, fragments), `route` (the FIB lookup).
 use aya_ebpf::{
-    bindings::{bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST},
+    bindings::{
+        __sk_buff, bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST,
+    },
     btf_maps::PerCpuArray,
     helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
@@ -315,6 +317,7 @@ fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
 
 /// The conntrack table an entry is in.
 #[derive(Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
 enum Table {
     /// `LB_CONNTRACK`: established TCP flows and UDP flows.
     Main,
@@ -523,6 +526,26 @@ fn taken(map: &CtMap, key: &CtKey, now: u64, cfg: &TcConfig) -> bool {
 /// is `LB_CT_SYN`) is taken too; it is checked before the insert and again
 /// after it, which closes the window of a flow being moved there at that
 /// moment. Sets `scratch.forward.nat_sport`; false if every try failed.
+///
+/// A global function (verified once, on its own): its loop walked along
+/// every path of `new_flow` that reaches it cost the verifier more than
+/// the rest of the program. So it takes scalars only (`table` as
+/// `Table::Syn as u32` or `Table::Main as u32`) and finds the flow in this
+/// CPU's `LB_TC_SCRATCH`; 1 if a port was reserved.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn tc_reserve_snat(table: u32, now: u64) -> u32 {
+    let (Some(cfg), Some(scratch)) = (config(), this_cpu(&LB_TC_SCRATCH)) else {
+        return 0;
+    };
+    let table = if table == Table::Syn as u32 {
+        Table::Syn
+    } else {
+        Table::Main
+    };
+    reserve_snat(cfg, scratch, table, now) as u32
+}
+
 #[inline(always)]
 fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -> bool {
     let min = cfg.snat_port_min as u32;
@@ -655,7 +678,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
             count(stat::TC_DROP_CT_FULL);
             return TC_ACT_SHOT;
         }
-    } else if !reserve_snat(cfg, scratch, table, now) {
+    } else if tc_reserve_snat(table as u32, now) == 0 {
         count(stat::TC_DROP_SNAT_EXHAUSTED);
         return TC_ACT_SHOT;
     }
@@ -885,17 +908,32 @@ pub(crate) fn quoted_flow(key: &CtKey) -> Option<&'static CtEntry> {
     (e.flags & ct_flags::REPLY == 0).then_some(e)
 }
 
-/// tc ingress of an external device.
+/// tc ingress of an external device, in three parts. Each part is a global
+/// function, which the verifier checks once on its own (for any packet)
+/// rather than along every path that leads to it: walked as one program,
+/// the parts' paths multiplied past the verifier's million instructions.
+/// A new flow's packet is parsed twice; only its first packet.
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
+    match tc_ingress_flow(ctx.skb.skb) {
+        NOT_PARSED => tc_ingress_other(ctx.skb.skb),
+        NO_FLOW => tc_ingress_new_flow(ctx.skb.skb),
+        verdict => verdict,
+    }
+}
+
+/// `tc_ingress_flow`: not a TCP or UDP packet with ports.
+const NOT_PARSED: i32 = -1000;
+/// `tc_ingress_flow`: no live flow of the packet's tuple.
+const NO_FLOW: i32 = -1001;
+
+/// A packet of a known flow: translated as its entry says.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn tc_ingress_flow(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
     let Some(p) = parse(ctx) else {
-        if let Some(verdict) = frag::later(ctx, true) {
-            return verdict;
-        }
-        return match icmp4_error(ctx) {
-            TC_ACT_UNSPEC => icmp::icmp6_error(ctx),
-            verdict => verdict,
-        };
+        return NOT_PARSED;
     };
     frag::mark(ctx, &p);
     // CVE-2020-8558: nothing from the wire is served on a loopback address.
@@ -909,12 +947,40 @@ pub fn ingress(ctx: &TcContext) -> i32 {
         return TC_ACT_UNSPEC;
     };
     let key = key_of(&p);
-    if let Some(found) = lookup(&key, &p) {
-        if let Some(verdict) = follow(ctx, &p, &key, found, now, cfg, true) {
-            return verdict;
-        }
+    let Some(found) = lookup(&key, &p) else {
+        return NO_FLOW;
+    };
+    follow(ctx, &p, &key, found, now, cfg, true).unwrap_or(NO_FLOW)
+}
+
+/// A packet to an EXTERNAL frontend without a flow yet (`new_flow`).
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn tc_ingress_new_flow(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    let Some(p) = parse(ctx) else {
+        return TC_ACT_UNSPEC;
+    };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let Some(cfg) = config() else {
+        return TC_ACT_UNSPEC;
+    };
+    new_flow(ctx, &p, &key_of(&p), now, cfg)
+}
+
+/// Later fragments, and ICMP errors about a flow's replies.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn tc_ingress_other(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
+    if let Some(verdict) = frag::later(ctx, true) {
+        return verdict;
     }
-    new_flow(ctx, &p, &key, now, cfg)
+    match icmp4_error(ctx) {
+        TC_ACT_UNSPEC => icmp::icmp6_error(ctx),
+        verdict => verdict,
+    }
 }
 
 /// tc egress of an external device: replies of local backends.
