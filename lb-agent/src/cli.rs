@@ -64,9 +64,22 @@ pub struct RunArgs {
     /// This node's name: decides which endpoints are local.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// Address of the /healthz and /readyz endpoints.
-    #[arg(long, default_value = "127.0.0.1:10256")]
+    /// Address of /healthz, /livez and /readyz, like kube-proxy's
+    /// --healthz-bind-address: every address by default, for cloud load
+    /// balancers that probe the nodes (0.0.0.0 includes IPv6).
+    #[arg(
+        long,
+        visible_alias = "healthz-bind-address",
+        default_value = "0.0.0.0:10256"
+    )]
     pub health_addr: SocketAddr,
+    /// /healthz and /livez answer 503 once a received change has waited
+    /// this long for a successful sync (kube-proxy: twice its sync period).
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub healthz_timeout: Duration,
+    /// Address of /metrics, like kube-proxy's --metrics-bind-address.
+    #[arg(long, default_value = "127.0.0.1:10249")]
+    pub metrics_bind_address: SocketAddr,
     /// Coalesce bursts of changes for this long before a sync.
     #[arg(long, default_value = "100ms", value_parser = humantime::parse_duration)]
     pub sync_debounce: Duration,
@@ -176,4 +189,35 @@ pub struct InspectArgs {
     /// Machine-readable output.
     #[arg(long)]
     pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run_args(args: &[&str]) -> RunArgs {
+        let cli = Cli::try_parse_from([&["lb-agent", "run"], args].concat()).unwrap();
+        match cli.command {
+            Command::Run(a) => *a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// kube-proxy's defaults: health on every address at 10256 (cloud
+    /// load balancers probe it), metrics on loopback at 10249 apart.
+    #[test]
+    fn health_and_metrics_defaults_like_kube_proxy() {
+        let a = run_args(&[]);
+        assert_eq!(a.health_addr, "0.0.0.0:10256".parse().unwrap());
+        assert_eq!(a.metrics_bind_address, "127.0.0.1:10249".parse().unwrap());
+        assert_eq!(a.healthz_timeout, Duration::from_secs(60));
+        let a = run_args(&[
+            "--healthz-bind-address=127.0.0.1:1",
+            "--metrics-bind-address=127.0.0.1:2",
+            "--healthz-timeout=1500ms",
+        ]);
+        assert_eq!(a.health_addr.port(), 1);
+        assert_eq!(a.metrics_bind_address.port(), 2);
+        assert_eq!(a.healthz_timeout, Duration::from_millis(1500));
+    }
 }

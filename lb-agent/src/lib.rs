@@ -6,9 +6,9 @@
 //! | layer | holds |
 //! |---|---|
 //! | `cli`, `inspect`, `run` | the command line, `lb-agent inspect`, and the wiring of `run` |
-//! | `serve` | health, readiness, metrics and health-check node ports over HTTP |
+//! | `serve` | health (`/healthz`, `/livez`), readiness, metrics and health-check node ports over HTTP |
 //! | `datapath` | loading and pinning, the reconciler, tc, affinity, socket destruction |
-//! | `semantics` | pure Kubernetes semantics: objects in, desired state out |
+//! | `semantics` | pure Kubernetes semantics: objects in, desired state out; kube-proxy's health rules |
 //! | `input` | manifests directory, API watchers, and the store they feed |
 //! | `base` | address conversions, the kernel clock, the metrics registry |
 //!

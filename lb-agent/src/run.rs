@@ -20,11 +20,12 @@ use crate::{
     input::manifest,
     input::store::{Changes, Rejection, Store},
     input::watch::{self, ApiAccess, SharedState},
+    semantics::health::node_eligible,
     semantics::model::{Algorithm, Frontend},
     semantics::northsouth::{self, Cidr},
     semantics::translate::{TranslateOptions, Translator},
-    serve::health::{self, Readiness},
-    serve::healthcheck::HealthCheckServers,
+    serve::health::{self, ProxyHealthHandle, Readiness},
+    serve::healthcheck::{Bind, HealthCheckServers},
 };
 
 /// How long a replaced backend set stays readable after the switch. A
@@ -120,6 +121,10 @@ struct Syncer {
     /// Devices the tc programs are attached to; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
     health_checks: HealthCheckServers,
+    /// As last told to `health`.
+    node_eligible: bool,
+    /// Told when a sync succeeds, and whether the Node is being deleted.
+    health: ProxyHealthHandle,
 }
 
 /// Source ranges (with their rejections) and health checks, as of a sync.
@@ -204,7 +209,7 @@ impl Syncer {
         let algorithm = self.algorithm;
         let translator = &mut self.translator;
         let cache = &mut self.north_south_cache;
-        let (update, restricted, rejections, net, ranges, checks) =
+        let (update, restricted, rejections, net, ranges, checks, eligible) =
             self.source.with_store(|store, changes, mut rejections| {
                 // A wake-up for a file that is not a manifest (an editor's
                 // temporary file, say) changes nothing.
@@ -246,8 +251,12 @@ impl Syncer {
                 rejections.extend(inputs.rejections.iter().cloned());
                 let (ranges, checks) = (inputs.ranges.clone(), inputs.checks.clone());
                 *cache = Some(inputs);
-                (update, restricted, rejections, net, ranges, checks)
+                let eligible = node_eligible(store.nodes.get(&node_name));
+                (
+                    update, restricted, rejections, net, ranges, checks, eligible,
+                )
             });
+        self.set_node_eligible(eligible);
         let read_translate = started.elapsed();
         let applying = Instant::now();
         let maps = self.datapath.maps();
@@ -277,10 +286,22 @@ impl Syncer {
             self.destroy_departed_udp(&report.udp_departed);
         }
         self.sync_tc(&net, &ranges, &report.udp_departed);
-        for p in self.health_checks.update(&checks) {
+        // kube-proxy's: every address, unless --nodeport-addresses limits
+        // them to the node's own within those prefixes.
+        let bind = if self.north_south.nodeport_addresses.is_empty() {
+            Bind::All
+        } else {
+            Bind::Addresses(net.node_addresses.clone())
+        };
+        for p in self.health_checks.update(&checks, &bind) {
             tracing::warn!("{p}");
         }
         self.record(&report, &rejections, started.elapsed());
+        // What was pending is programmed; after a failed write it stays
+        // pending, and /healthz goes 503 if no later sync succeeds in time.
+        if report.errors.is_empty() {
+            self.health.updated();
+        }
         tracing::info!(
             frontends,
             full = update.full,
@@ -294,6 +315,18 @@ impl Syncer {
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "synced"
         );
+    }
+
+    fn set_node_eligible(&mut self, eligible: bool) {
+        if eligible != self.node_eligible {
+            if eligible {
+                tracing::info!(node = %self.node_name, "the Node is no longer being deleted: /healthz answers 200 again");
+            } else {
+                tracing::warn!(node = %self.node_name, "the Node is being deleted (deletionTimestamp or the ToBeDeletedByClusterAutoscaler taint): /healthz answers 503");
+            }
+            self.node_eligible = eligible;
+        }
+        self.health.set_node_eligible(eligible);
     }
 
     fn record(
@@ -481,13 +514,18 @@ impl Syncer {
     }
 }
 
-/// Wakes `tx` on changes in `dir`.
-fn watch_dir(dir: &std::path::Path, tx: mpsc::Sender<()>) -> anyhow::Result<RecommendedWatcher> {
+/// Wakes `tx` on changes in `dir`, marking an update pending.
+fn watch_dir(
+    dir: &std::path::Path,
+    tx: mpsc::Sender<()>,
+    health: ProxyHealthHandle,
+) -> anyhow::Result<RecommendedWatcher> {
     let mut watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         match res {
             Ok(e) if e.kind.is_access() => {}
             // A full channel already holds a pending wake-up.
             Ok(_) => {
+                health.queued_update();
                 let _ = tx.try_send(());
             }
             Err(e) => tracing::warn!(error = %e, "watching the manifests directory"),
@@ -527,7 +565,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let metrics = Metrics::new();
     let ready = Readiness::default();
-    health::serve(args.health_addr, ready.clone(), metrics.clone()).await?;
+    let proxy_health = ProxyHealthHandle::new(args.healthz_timeout);
+    health::serve(args.health_addr, ready.clone(), proxy_health.clone()).await?;
+    health::serve_metrics(args.metrics_bind_address, metrics.clone()).await?;
 
     // Changes wake the loop; one pending wake-up is enough.
     let (wake, mut events) = mpsc::channel::<()>(1);
@@ -539,7 +579,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             // Watch before the first read, so no change between the two is lost.
             Source::Manifests {
                 dir: Box::new(manifest::ManifestDir::new(dir)),
-                _watcher: watch_dir(dir, wake.clone())?,
+                _watcher: watch_dir(dir, wake.clone(), proxy_health.clone())?,
             }
         }
         None => {
@@ -549,11 +589,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             };
             let client = watch::client(&access).await?;
             let state: SharedState = Arc::new(Mutex::new(Default::default()));
+            let (wake, health) = (wake.clone(), proxy_health.clone());
             watch::start(
                 client,
                 &node_name,
                 state.clone(),
-                wake.clone(),
+                Arc::new(move || {
+                    health.queued_update();
+                    // A full channel already holds a pending wake-up.
+                    let _ = wake.try_send(());
+                }),
                 metrics.clone(),
             );
             Source::Cluster(state)
@@ -614,7 +659,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         },
         tc_devices: None,
-        health_checks: HealthCheckServers::default(),
+        health_checks: HealthCheckServers::new(proxy_health.clone()),
+        node_eligible: true,
+        health: proxy_health.clone(),
     };
     // Until the API has been listed completely, the adopted maps stay as
     // they are: an early sync would delete what is not listed yet.
@@ -656,8 +703,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 while events.try_recv().is_ok() {}
                 Some(false)
             }
-            // Everything again, in case something was missed.
-            _ = resync.tick() => Some(true),
+            // Everything again, in case something was missed; pending
+            // until it succeeds.
+            _ = resync.tick() => {
+                proxy_health.queued_update();
+                Some(true)
+            }
             _ = sweep.tick() => {
                 syncer.sweep_affinity();
                 syncer.sweep_conntrack();

@@ -1,4 +1,4 @@
-//! Prometheus metrics, served on `/metrics` of the health address.
+//! Prometheus metrics, served on `/metrics` of the metrics address.
 use std::sync::{atomic::AtomicU64, Arc};
 
 use prometheus_client::{

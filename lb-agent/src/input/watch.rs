@@ -11,6 +11,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
+use crate::{
+    base::metrics::Metrics,
+    input::store::{Changes, ObjectKey, Slice, Store},
+};
 use anyhow::Context as _;
 use futures::{Stream, StreamExt as _};
 use k8s_openapi::api::{
@@ -21,12 +25,6 @@ use kube::{
     api::ObjectMeta,
     runtime::{watcher, WatchStreamExt as _},
     Api, Client, Resource,
-};
-use tokio::sync::mpsc;
-
-use crate::{
-    base::metrics::Metrics,
-    input::store::{Changes, ObjectKey, Slice, Store},
 };
 
 /// The label selector of the Service and EndpointSlice watches, kube-proxy's
@@ -101,6 +99,10 @@ impl ClusterState {
 }
 
 pub type SharedState = Arc<Mutex<ClusterState>>;
+
+/// Called after each change is applied to the store (a watch event, or a
+/// relist once complete): wakes the syncer, and marks an update pending.
+pub type OnChange = Arc<dyn Fn() + Send + Sync>;
 
 fn object_key(meta: &ObjectMeta) -> ObjectKey {
     ObjectKey::new(
@@ -221,7 +223,7 @@ fn kind_label(kind: &'static str) -> crate::base::metrics::KindLabel {
     }
 }
 
-async fn follow<K, S>(stream: S, state: SharedState, wake: mpsc::Sender<()>, metrics: Metrics)
+async fn follow<K, S>(stream: S, state: SharedState, on_change: OnChange, metrics: Metrics)
 where
     K: Stored + std::fmt::Debug + serde::de::DeserializeOwned,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
@@ -236,7 +238,7 @@ where
                 apply_event(&state, &mut buffer, event, &metrics);
                 // A relist wakes the syncer once, when it is complete.
                 if batch_done {
-                    let _ = wake.try_send(());
+                    on_change();
                 }
             }
             Err(e) => {
@@ -268,12 +270,12 @@ fn configs() -> (watcher::Config, watcher::Config) {
     (cfg, labelled)
 }
 
-/// Starts the three watchers. Changes wake `wake`.
+/// Starts the three watchers. Each change calls `on_change`.
 pub fn start(
     client: Client,
     node_name: &str,
     state: SharedState,
-    wake: mpsc::Sender<()>,
+    on_change: OnChange,
     metrics: Metrics,
 ) {
     init_watch_metrics(&metrics);
@@ -284,19 +286,19 @@ pub fn start(
     tokio::spawn(follow(
         watcher(services, labelled.clone()).default_backoff(),
         state.clone(),
-        wake.clone(),
+        on_change.clone(),
         metrics.clone(),
     ));
     tokio::spawn(follow(
         watcher(slices, labelled).default_backoff(),
         state.clone(),
-        wake.clone(),
+        on_change.clone(),
         metrics.clone(),
     ));
     tokio::spawn(follow(
         watcher(nodes, cfg.fields(&format!("metadata.name={node_name}"))).default_backoff(),
         state,
-        wake,
+        on_change,
         metrics,
     ));
 }

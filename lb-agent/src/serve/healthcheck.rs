@@ -1,11 +1,14 @@
 //! Health-check node ports of `externalTrafficPolicy: Local` Services, in
 //! kube-proxy's format (`pkg/proxy/healthcheck/service_health.go`): any
-//! path answers 200 with the count of local endpoints when there are some,
-//! 503 when there are none, so that an external load balancer sends traffic
-//! only to nodes that can serve it locally.
+//! path answers 200 with the count of local endpoints when there are some
+//! and the proxy is healthy (`serviceProxyHealthy`, the state `/healthz`
+//! reports without the Node's), 503 otherwise, so that an external load
+//! balancer sends traffic only to nodes that can serve it locally. They
+//! listen on every address, or with `--nodeport-addresses` on the node
+//! addresses within those prefixes.
 use std::{
     collections::BTreeMap,
-    net::{Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -15,17 +18,38 @@ use tokio::{
     task::JoinHandle,
 };
 
-use crate::{semantics::model::ServiceName, semantics::northsouth::HealthCheck};
+use crate::{
+    semantics::model::ServiceName, semantics::northsouth::HealthCheck,
+    serve::health::ProxyHealthHandle,
+};
 
 /// The status line and body kube-proxy answers for one Service.
-pub fn response(service: &ServiceName, local_endpoints: usize) -> (u16, String) {
+pub fn response(
+    service: &ServiceName,
+    local_endpoints: usize,
+    proxy_healthy: bool,
+) -> (u16, String) {
     let body = serde_json::json!({
         "service": {"namespace": service.namespace, "name": service.name},
         "localEndpoints": local_endpoints,
-        "serviceProxyHealthy": true,
+        "serviceProxyHealthy": proxy_healthy,
     });
-    let code = if local_endpoints > 0 { 200 } else { 503 };
+    let code = if local_endpoints > 0 && proxy_healthy {
+        200
+    } else {
+        503
+    };
     (code, format!("{body}\n"))
+}
+
+/// Where the health-check node ports listen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Bind {
+    /// Every address (no `--nodeport-addresses`): dual-stack where the
+    /// host has IPv6.
+    All,
+    /// These node addresses only (none: no listener at all).
+    Addresses(Vec<IpAddr>),
 }
 
 fn http(code: u16, body: &str) -> String {
@@ -42,36 +66,49 @@ fn http(code: u16, body: &str) -> String {
 
 type Shared = Arc<Mutex<(ServiceName, usize)>>;
 
-/// One listener per health-check node port, following the Services.
-#[derive(Default)]
+/// Listeners per health-check node port, following the Services.
 pub struct HealthCheckServers {
-    servers: BTreeMap<u16, (Shared, JoinHandle<()>)>,
+    health: ProxyHealthHandle,
+    bind: Bind,
+    servers: BTreeMap<u16, (Shared, Vec<JoinHandle<()>>)>,
 }
 
 impl Drop for HealthCheckServers {
     fn drop(&mut self) {
-        for (_, (_, task)) in std::mem::take(&mut self.servers) {
-            task.abort();
+        for (_, (_, tasks)) in std::mem::take(&mut self.servers) {
+            tasks.iter().for_each(JoinHandle::abort);
         }
     }
 }
 
-fn bind(port: u16) -> std::io::Result<std::net::TcpListener> {
-    // Dual-stack where IPv6 exists, else IPv4 only.
-    let l = std::net::TcpListener::bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port))).or_else(
-        |_| std::net::TcpListener::bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))),
-    )?;
+fn bind_one(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let l = std::net::TcpListener::bind(addr)?;
     l.set_nonblocking(true)?;
-    Ok(l)
+    tokio::net::TcpListener::from_std(l)
 }
 
-async fn serve(listener: tokio::net::TcpListener, state: Shared) {
+/// The listeners of `port`; the first error aborts (kube-proxy closes what
+/// it opened then).
+fn bind(how: &Bind, port: u16) -> std::io::Result<Vec<tokio::net::TcpListener>> {
+    match how {
+        // Dual-stack where IPv6 exists, else IPv4 only.
+        Bind::All => bind_one(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
+            .or_else(|_| bind_one(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))))
+            .map(|l| vec![l]),
+        Bind::Addresses(addrs) => addrs
+            .iter()
+            .map(|a| bind_one(SocketAddr::new(*a, port)))
+            .collect(),
+    }
+}
+
+async fn serve(listener: tokio::net::TcpListener, state: Shared, health: ProxyHealthHandle) {
     loop {
         let Ok((mut s, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
-        let state = state.clone();
+        let (state, health) = (state.clone(), health.clone());
         tokio::spawn(async move {
             // Read the request head (any path is answered alike).
             let mut buf = [0u8; 2048];
@@ -88,10 +125,8 @@ async fn serve(listener: tokio::net::TcpListener, state: Shared) {
                 }
             })
             .await;
-            let (code, body) = {
-                let st = state.lock().unwrap_or_else(|e| e.into_inner());
-                response(&st.0, st.1)
-            };
+            let (service, count) = state.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            let (code, body) = response(&service, count, health.is_healthy());
             let _ = s.write_all(http(code, &body).as_bytes()).await;
             let _ = s.shutdown().await;
         });
@@ -99,11 +134,26 @@ async fn serve(listener: tokio::net::TcpListener, state: Shared) {
 }
 
 impl HealthCheckServers {
-    /// Serves exactly `checks`: new ports start listening, gone ones stop,
-    /// counts change in place. Must run inside the tokio runtime. Returns
+    pub fn new(health: ProxyHealthHandle) -> Self {
+        Self {
+            health,
+            bind: Bind::All,
+            servers: BTreeMap::new(),
+        }
+    }
+
+    /// Serves exactly `checks` on `bind`: new ports start listening, gone
+    /// ones stop, counts change in place; when the addresses changed, every
+    /// port listens afresh. Must run inside the tokio runtime. Returns
     /// problems (a port that cannot be bound), for the log.
-    pub fn update(&mut self, checks: &[HealthCheck]) -> Vec<String> {
+    pub fn update(&mut self, checks: &[HealthCheck], on: &Bind) -> Vec<String> {
         let mut problems = Vec::new();
+        if *on != self.bind {
+            for (_, (_, tasks)) in std::mem::take(&mut self.servers) {
+                tasks.iter().for_each(JoinHandle::abort);
+            }
+            self.bind = on.clone();
+        }
         let mut wanted: BTreeMap<u16, &HealthCheck> = BTreeMap::new();
         for c in checks {
             if let Some(other) = wanted.get(&c.port) {
@@ -115,10 +165,10 @@ impl HealthCheckServers {
             }
             wanted.insert(c.port, c);
         }
-        self.servers.retain(|port, (_, task)| {
+        self.servers.retain(|port, (_, tasks)| {
             let keep = wanted.contains_key(port);
             if !keep {
-                task.abort();
+                tasks.iter().for_each(JoinHandle::abort);
             }
             keep
         });
@@ -128,7 +178,7 @@ impl HealthCheckServers {
                     (c.service.clone(), c.local_endpoints);
                 continue;
             }
-            let listener = match bind(port).and_then(tokio::net::TcpListener::from_std) {
+            let listeners = match bind(&self.bind, port) {
                 Ok(l) => l,
                 Err(e) => {
                     problems.push(format!(
@@ -139,9 +189,12 @@ impl HealthCheckServers {
                 }
             };
             let state: Shared = Arc::new(Mutex::new((c.service.clone(), c.local_endpoints)));
-            let task = tokio::spawn(serve(listener, state.clone()));
-            tracing::info!(port, service = %c.service, "serving health-check node port");
-            self.servers.insert(port, (state, task));
+            let tasks = listeners
+                .into_iter()
+                .map(|l| tokio::spawn(serve(l, state.clone(), self.health.clone())))
+                .collect();
+            tracing::info!(port, service = %c.service, bind = ?self.bind, "serving health-check node port");
+            self.servers.insert(port, (state, tasks));
         }
         problems
     }
@@ -151,59 +204,115 @@ impl HealthCheckServers {
 mod tests {
     use super::*;
 
-    #[test]
-    fn kube_proxy_format() {
-        let svc = ServiceName {
+    fn web() -> ServiceName {
+        ServiceName {
             namespace: "demo".into(),
             name: "web".into(),
-        };
-        let (code, body) = response(&svc, 2);
-        assert_eq!(code, 200);
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(
-            v,
-            serde_json::json!({"service": {"namespace": "demo", "name": "web"},
-                "localEndpoints": 2, "serviceProxyHealthy": true})
-        );
-        assert_eq!(response(&svc, 0).0, 503);
+        }
+    }
+
+    /// kube-proxy's `hcHandler`: 200 only with local endpoints and a
+    /// healthy proxy.
+    #[test]
+    fn kube_proxy_format() {
+        for (local, healthy, code) in [
+            (2, true, 200),
+            (0, true, 503),
+            (2, false, 503),
+            (0, false, 503),
+        ] {
+            let (got, body) = response(&web(), local, healthy);
+            assert_eq!(got, code, "{local} endpoints, healthy {healthy}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(
+                v,
+                serde_json::json!({"service": {"namespace": "demo", "name": "web"},
+                    "localEndpoints": local, "serviceProxyHealthy": healthy})
+            );
+        }
         assert!(http(503, "x").starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
     }
 
-    #[tokio::test]
-    async fn serves_and_follows_counts() {
-        let port = {
-            let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            l.local_addr().unwrap().port()
-        };
-        let svc = ServiceName {
-            namespace: "demo".into(),
-            name: "web".into(),
-        };
-        let mut servers = HealthCheckServers::default();
-        let check = |n| HealthCheck {
+    fn free_port() -> u16 {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    }
+
+    async fn get(ip: &str, port: u16) -> std::io::Result<String> {
+        let mut s = tokio::net::TcpStream::connect((ip, port)).await?;
+        s.write_all(b"GET / HTTP/1.0\r\n\r\n").await?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).await?;
+        Ok(out)
+    }
+
+    fn check(port: u16, n: usize) -> HealthCheck {
+        HealthCheck {
             port,
-            service: svc.clone(),
+            service: web(),
             local_endpoints: n,
-        };
-        assert!(servers.update(&[check(0)]).is_empty());
-        let get = || async {
-            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
-                .await
-                .unwrap();
-            s.write_all(b"GET / HTTP/1.0\r\n\r\n").await.unwrap();
-            let mut out = String::new();
-            s.read_to_string(&mut out).await.unwrap();
-            out
-        };
+        }
+    }
+
+    #[tokio::test]
+    async fn serves_and_follows_counts_and_proxy_health() {
+        let port = free_port();
+        let health = ProxyHealthHandle::new(Duration::from_millis(30));
+        let mut servers = HealthCheckServers::new(health.clone());
+        assert!(servers.update(&[check(port, 0)], &Bind::All).is_empty());
+        let get = || async { get("127.0.0.1", port).await.unwrap() };
         assert!(get().await.starts_with("HTTP/1.1 503"));
-        servers.update(&[check(3)]);
+        servers.update(&[check(port, 3)], &Bind::All);
         let r = get().await;
         assert!(r.starts_with("HTTP/1.1 200"), "{r}");
         assert!(r.contains("\"localEndpoints\":3"), "{r}");
-        servers.update(&[]);
+        assert!(r.contains("\"serviceProxyHealthy\":true"), "{r}");
+        // An update pending past the timeout: the proxy is unhealthy.
+        health.updated();
+        health.queued_update();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let r = get().await;
+        assert!(r.starts_with("HTTP/1.1 503"), "{r}");
+        assert!(r.contains("\"serviceProxyHealthy\":false"), "{r}");
+        // A Node being deleted does not count here (kube-proxy's IsHealthy).
+        health.updated();
+        health.set_node_eligible(false);
+        assert!(get().await.starts_with("HTTP/1.1 200"));
+        servers.update(&[], &Bind::All);
         tokio::time::sleep(Duration::from_millis(50)).await;
         assert!(tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .is_err());
+    }
+
+    /// With `--nodeport-addresses` only the node addresses listen, and a
+    /// change of addresses moves the listeners.
+    #[tokio::test]
+    async fn listens_on_the_node_addresses_only() {
+        let port = free_port();
+        let mut servers = HealthCheckServers::new(ProxyHealthHandle::new(Duration::from_secs(60)));
+        let only = |a: &str| Bind::Addresses(vec![a.parse().unwrap()]);
+        assert!(servers
+            .update(&[check(port, 1)], &only("127.0.0.2"))
+            .is_empty());
+        assert!(get("127.0.0.2", port)
+            .await
+            .unwrap()
+            .starts_with("HTTP/1.1 200"));
+        assert!(
+            get("127.0.0.1", port).await.is_err(),
+            "not on other addresses"
+        );
+        servers.update(&[check(port, 1)], &only("127.0.0.3"));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(get("127.0.0.2", port).await.is_err());
+        assert!(get("127.0.0.3", port)
+            .await
+            .unwrap()
+            .starts_with("HTTP/1.1 200"));
+        // No node address within the prefixes: nothing listens.
+        servers.update(&[check(port, 1)], &Bind::Addresses(Vec::new()));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(get("127.0.0.3", port).await.is_err());
     }
 }

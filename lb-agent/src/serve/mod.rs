@@ -1,5 +1,6 @@
-//! What the agent answers over HTTP: `/healthz`, `/readyz` and `/metrics`
-//! (`health`), and the health-check node ports of `externalTrafficPolicy:
-//! Local` Services (`healthcheck`). May use `base` and `semantics`.
+//! What the agent answers over HTTP: `/healthz`, `/livez` and `/readyz` on
+//! the health address and `/metrics` on its own (`health`), and the
+//! health-check node ports of `externalTrafficPolicy: Local` Services
+//! (`healthcheck`). May use `base` and `semantics`.
 pub mod health;
 pub mod healthcheck;
