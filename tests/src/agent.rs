@@ -1,5 +1,6 @@
 //! Running `lb-agent run` for a test: unique pin directory, free health
-//! port, logs in a file, readiness through `GET /readyz`, SIGTERM on drop.
+//! and metrics ports, logs in a file, readiness through `GET /readyz`,
+//! SIGTERM on drop.
 use std::{
     ffi::OsString,
     io::{Read as _, Write as _},
@@ -179,6 +180,7 @@ pub struct Agent {
     args: Vec<OsString>,
     pin_dir: PathBuf,
     health: SocketAddr,
+    metrics: SocketAddr,
     log_path: PathBuf,
     netns: Option<String>,
     pid: u32,
@@ -215,6 +217,7 @@ impl Agent {
             dir.join(format!("{}.log", crate::unique_name("agent")))
         });
         let health = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
+        let metrics = SocketAddr::from((Ipv4Addr::LOCALHOST, free_port()?));
         let mut args: Vec<OsString> = vec!["run".into()];
         match source {
             Source::Manifests(m) => args.extend(["--manifests".into(), m.into()]),
@@ -225,6 +228,7 @@ impl Agent {
         args.extend(["--bpffs".into(), pin_dir.clone().into()]);
         args.extend(["--node-name".into(), opts.node_name.clone().into()]);
         args.extend(["--health-addr".into(), health.to_string().into()]);
+        args.extend(["--metrics-bind-address".into(), metrics.to_string().into()]);
         args.extend(opts.extra_args.iter().map(OsString::from));
         let (child, line) = spawn(&bin, &args, &log_path, false, opts.netns.as_deref())?;
         let pid = child.id();
@@ -245,6 +249,7 @@ impl Agent {
             args,
             pin_dir,
             health,
+            metrics,
             log_path,
             netns: opts.netns.clone(),
             pid,
@@ -297,9 +302,14 @@ impl Agent {
         }
     }
 
-    /// GET `path` on the health address.
+    /// GET `path` on the health address (`/healthz`, `/livez`, `/readyz`).
     pub fn get(&self, path: &str) -> Result<(u16, String)> {
         http_get_in(self.netns.as_deref(), self.health, path)
+    }
+
+    /// GET `/metrics` on the metrics address.
+    pub fn metrics(&self) -> Result<(u16, String)> {
+        http_get_in(self.netns.as_deref(), self.metrics, "/metrics")
     }
 
     /// The running child, taken (it is stopped next).
@@ -412,6 +422,10 @@ impl Agent {
 
     pub fn health_addr(&self) -> SocketAddr {
         self.health
+    }
+
+    pub fn metrics_addr(&self) -> SocketAddr {
+        self.metrics
     }
 
     pub fn pid(&self) -> u32 {

@@ -220,7 +220,7 @@ fn removing_the_sticky_backend_moves_the_client_which_then_sticks() {
     assert_eq!(entries[0]["backend"].as_str(), Some(want.as_str()));
     // The sweeper's work on /metrics: the entry bound to the backend that
     // left was swept.
-    let (_, m) = env.agent().get("/metrics").unwrap();
+    let (_, m) = env.agent().metrics().unwrap();
     assert!(
         metric(&m, "lb_affinity_swept_total") >= Some(1.0),
         "lb_affinity_swept_total: {m}"
@@ -249,7 +249,7 @@ fn the_sweeper_keeps_the_affinity_map_bounded_under_client_churn() {
             integration_tests::netns::delete_netns(&env.topo.host(c).netns);
         }
         let n = affinity_entries(&env);
-        let (_, m) = env.agent().get("/metrics").unwrap();
+        let (_, m) = env.agent().metrics().unwrap();
         let expired = metric(&m, "lb_affinity_expired_total").unwrap_or(0.0);
         eprintln!(
             "{:>5.1} s: wave {wave}: {total} clients so far, {n} affinity entries, {expired} expired by the sweeper",
@@ -281,7 +281,7 @@ fn the_sweeper_keeps_the_affinity_map_bounded_under_client_churn() {
          sizes after each wave {sizes:?}, {total} clients in all",
         t.elapsed()
     );
-    let (_, m) = env.agent().get("/metrics").unwrap();
+    let (_, m) = env.agent().metrics().unwrap();
     assert_eq!(metric(&m, "lb_affinity_entries"), Some(0.0), "{m}");
     assert!(
         metric(&m, "lb_affinity_expired_total").unwrap_or(0.0) >= total as f64 - 1.0,

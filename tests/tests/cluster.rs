@@ -53,7 +53,7 @@ fn until_error(env: &Env, what: &str, target: &str, error: &str) {
 }
 
 fn metrics(env: &Env) -> String {
-    let (code, body) = env.agent().get("/metrics").unwrap();
+    let (code, body) = env.agent().metrics().unwrap();
     assert_eq!(code, 200, "/metrics: {body}");
     body
 }

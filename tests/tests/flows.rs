@@ -135,7 +135,7 @@ fn expired(c: &Cluster) -> Vec<f64> {
     c.agents
         .iter()
         .map(|a| {
-            a.get("/metrics")
+            a.metrics()
                 .map(|(_, t)| metric_sum(&t, "lb_conntrack_expired_total"))
                 .unwrap_or(f64::NAN)
         })
@@ -755,10 +755,7 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
                 *m.entry(e).or_insert(0) += 1;
                 m
             });
-    let metrics = c.agents[0]
-        .get("/metrics")
-        .map(|(_, t)| t)
-        .unwrap_or_default();
+    let metrics = c.agents[0].metrics().map(|(_, t)| t).unwrap_or_default();
     let tc_lines: Vec<&str> = metrics
         .lines()
         .filter(|l| !l.starts_with('#') && (l.contains("conntrack") || l.contains("drop")))

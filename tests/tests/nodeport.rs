@@ -715,7 +715,7 @@ fn conntrack_entries_expire_with_the_configured_timeout() {
         c.agents[0].inspect_conntrack().unwrap().is_empty()
     });
     assert!(gone, "{:?}", c.agents[0].inspect_conntrack().unwrap());
-    let (_, metrics) = c.agents[0].get("/metrics").unwrap();
+    let (_, metrics) = c.agents[0].metrics().unwrap();
     let expired: f64 = metrics
         .lines()
         .find_map(|l| l.strip_prefix("lb_conntrack_expired_total "))

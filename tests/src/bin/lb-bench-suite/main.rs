@@ -1341,7 +1341,7 @@ fn sync_ms(log: &str, skip: usize) -> Option<f64> {
 }
 
 fn metric(agent: &Agent, name: &str) -> Option<u64> {
-    let (_, body) = agent.get("/metrics").ok()?;
+    let (_, body) = agent.metrics().ok()?;
     body.lines()
         .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
         .and_then(|l| l.split_whitespace().nth(1)?.parse::<f64>().ok())
