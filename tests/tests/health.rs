@@ -1,0 +1,258 @@
+//! kube-proxy's health on a running agent: `/healthz` and `/livez` with
+//! their JSON, the Node being deleted (deletionTimestamp, the Cluster
+//! Autoscaler's taint) from a manifest and from the API, a change that
+//! cannot be programmed making the agent unhealthy after
+//! `--healthz-timeout` (health-check node ports included), and `/metrics`
+//! on its own address.
+mod common;
+
+use std::time::Duration;
+
+use common::{api_and_env, web_env};
+use integration_tests::{
+    nodes::{node_v4, Cluster},
+    require_root, wait_until, Agent, AgentOpts,
+};
+use serde_json::{json, Value};
+
+const TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// GET `path`: the status and the body as JSON.
+fn json_get(agent: &Agent, path: &str) -> (u16, Value) {
+    let (code, body) = agent.get(path).unwrap();
+    let v = serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body:?}"));
+    (code, v)
+}
+
+/// An RFC 3339 UTC time, as the agent writes them.
+fn is_time(v: &Value) -> bool {
+    v.as_str().is_some_and(|s| {
+        s.len() >= 20 && s.ends_with('Z') && s.as_bytes()[4] == b'-' && s.as_bytes()[10] == b'T'
+    })
+}
+
+/// Polls `path` until it answers `code`; the last body.
+fn until_code(agent: &Agent, path: &str, code: u16, within: Duration) -> Value {
+    let mut last = (0, Value::Null);
+    let ok = wait_until(within, Duration::from_millis(100), || {
+        last = json_get(agent, path);
+        last.0 == code
+    });
+    assert!(
+        ok,
+        "{path} never answered {code}; last {} {}\n{}",
+        last.0,
+        last.1,
+        agent.log()
+    );
+    last.1
+}
+
+fn node(name: &str, deleting: bool, taints: &[&str]) -> Value {
+    let mut n = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}});
+    if deleting {
+        n["metadata"]["deletionTimestamp"] = json!("2024-01-01T00:00:00Z");
+        n["metadata"]["finalizers"] = json!(["example.com/hold"]);
+    }
+    if !taints.is_empty() {
+        n["spec"] = json!({"taints": taints.iter()
+            .map(|k| json!({"key": k, "effect": "NoSchedule"})).collect::<Vec<_>>()});
+    }
+    n
+}
+
+/// `/healthz` and `/livez` in kube-proxy's JSON, with its headers; the
+/// Node manifest being deleted turns `/healthz` (not `/livez`) to 503;
+/// `/metrics` is on the metrics address, not the health address.
+#[test]
+fn healthz_livez_and_the_node_being_deleted_from_a_manifest() {
+    require_root!();
+    let env = web_env("hlth", 1);
+    let agent = env.agent();
+    let (code, v) = json_get(agent, "/healthz");
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["nodeEligible"], true, "{v}");
+    assert!(
+        is_time(&v["lastUpdated"]) && is_time(&v["currentTime"]),
+        "{v}"
+    );
+    let (code, v) = json_get(agent, "/livez");
+    assert_eq!(code, 200, "{v}");
+    assert!(
+        is_time(&v["lastUpdated"]) && is_time(&v["currentTime"]),
+        "{v}"
+    );
+    assert!(v.get("nodeEligible").is_none(), "{v}");
+    // kube-proxy's headers.
+    let raw = {
+        use std::io::{Read as _, Write as _};
+        let mut s = std::net::TcpStream::connect(agent.health_addr()).unwrap();
+        s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        out.to_ascii_lowercase()
+    };
+    assert!(raw.contains("content-type: application/json\r\n"), "{raw}");
+    assert!(raw.contains("x-content-type-options: nosniff\r\n"), "{raw}");
+
+    // Metrics apart.
+    assert_eq!(agent.get("/metrics").unwrap().0, 404);
+    let (code, m) = agent.metrics().unwrap();
+    assert_eq!(code, 200);
+    assert!(m.contains("lb_sync_duration_seconds_count"), "{m}");
+    assert_ne!(agent.metrics_addr(), agent.health_addr());
+
+    for (what, n) in [
+        (
+            "the autoscaler's taint",
+            node("node-1", false, &["other", TAINT]),
+        ),
+        ("a deletionTimestamp", node("node-1", true, &[])),
+    ] {
+        env.manifests.write("node.yaml", &[n]).unwrap();
+        let v = until_code(agent, "/healthz", 503, Duration::from_secs(10));
+        assert_eq!(v["nodeEligible"], false, "{what}: {v}");
+        let (code, v) = json_get(agent, "/livez");
+        assert_eq!(code, 200, "{what}: /livez ignores the Node: {v}");
+        // A plain Node again.
+        env.manifests
+            .write("node.yaml", &[node("node-1", false, &["other"])])
+            .unwrap();
+        let v = until_code(agent, "/healthz", 200, Duration::from_secs(10));
+        assert_eq!(v["nodeEligible"], true, "{what}: {v}");
+    }
+}
+
+/// Cluster mode: the watched Node gets the taint, then a
+/// deletionTimestamp, through the API.
+#[test]
+fn node_being_deleted_through_the_api() {
+    require_root!();
+    let (api, mut env) = api_and_env("hlthapi", 1);
+    api.apply(&node("node-1", false, &[])).unwrap();
+    env.start_cluster_agent(&api.url(), AgentOpts::default())
+        .unwrap();
+    let agent = env.agent();
+    let (code, v) = json_get(agent, "/healthz");
+    assert_eq!((code, &v["nodeEligible"]), (200, &json!(true)), "{v}");
+    api.apply(&node("node-1", false, &[TAINT])).unwrap();
+    let v = until_code(agent, "/healthz", 503, Duration::from_secs(10));
+    assert_eq!(v["nodeEligible"], false, "{v}");
+    assert_eq!(json_get(agent, "/livez").0, 200);
+    api.apply(&node("node-1", false, &[])).unwrap();
+    until_code(agent, "/healthz", 200, Duration::from_secs(10));
+    api.apply(&node("node-1", true, &[])).unwrap();
+    let v = until_code(agent, "/healthz", 503, Duration::from_secs(10));
+    assert_eq!(v["nodeEligible"], false, "{v}");
+    assert_eq!(json_get(agent, "/livez").0, 200);
+    drop(env);
+    drop(api);
+}
+
+const HEALTH_PORT: u16 = 32000;
+
+fn local_lb(c: &Cluster) -> Vec<Value> {
+    let pod = c.pod("n1p0").clone();
+    vec![
+        json!({"apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "local", "namespace": "demo"},
+            "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.11", "clusterIPs": ["10.96.0.11"],
+                "externalTrafficPolicy": "Local", "healthCheckNodePort": HEALTH_PORT,
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": 30081}]},
+            "status": {"loadBalancer": {"ingress": [{"ip": "203.0.113.10"}]}}}),
+        c.slice("local", &[&pod], false, "TCP"),
+    ]
+}
+
+/// Services beyond `--max-services`: their writes fail, the change stays
+/// pending, and after `--healthz-timeout` `/healthz`, `/livez` and the
+/// health-check node port (`serviceProxyHealthy`) answer 503; once the
+/// change can be programmed they recover.
+#[test]
+fn a_change_that_cannot_be_programmed_turns_unhealthy_after_the_timeout() {
+    require_root!();
+    let mut c = Cluster::new("hlthto", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let mut docs = c.node_objects();
+    docs.extend(local_lb(&c));
+    c.manifests.write("cluster.yaml", &docs).unwrap();
+    c.start_agents(&["--max-services", "16", "--healthz-timeout", "2s"])
+        .unwrap();
+    let agent = &c.agents[0];
+    let hc = || {
+        let (code, body) = c.health_check(1, HEALTH_PORT).unwrap();
+        (code, serde_json::from_str::<Value>(&body).unwrap())
+    };
+    let (code, v) = hc();
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["serviceProxyHealthy"], true, "{v}");
+    assert_eq!(v["localEndpoints"], 1, "{v}");
+    assert_eq!(json_get(agent, "/healthz").0, 200);
+
+    let many: Vec<Value> = (1..=40)
+        .map(|i| {
+            json!({"apiVersion": "v1", "kind": "Service",
+                "metadata": {"name": format!("s{i}"), "namespace": "demo"},
+                "spec": {"clusterIP": format!("10.96.1.{i}"),
+                    "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}})
+        })
+        .collect();
+    c.manifests.write("many.yaml", &many).unwrap();
+    let failed = wait_until(Duration::from_secs(5), Duration::from_millis(100), || {
+        agent.log().contains("map write failed")
+    });
+    assert!(failed, "the map never filled:\n{}", agent.log());
+    // Not late yet right after the failure.
+    let (code, v) = json_get(agent, "/healthz");
+    assert_eq!(code, 200, "before the timeout: {v}");
+    let v = until_code(agent, "/healthz", 503, Duration::from_secs(5));
+    assert_eq!(v["nodeEligible"], true, "{v}");
+    assert!(is_time(&v["lastUpdated"]), "{v}");
+    assert_ne!(
+        v["lastUpdated"], v["currentTime"],
+        "the last sync's time: {v}"
+    );
+    assert_eq!(json_get(agent, "/livez").0, 503);
+    let (code, v) = hc();
+    assert_eq!(code, 503, "{v}");
+    assert_eq!(v["serviceProxyHealthy"], false, "{v}");
+    assert_eq!(v["localEndpoints"], 1, "{v}");
+    // Still served meanwhile: the last good state stays programmed.
+    let target = format!("{}:30081", node_v4(1));
+    let a = c.from_client("tcp", &target, 3);
+    assert!(a.iter().all(|a| a.ok), "{a:?}");
+
+    c.manifests.remove("many.yaml").unwrap();
+    until_code(agent, "/healthz", 200, Duration::from_secs(10));
+    assert_eq!(json_get(agent, "/livez").0, 200);
+    let (code, v) = hc();
+    assert_eq!(
+        (code, &v["serviceProxyHealthy"]),
+        (200, &json!(true)),
+        "{v}"
+    );
+}
+
+/// With `--nodeport-addresses`, the health-check node port listens on the
+/// node addresses within those prefixes only.
+#[test]
+fn health_check_node_ports_bind_the_node_addresses() {
+    require_root!();
+    let mut c = Cluster::new("hlthbind", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let mut docs = c.node_objects();
+    docs.extend(local_lb(&c));
+    c.manifests.write("cluster.yaml", &docs).unwrap();
+    c.start_agents(&["--nodeport-addresses", &format!("{}/32", node_v4(1))])
+        .unwrap();
+    let (code, body) = c.health_check(1, HEALTH_PORT).unwrap();
+    assert_eq!(code, 200, "{body}");
+    // Loopback inside the node is not a node address.
+    let ns = c.nodes[0].netns.clone();
+    let r = integration_tests::agent::http_get_in(
+        Some(&ns),
+        (std::net::Ipv4Addr::LOCALHOST, HEALTH_PORT).into(),
+        "/",
+    );
+    assert!(r.is_err(), "answered on 127.0.0.1: {r:?}");
+}
