@@ -1019,6 +1019,73 @@ fn source_ranges() {
     assert_eq!(rc, OK);
 }
 
+/// A writer that takes over `LB_SOURCE_RANGES` from an earlier one (a
+/// restarted agent on the pinned map) starts from what the map holds: the
+/// earlier writer's entries that are no longer wanted go.
+#[test]
+fn source_ranges_taken_over_from_an_earlier_writer() {
+    if skip() {
+        return;
+    }
+    use std::os::fd::AsFd as _;
+    let mut fx = Fixture::new();
+    fx.backend(1, "10.244.1.10", 8080, proto::TCP, true);
+    fx.frontend("203.0.113.10", 80, proto::TCP, 1, &[1]);
+    let aya::maps::Map::LpmTrie(data) = fx.ebpf.take_map(map_names::SOURCE_RANGES).unwrap() else {
+        panic!("LB_SOURCE_RANGES is not an LPM trie")
+    };
+    // Another handle on the same map, as a new process opening the pin gets.
+    let reopen = |data: &MapData| {
+        let fd = data.fd().as_fd().try_clone_to_owned().unwrap();
+        let trie = aya::maps::lpm_trie::LpmTrie::try_from(aya::maps::Map::LpmTrie(
+            MapData::from_fd(fd).unwrap(),
+        ))
+        .unwrap();
+        tc::SourceRangeWriter::adopt(trie).unwrap()
+    };
+    let f = model::Frontend {
+        addr: ip("203.0.113.10"),
+        port: 80,
+        protocol: model::Protocol::Tcp,
+        scope: model::Scope::External,
+    };
+    let only = |range: &str| std::collections::BTreeMap::from([(f, vec![range.parse().unwrap()])]);
+    let mut port = 40000;
+    let mut verdict = |fx: &mut Fixture, client: &str| {
+        port += 1;
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, port, "203.0.113.10", 80, TCP_SYN),
+        )
+        .0
+    };
+    let (a, b) = ("192.168.77.100", "192.168.77.101");
+
+    let mut first = reopen(&data);
+    assert!(first.sync(&only("192.168.77.100/32")).is_empty());
+    drop(first);
+    assert_eq!((verdict(&mut fx, a), verdict(&mut fx, b)), (OK, SHOT));
+
+    // The objects changed while no writer ran.
+    let mut second = reopen(&data);
+    assert!(second.sync(&only("192.168.77.101/32")).is_empty());
+    drop(second);
+    assert_eq!(
+        (verdict(&mut fx, a), verdict(&mut fx, b)),
+        (SHOT, OK),
+        "A's range written by the earlier writer is gone"
+    );
+
+    let mut third = reopen(&data);
+    assert!(third.sync(&Default::default()).is_empty());
+    assert_eq!((verdict(&mut fx, a), verdict(&mut fx, b)), (OK, OK));
+    let trie = aya::maps::lpm_trie::LpmTrie::<_, lb_common::SourceRangeData, u32>::try_from(
+        aya::maps::Map::LpmTrie(data),
+    )
+    .unwrap();
+    assert_eq!(trie.keys().count(), 0, "no marker, no range left");
+}
+
 /// An IPv4 ICMP error from `src` to `dst` quoting the first 28 bytes of the
 /// IP packet in `quoted` (a frame).
 fn icmp4_error(src: &str, dst: &str, kind: u8, code: u8, quoted: &[u8]) -> Vec<u8> {

@@ -685,6 +685,103 @@ fn tc_path_survives_agent_restarts() {
     assert_eq!(backends(&a).len(), 3);
 }
 
+/// loadBalancerSourceRanges changed while the agent was down (SIGKILL, then
+/// SIGTERM): the restarted agent makes `LB_SOURCE_RANGES` exactly what the
+/// objects say, removing what the previous process wrote and nobody wants
+/// any more (issue 11). Client A is 192.168.77.100, client B .101.
+#[test]
+fn source_ranges_changed_while_the_agent_was_down() {
+    require_root!();
+    const LB_OPEN: &str = "203.0.113.31";
+    const A: &str = "192.168.77.100/32";
+    const B: &str = "192.168.77.101/32";
+    let mut c = Cluster::new("srdown", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let pod = c.pod("n1p0").clone();
+    // `ranged` always has ranges; `open` has them, then none, then again.
+    let write = |c: &Cluster, ranged: &[&str], open: &[&str]| {
+        let mut docs = c.node_objects();
+        for (name, ip, node_port, ranges) in [
+            ("ranged", LB_RANGED, 30083, ranged),
+            ("open", LB_OPEN, 30084, open),
+        ] {
+            let mut spec = json!({"type": "LoadBalancer", "ports": port(node_port, "TCP")});
+            if !ranges.is_empty() {
+                spec["loadBalancerSourceRanges"] = json!(ranges);
+            }
+            let cluster_ip = format!("10.96.0.{}", node_port - 30_000);
+            docs.push(service(
+                name,
+                &[cluster_ip.as_str()],
+                spec,
+                json!({"loadBalancer": {"ingress": [{"ip": ip}]}}),
+            ));
+            docs.push(c.slice(name, &[&pod], false, "TCP"));
+        }
+        c.manifests.write("cluster.yaml", &docs).unwrap();
+    };
+    for ns in [&c.client_netns, &c.client2_netns] {
+        c.route_via(ns, "203.0.113.0/24", 1).unwrap();
+    }
+    // Which of A and B each frontend serves, by real connections; a
+    // refused source is dropped (the connect times out).
+    let check = |c: &Cluster, ranged: [bool; 2], open: [bool; 2], when: &str| {
+        for (ip, want) in [(LB_RANGED, ranged), (LB_OPEN, open)] {
+            for (ns, served) in [&c.client_netns, &c.client2_netns].into_iter().zip(want) {
+                let a = c.from_netns(ns, "tcp", &format!("{ip}:80"), 3);
+                let n = if served { 3 } else { 0 };
+                assert_eq!(
+                    ok_count(&a),
+                    n,
+                    "{when}: {ip} from {ns}, served: {served}:\n{}\n{}",
+                    show(&a),
+                    c.agent_logs()
+                );
+                if !served {
+                    assert!(
+                        a.iter().all(|a| a.error.as_deref() == Some("ETIMEDOUT")),
+                        "{when}: dropped: {}",
+                        show(&a)
+                    );
+                }
+            }
+        }
+    };
+    // Entries of the pinned map: a DENY marker per restricted frontend and
+    // an ALLOW entry per range.
+    let entries = |c: &Cluster| -> usize {
+        let pin = c.agents[0].pin_dir().join("LB_SOURCE_RANGES");
+        let out = integration_tests::cmd::run(
+            Command::new("bpftool")
+                .args(["-j", "map", "dump", "pinned"])
+                .arg(&pin),
+        )
+        .unwrap();
+        serde_json::from_str::<Vec<Value>>(&out)
+            .unwrap_or_else(|e| panic!("{e}: {out}"))
+            .len()
+    };
+
+    write(&c, &[A], &[A]);
+    c.start_agents(&[]).unwrap();
+    check(&c, [true, false], [true, false], "first start");
+    assert_eq!(entries(&c), 4);
+
+    // A crash; meanwhile `ranged` moves to B and `open` loses its ranges.
+    c.agents[0].kill().unwrap();
+    write(&c, &[B], &[]);
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    check(&c, [false, true], [true, true], "after SIGKILL");
+    assert_eq!(entries(&c), 2, "only ranged's marker and B");
+
+    // A clean stop (the pins stay); back to A, and `open` to B.
+    c.agents[0].stop().unwrap();
+    write(&c, &[A], &[B]);
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    check(&c, [true, false], [false, true], "after SIGTERM");
+    assert_eq!(entries(&c), 4);
+}
+
 /// Conntrack lifetimes are the agent's settings: with a 1 s UDP timeout the
 /// periodic sweep empties the table, and the next datagram starts afresh.
 #[test]

@@ -335,6 +335,20 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
 }
 
 /// What was found pinned by an earlier run.
+///
+/// A restarted agent never assumes a map empty: whatever keeps a record of
+/// what it wrote starts from what is pinned. Per map:
+/// - `LB_SERVICES` (frontends and VIP markers), `LB_SLOTS`, `LB_BACKENDS`:
+///   read here, rebuilt into the reconciler's record (`Reconciler::adopt`);
+/// - `LB_SOURCE_RANGES`: read back when the tc maps are opened
+///   (`tc::SourceRangeWriter::adopt`);
+/// - `LB_TC_CONFIG`: one element, written whole by every process's first
+///   sync, so nothing to read;
+/// - `LB_AFFINITY`, `LB_CONNTRACK`, `LB_CT_SYN`: written by the kernel; the
+///   agent keeps no record, its sweeps and purges read the whole map each
+///   time;
+/// - `LB_REV_SOCK`, `LB_SOCK_PEER`, `LB_STATS`, `LB_FRAGMENTS`: the kernel's
+///   alone.
 #[derive(Default)]
 pub struct Adopted {
     pub services: Vec<(ServiceKey, ServiceValue)>,

@@ -1361,6 +1361,10 @@ mod tests {
         assert_eq!(m.backends_of(&a), vec![be("10.244.1.3", 80)]);
         assert_eq!(m.backends.len(), 1);
         assert_eq!(m.slots.len(), 1);
+        // `b`'s VIP marker, adopted as a VIP, went with it: `a` and its
+        // marker are all that is left.
+        assert_eq!(m.services.len(), 2, "{:?}", m.services);
+        assert!(m.services.contains_key(&vip_key(a.addr, a.scope)));
     }
 
     #[test]

@@ -262,11 +262,17 @@ pub struct TcMaps {
     ports_reserved: bool,
 }
 
-/// `LB_SOURCE_RANGES` and what this agent wrote into it.
+/// `LB_SOURCE_RANGES` and what it holds.
 pub struct SourceRangeWriter {
     map: LpmTrie<MapData, SourceRangeData, u32>,
-    programmed: BTreeSet<(u32, SourceRangeData)>,
+    /// What the map holds: read from the map when it is opened (a pinned
+    /// map keeps what an earlier process wrote), then kept by every write
+    /// that succeeded.
+    programmed: RangeEntries,
 }
+
+/// Entries of `LB_SOURCE_RANGES`: (prefix length, data) → value.
+type RangeEntries = BTreeMap<(u32, SourceRangeData), u32>;
 
 pub fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
     let path = dir.join(name);
@@ -327,11 +333,13 @@ impl TcMaps {
         Ok(Self {
             conntrack: HashMap::try_from(open(dir, map_names::CONNTRACK)?)?,
             conntrack_syn: HashMap::try_from(open(dir, map_names::CONNTRACK_SYN)?)?,
-            ranges: SourceRangeWriter {
-                map: LpmTrie::try_from(open(dir, map_names::SOURCE_RANGES)?)?,
-                programmed: BTreeSet::new(),
-            },
+            ranges: SourceRangeWriter::adopt(LpmTrie::try_from(open(
+                dir,
+                map_names::SOURCE_RANGES,
+            )?)?)?,
             config: Array::try_from(open(dir, map_names::TC_CONFIG)?)?,
+            // Needs no reading back: one element, written whole by the
+            // first sync of every process whatever it holds.
             last_config: None,
             snat_ports: snat_ports(local_port_range().unwrap_or_else(|e| {
                 tracing::warn!("{e:#}; assuming the default 32768-60999");
@@ -497,66 +505,128 @@ impl SourceRangeWriter {
         let map = ebpf
             .take_map(map_names::SOURCE_RANGES)
             .expect("LB_SOURCE_RANGES in the object");
-        Self {
-            map: LpmTrie::try_from(map).expect("an LPM trie"),
-            programmed: BTreeSet::new(),
-        }
+        Self::adopt(LpmTrie::try_from(map).expect("an LPM trie")).expect("LB_SOURCE_RANGES read")
+    }
+
+    /// Takes the map over as it is: a pinned map holds what an earlier
+    /// process wrote (its objects may have changed while no agent ran), so
+    /// the first [`sync`](Self::sync) compares against that, never against
+    /// an empty map.
+    pub fn adopt(map: LpmTrie<MapData, SourceRangeData, u32>) -> anyhow::Result<Self> {
+        let programmed = map
+            .iter()
+            .map(|entry| {
+                let (key, value) = entry.context("reading LB_SOURCE_RANGES")?;
+                Ok(((key.prefix_len(), key.data()), value))
+            })
+            .collect::<anyhow::Result<RangeEntries>>()?;
+        Ok(Self { map, programmed })
     }
 
     /// Programs `loadBalancerSourceRanges`: per frontend a DENY marker and
-    /// one ALLOW entry per range; removes what is no longer wanted.
+    /// one ALLOW entry per range; removes what is no longer wanted. Only
+    /// writes that succeeded change the record, so a failed one is tried
+    /// again by the next sync.
     pub fn sync(&mut self, wanted: &BTreeMap<Frontend, Vec<Cidr>>) -> Vec<String> {
-        let mut want = BTreeSet::new();
-        for (f, ranges) in wanted {
-            let base = SourceRangeData {
-                addr: addr_bytes(f.addr),
-                port: f.port,
-                proto: f.protocol.number(),
-                _pad: 0,
-                src: [0; 16],
-            };
-            want.insert((source_range::FRONTEND_BITS, base));
-            for c in ranges {
-                // A range of the other family never matches this frontend.
-                if c.addr.is_ipv4() != f.addr.is_ipv4() {
-                    continue;
-                }
-                let bits = if c.addr.is_ipv4() {
-                    96 + c.prefix as u32
-                } else {
-                    c.prefix as u32
-                };
-                let mut src = addr_bytes(c.addr);
-                // Zero the host bits, as the trie expects.
-                for (i, b) in src.iter_mut().enumerate() {
-                    let keep = bits.saturating_sub(i as u32 * 8).min(8);
-                    *b &= if keep == 0 { 0 } else { 0xffu8 << (8 - keep) };
-                }
-                want.insert((
-                    source_range::FRONTEND_BITS + bits,
-                    SourceRangeData { src, ..base },
-                ));
-            }
-        }
+        let want = range_entries(wanted);
+        let (inserts, removes) = range_changes(&self.programmed, &want);
         let mut errors = Vec::new();
-        for (bits, data) in want.difference(&self.programmed) {
-            let value = if *bits == source_range::FRONTEND_BITS {
-                source_range::DENY
-            } else {
-                source_range::ALLOW
-            };
-            if let Err(e) = self.map.insert(&Key::new(*bits, *data), value, 0) {
-                errors.push(format!("LB_SOURCE_RANGES insert: {e}"));
+        for ((bits, data), value) in inserts {
+            match self.map.insert(&Key::new(bits, data), value, 0) {
+                Ok(()) => {
+                    self.programmed.insert((bits, data), value);
+                }
+                Err(e) => errors.push(format!("LB_SOURCE_RANGES insert: {e}")),
             }
         }
-        for (bits, data) in self.programmed.difference(&want) {
-            if let Err(e) = self.map.remove(&Key::new(*bits, *data)) {
-                errors.push(format!("LB_SOURCE_RANGES remove: {e}"));
+        for (bits, data) in removes {
+            match self.map.remove(&Key::new(bits, data)) {
+                // Removed, or already gone: either way not there now.
+                Ok(()) => {
+                    self.programmed.remove(&(bits, data));
+                }
+                Err(aya::maps::MapError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENOENT) =>
+                {
+                    self.programmed.remove(&(bits, data));
+                }
+                Err(e) => errors.push(format!("LB_SOURCE_RANGES remove: {e}")),
             }
         }
-        self.programmed = want;
         errors
     }
+}
+
+/// What `LB_SOURCE_RANGES` must hold for `wanted`: per frontend a DENY
+/// marker (the frontend's 160 bits) and an ALLOW entry per range of its
+/// family, host bits zeroed.
+fn range_entries(wanted: &BTreeMap<Frontend, Vec<Cidr>>) -> RangeEntries {
+    let mut want = RangeEntries::new();
+    for (f, ranges) in wanted {
+        let base = SourceRangeData {
+            addr: addr_bytes(f.addr),
+            port: f.port,
+            proto: f.protocol.number(),
+            _pad: 0,
+            src: [0; 16],
+        };
+        want.insert((source_range::FRONTEND_BITS, base), source_range::DENY);
+        for c in ranges {
+            // A range of the other family never matches this frontend.
+            if c.addr.is_ipv4() != f.addr.is_ipv4() {
+                continue;
+            }
+            let bits = if c.addr.is_ipv4() {
+                96 + c.prefix as u32
+            } else {
+                c.prefix as u32
+            };
+            let mut src = addr_bytes(c.addr);
+            // Zero the host bits, as the trie expects.
+            for (i, b) in src.iter_mut().enumerate() {
+                let keep = bits.saturating_sub(i as u32 * 8).min(8);
+                *b &= if keep == 0 { 0 } else { 0xffu8 << (8 - keep) };
+            }
+            want.insert(
+                (
+                    source_range::FRONTEND_BITS + bits,
+                    SourceRangeData { src, ..base },
+                ),
+                source_range::ALLOW,
+            );
+        }
+    }
+    want
+}
+
+/// The writes that turn `held` into `want`: entries to insert (missing, or
+/// with another value) and keys to remove, in an order that never refuses
+/// an allowed source meanwhile: ALLOW entries go in before DENY markers,
+/// and markers come out before ALLOW entries. (A frontend newly restricted
+/// denies only once its ranges are in; one no longer restricted stops
+/// denying before its ranges go.)
+#[allow(clippy::type_complexity)]
+fn range_changes(
+    held: &RangeEntries,
+    want: &RangeEntries,
+) -> (
+    Vec<((u32, SourceRangeData), u32)>,
+    Vec<(u32, SourceRangeData)>,
+) {
+    let is_marker = |k: &(u32, SourceRangeData)| k.0 == source_range::FRONTEND_BITS;
+    let mut inserts: Vec<_> = want
+        .iter()
+        .filter(|(k, v)| held.get(k) != Some(v))
+        .map(|(k, v)| (*k, *v))
+        .collect();
+    inserts.sort_by_key(|(k, _)| is_marker(k));
+    let mut removes: Vec<_> = held
+        .keys()
+        .filter(|k| !want.contains_key(k))
+        .copied()
+        .collect();
+    removes.sort_by_key(|k| !is_marker(k));
+    (inserts, removes)
 }
 
 #[cfg(test)]
@@ -739,6 +809,114 @@ mod tests {
         assert_eq!(
             entry_backend(&reply_key, &reply),
             ("10.244.2.10".parse().unwrap(), 8080)
+        );
+    }
+
+    fn ranged(addr: &str, ranges: &[&str]) -> BTreeMap<Frontend, Vec<Cidr>> {
+        let f = Frontend {
+            addr: addr.parse().unwrap(),
+            port: 80,
+            protocol: crate::semantics::model::Protocol::Tcp,
+            scope: crate::semantics::model::Scope::External,
+        };
+        BTreeMap::from([(f, ranges.iter().map(|r| r.parse().unwrap()).collect())])
+    }
+
+    /// (prefix length, source, value) of each entry, in key order.
+    fn shown(entries: &RangeEntries) -> Vec<(u32, IpAddr, u32)> {
+        entries
+            .iter()
+            .map(|((bits, d), v)| (*bits, ip_from_bytes(&d.src), *v))
+            .collect()
+    }
+
+    #[test]
+    fn range_entries_are_a_marker_and_one_allow_per_range_of_the_family() {
+        let want = range_entries(&ranged(
+            "203.0.113.30",
+            &["10.1.2.3/8", "192.168.77.100/32", "fd00::/8"],
+        ));
+        let zero: IpAddr = "::".parse().unwrap();
+        assert_eq!(
+            shown(&want),
+            vec![
+                (160, zero, source_range::DENY),
+                // Host bits zeroed; the IPv6 range skipped.
+                (
+                    160 + 96 + 8,
+                    "10.0.0.0".parse().unwrap(),
+                    source_range::ALLOW
+                ),
+                (
+                    160 + 96 + 32,
+                    "192.168.77.100".parse().unwrap(),
+                    source_range::ALLOW
+                ),
+            ]
+        );
+        let want = range_entries(&ranged("fd00:203::30", &["fd00:77::1/64", "10.0.0.0/8"]));
+        assert_eq!(
+            shown(&want),
+            vec![
+                (160, zero, source_range::DENY),
+                (160 + 64, "fd00:77::".parse().unwrap(), source_range::ALLOW),
+            ]
+        );
+        // `::/0` has the marker's key: it allows everyone (the marker's
+        // DENY once won, refusing every source).
+        let want = range_entries(&ranged("fd00:203::30", &["::/0"]));
+        assert_eq!(shown(&want), vec![(160, zero, source_range::ALLOW)]);
+    }
+
+    /// What a restarted agent finds pinned is compared with what is
+    /// wanted: ranges that changed while no agent ran are replaced, and a
+    /// frontend no longer restricted loses its marker and its ranges.
+    #[test]
+    fn range_changes_diff_against_what_the_map_holds() {
+        let lb = "203.0.113.30";
+        let held = range_entries(&ranged(lb, &["192.168.77.100/32"]));
+        let want = range_entries(&ranged(lb, &["192.168.77.101/32"]));
+        let (inserts, removes) = range_changes(&held, &want);
+        let a: IpAddr = "192.168.77.100".parse().unwrap();
+        let b: IpAddr = "192.168.77.101".parse().unwrap();
+        let src = |k: &(u32, SourceRangeData)| ip_from_bytes(&k.1.src);
+        assert_eq!(
+            inserts
+                .iter()
+                .map(|(k, v)| (src(k), *v))
+                .collect::<Vec<_>>(),
+            vec![(b, source_range::ALLOW)],
+            "the marker is there already"
+        );
+        assert_eq!(removes.iter().map(src).collect::<Vec<_>>(), vec![a]);
+
+        // Unchanged: nothing to write.
+        assert_eq!(range_changes(&held, &held), (vec![], vec![]));
+
+        // No longer restricted: the marker goes first, then the range.
+        let (inserts, removes) = range_changes(&held, &RangeEntries::new());
+        assert!(inserts.is_empty());
+        assert_eq!(
+            removes.iter().map(|k| k.0).collect::<Vec<_>>(),
+            vec![160, 160 + 96 + 32]
+        );
+
+        // Newly restricted: the ranges go in before the marker.
+        let want = range_entries(&ranged(lb, &["10.0.0.0/8", "192.168.77.100/32"]));
+        let (inserts, removes) = range_changes(&RangeEntries::new(), &want);
+        assert!(removes.is_empty());
+        assert_eq!(
+            inserts.iter().map(|(k, _)| k.0).collect::<Vec<_>>(),
+            vec![160 + 96 + 8, 160 + 96 + 32, 160]
+        );
+
+        // An entry held with another value is written again.
+        let mut odd = held.clone();
+        let marker = *odd.keys().next().unwrap();
+        odd.insert(marker, source_range::ALLOW);
+        assert_eq!(
+            range_changes(&odd, &held),
+            (vec![(marker, source_range::DENY)], vec![])
         );
     }
 
