@@ -103,6 +103,7 @@ impl Subject for Services {
                     (service_flags::AFFINITY, "affinity"),
                     (service_flags::MAGLEV, "maglev"),
                     (service_flags::REJECT, "reject"),
+                    (service_flags::NODE_ADDRESS, "node_address"),
                 ],
             );
             let mut backends = Vec::new();

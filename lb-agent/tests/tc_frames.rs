@@ -721,9 +721,18 @@ fn only_a_syn_opens_a_flow() {
     }
     let mut fx = Fixture::new();
     fx.backend(1, "10.244.1.10", 8080, proto::TCP, true);
-    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    // A LoadBalancer IP, and a NodePort on the node's address.
+    let lb_ip = "203.0.113.10";
+    fx.frontend(lb_ip, 80, proto::TCP, 1, &[1]);
+    fx.frontend(NODE4, 30080, proto::TCP, 2, &[1]);
+    fx.flag(
+        NODE4,
+        30080,
+        proto::TCP,
+        lb_common::service_flags::NODE_ADDRESS,
+    );
     let client = "192.168.77.100";
-    for (i, flags) in [
+    let mid_flow = [
         TCP_ACK,
         TCP_ACK | TCP_FIN,
         TCP_RST,
@@ -731,24 +740,28 @@ fn only_a_syn_opens_a_flow() {
         TCP_SYN | TCP_ACK,
         TCP_SYN | TCP_FIN,
         0,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let (rc, _) = fx.run(
-            "tc_ingress",
-            &Frame::tcp(client, 40000, NODE4, 30080, flags),
-        );
+    ];
+    for (i, flags) in mid_flow.into_iter().enumerate() {
+        let (rc, _) = fx.run("tc_ingress", &Frame::tcp(client, 40000, lb_ip, 80, flags));
         assert_eq!(rc, SHOT, "flags {flags:#x}");
         assert_eq!(fx.stat(stat::TC_DROP_INVALID), i as u64 + 1);
     }
+    // To a node address: left to the stack, untouched (netfilter's
+    // conntrack may know the flow; else the node answers with an RST).
+    for (i, flags) in mid_flow.into_iter().enumerate() {
+        let frame = Frame::tcp(client, 40000, NODE4, 30080, flags);
+        let (rc, out) = fx.run("tc_ingress", &frame);
+        assert_eq!(rc, UNSPEC, "flags {flags:#x}");
+        assert_eq!(out, frame.bytes(), "flags {flags:#x}: rewritten");
+        assert_eq!(fx.stat(stat::TC_PASS_NO_FLOW), i as u64 + 1);
+    }
+    assert_eq!(fx.stat(stat::TC_DROP_INVALID), mid_flow.len() as u64);
     assert!(fx.conntrack.keys().next().is_none());
     assert!(fx.conntrack_syn.keys().next().is_none(), "no flow recorded");
-    let (rc, _) = fx.run(
-        "tc_ingress",
-        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
-    );
-    assert_eq!(rc, OK);
+    for (dst, port) in [(lb_ip, 80), (NODE4, 30080)] {
+        let (rc, _) = fx.run("tc_ingress", &Frame::tcp(client, 40000, dst, port, TCP_SYN));
+        assert_eq!(rc, OK);
+    }
 }
 
 /// An RST ends a flow only if it belongs to it: once established, its

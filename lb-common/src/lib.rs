@@ -45,6 +45,15 @@ pub mod service_flags {
     /// empty frontend (`externalTrafficPolicy: Local`, endpoints on other
     /// nodes only) drops.
     pub const REJECT: u16 = 1 << 3;
+    /// Set by the agent on an `EXTERNAL` frontend on one of the node's own
+    /// addresses (a NodePort). A TCP packet without SYN and without a flow
+    /// to it is passed to the node's stack rather than dropped, as
+    /// kube-proxy leaves it: netfilter's conntrack may hold its flow (one
+    /// kube-proxy's rules NATed before the agent attached, while a node
+    /// migrates), else the node answers with an RST. To other addresses
+    /// (LoadBalancer IPs, externalIPs) it would be forwarded, so there it
+    /// drops, as kube-proxy's `KUBE-FORWARD` drops INVALID.
+    pub const NODE_ADDRESS: u16 = 1 << 4;
 }
 
 /// `Backend::flags`.
@@ -565,7 +574,10 @@ pub mod stat {
     pub const TC_FRAG_NEEDED: u32 = 18;
     /// tc path, dropped: a later fragment whose first fragment was not seen.
     pub const TC_DROP_FRAGMENT: u32 = 19;
-    pub const COUNT: u32 = 20;
+    /// tc path, passed to the node's stack: a TCP packet without SYN and
+    /// without a flow, to a NodePort (`service_flags::NODE_ADDRESS`).
+    pub const TC_PASS_NO_FLOW: u32 = 20;
+    pub const COUNT: u32 = 21;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -588,6 +600,7 @@ pub mod stat {
         "tc_drop_no_route",
         "tc_frag_needed",
         "tc_drop_fragment",
+        "tc_pass_no_flow",
     ];
 }
 

@@ -597,9 +597,15 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         return TC_ACT_SHOT;
     }
     // Mid-flow TCP without a flow (netfilter's INVALID): its flow expired,
-    // was evicted, or never was. Giving it a backend now would only make
-    // that backend answer with an RST.
+    // was evicted, was NATed by netfilter (kube-proxy's rules, before the
+    // agent attached), or never was. Giving it a backend now would only
+    // make that backend answer with an RST. To a node address the stack
+    // may still know it (see `service_flags::NODE_ADDRESS`).
     if p.proto == proto::TCP && p.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) != TCP_SYN {
+        if svc.flags & service_flags::NODE_ADDRESS != 0 {
+            count(stat::TC_PASS_NO_FLOW);
+            return TC_ACT_UNSPEC;
+        }
         count(stat::TC_DROP_INVALID);
         return TC_ACT_SHOT;
     }

@@ -79,6 +79,17 @@ fn service(name: &str, ip: &str, node_port: u16) -> Value {
 /// (connections pinned round-robin to `cpus`), an agent per node with
 /// `agent_args`; returns once every NodePort answers from n1.
 fn setup(tag: &str, agent_args: &[&str], cpus: &[usize]) -> Bed {
+    setup_with(tag, agent_args, cpus, |_| ()).0
+}
+
+/// `setup`, running `before_agents` once the pods serve and before any
+/// agent starts.
+fn setup_with<T>(
+    tag: &str,
+    agent_args: &[&str],
+    cpus: &[usize],
+    before_agents: impl FnOnce(&Cluster) -> T,
+) -> (Bed, T) {
     let mut c = Cluster::new(tag, &[2, 1]).expect("topology");
     let servers = StreamServers::start(&c.pods, POD_PORT, cpus).expect("servers");
     let (n1p0, n1p1, n2p0) = (
@@ -103,6 +114,7 @@ fn setup(tag: &str, agent_args: &[&str], cpus: &[usize]) -> Bed {
         c.slice("fill", &[&n1p0, &n1p1, &n2p0], false, "UDP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
+    let before = before_agents(&c);
     c.start_agents(agent_args).expect("agents");
     let bad = c.with_default_route();
     assert!(bad.is_empty(), "namespaces with a default route: {bad:?}");
@@ -119,7 +131,7 @@ fn setup(tag: &str, agent_args: &[&str], cpus: &[usize]) -> Bed {
         });
         assert!(up, "NodePort {port} never answered\n{}", bed.c.agent_logs());
     }
-    bed
+    (bed, before)
 }
 
 /// Sum of `Tcp: OutRsts` over the pods: RSTs the backends sent.
@@ -791,5 +803,146 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
     assert!(
         longest <= SYN_TIMEOUT_MS,
         "legitimate client failed for {longest} ms in a row"
+    );
+}
+
+/// `iptables` in a node's namespace.
+fn iptables(netns: &str, args: &[&str]) {
+    cmd::run(
+        std::process::Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{netns}"))
+            .arg("iptables")
+            .args(args),
+    )
+    .unwrap_or_else(|e| panic!("iptables {args:?}: {e:#}"));
+}
+
+/// Migrating a node from kube-proxy (docs/kube-proxy-free.md): connections
+/// that kube-proxy's rules NATed before the agent attached its tc programs
+/// are in netfilter's conntrack, not in ours. Their packets reach
+/// tc_ingress without SYN and without a flow; they must go on to netfilter
+/// (which still translates them), not be dropped, while new connections
+/// take the tc path. Node n1 gets kube-proxy's NodePort shape in iptables
+/// (DNAT to the endpoint, masquerade towards another node's), the flows are
+/// opened through it, then the agents start.
+#[test]
+fn connections_nated_by_kube_proxy_before_the_agent_keep_flowing() {
+    require_root!();
+    let (bed, mut sets) = setup_with("kpmig", &[], &[], |c| {
+        let n1 = &c.nodes[0].netns;
+        let node = node_v4(1).to_string();
+        for (port, pod) in [(LOCAL, "n1p0"), (REMOTE, "n2p0")] {
+            let to = format!("{}:{POD_PORT}", c.pod(pod).ipv4);
+            let port = port.to_string();
+            iptables(
+                n1,
+                &[
+                    "-t",
+                    "nat",
+                    "-A",
+                    "PREROUTING",
+                    "-d",
+                    &node,
+                    "-p",
+                    "tcp",
+                    "--dport",
+                    &port,
+                    "-j",
+                    "DNAT",
+                    "--to-destination",
+                    &to,
+                ],
+            );
+        }
+        let remote = format!("{}/32", c.pod("n2p0").ipv4);
+        iptables(
+            n1,
+            &[
+                "-t",
+                "nat",
+                "-A",
+                "POSTROUTING",
+                "-d",
+                &remote,
+                "-j",
+                "MASQUERADE",
+            ],
+        );
+        [(LOCAL, "kp-local"), (REMOTE, "kp-remote")].map(|(port, name)| {
+            let (mut f, st) = EchoFlows::open(&c.client_netns, port, name, 2);
+            assert!(
+                failed(&st).is_empty(),
+                "through iptables: {:?}",
+                failed(&st)
+            );
+            let st = f.event(Some("ping"));
+            assert!(
+                failed(&st).is_empty(),
+                "through iptables: {:?}",
+                failed(&st)
+            );
+            (name, f)
+        })
+    });
+    let c = &bed.c;
+    let rsts0 = pod_rsts(c);
+    let mut bad = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut finals = Vec::new();
+    for round in 0..3 {
+        for (name, f) in &mut sets {
+            let st = f.event(Some("ping"));
+            note(
+                &mut bad,
+                &mut seen,
+                &format!("{name}, ping {round} with the agent"),
+                &st,
+            );
+        }
+    }
+    for (name, f) in &mut sets {
+        let st = f.event(Some("close"));
+        note(&mut bad, &mut seen, &format!("{name}, close"), &st);
+        finals.extend(st);
+    }
+    let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
+    let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
+    let server_bad = echo_problems(&finals, &servers);
+    let rsts = pod_rsts(c) - rsts0;
+    // The counters reach /metrics at the agent's next sweep (5 s).
+    let passed = || {
+        c.agents[0]
+            .get("/metrics")
+            .ok()
+            .and_then(|(_, t)| {
+                t.lines().find_map(|l| {
+                    l.strip_prefix("lb_datapath_events_total{event=\"tc_pass_no_flow\"} ")?
+                        .parse::<f64>()
+                        .ok()
+                })
+            })
+            .unwrap_or(0.0)
+    };
+    integration_tests::wait_until(Duration::from_secs(12), Duration::from_millis(200), || {
+        passed() > 0.0
+    });
+    let passed = passed();
+    println!(
+        "flows NATed by iptables before the agent: {} of {} broken, RSTs sent by the pods: {rsts}, passed to the stack: {passed}",
+        finals.iter().filter(|f| !f.ok).count(),
+        finals.len()
+    );
+    for b in bad.iter().chain(&server_bad) {
+        println!("  - {b}");
+    }
+    assert!(
+        bad.is_empty() && server_bad.is_empty(),
+        "{bad:#?}\n{server_bad:#?}\n{}",
+        c.agent_logs()
+    );
+    assert_eq!(rsts, 0);
+    assert!(
+        passed > 0.0,
+        "the flows' packets were not seen by tc_ingress"
     );
 }

@@ -19,6 +19,8 @@ const COMMANDS: &[(&str, &str)] = &[
     ("sysctl", "procps"),
     // Agents inside node namespaces (tests/tests/nodeport.rs).
     ("nsenter", "util-linux"),
+    // kube-proxy's rules during a migration (tests/tests/flows.rs).
+    ("iptables", "iptables"),
 ];
 
 pub fn setup() -> Result<()> {

@@ -27,7 +27,9 @@ use lb_common::{
 
 use crate::{
     base::addr::addr_bytes,
-    semantics::model::{Algorithm, BackendAddr, DesiredState, Frontend, FrontendState, Scope},
+    semantics::model::{
+        Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState, Scope,
+    },
 };
 
 /// A map operation failed; `what` names the object it was for.
@@ -297,6 +299,7 @@ impl IdSet {
 }
 
 fn service_value(
+    frontend: &Frontend,
     id: u32,
     backend_set: u32,
     state: &FrontendState,
@@ -311,6 +314,9 @@ fn service_value(
     }
     if state.reject {
         flags |= service_flags::REJECT;
+    }
+    if state.kind == FrontendKind::NodePort && frontend.scope == Scope::External {
+        flags |= service_flags::NODE_ADDRESS;
     }
     ServiceValue {
         id,
@@ -819,7 +825,7 @@ impl Reconciler {
                 (id, true, self.alloc_set(), true)
             }
         };
-        let value = service_value(id, set, state, maglev_size);
+        let value = service_value(frontend, id, set, state, maglev_size);
         let adopt_only = reuse.is_some_and(|p| p.state.is_none() && p.value == value);
         Ok(Plan {
             frontend: *frontend,
@@ -1173,6 +1179,41 @@ mod tests {
         let vip = ServiceKey::wildcard(addr_bytes("10.96.0.10".parse().unwrap()), 0);
         assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
         assert_eq!(m.services.len(), 2);
+    }
+
+    /// Only the tc path's NodePort frontends are flagged NODE_ADDRESS: the
+    /// socket path's frontend of the same address and port, and the tc
+    /// path's LoadBalancer IPs, are not.
+    #[test]
+    fn external_node_ports_are_flagged_node_address() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let ext = |ip: &str, port| Frontend {
+            scope: Scope::External,
+            ..fe(ip, port)
+        };
+        let kind = |kind| FrontendState {
+            kind,
+            ..state("web", &[be("10.244.1.1", 8080)])
+        };
+        let d = desired(&[
+            (ext("192.168.77.1", 30080), kind(FrontendKind::NodePort)),
+            (fe("192.168.77.1", 30080), kind(FrontendKind::NodePort)),
+            (ext("203.0.113.10", 80), kind(FrontendKind::LoadBalancer)),
+        ]);
+        sync(&mut r, &d, &mut m);
+        let flagged: Vec<bool> = d
+            .frontends
+            .keys()
+            .map(|f| m.services[&service_key(f)].flags & service_flags::NODE_ADDRESS != 0)
+            .collect();
+        let want: Vec<bool> = d
+            .frontends
+            .keys()
+            .map(|f| f.scope == Scope::External && f.port == 30080)
+            .collect();
+        assert_eq!(flagged, want);
+        assert!(flagged.contains(&true));
     }
 
     #[test]
