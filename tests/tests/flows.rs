@@ -912,7 +912,7 @@ fn connections_nated_by_kube_proxy_before_the_agent_keep_flowing() {
     // The counters reach /metrics at the agent's next sweep (5 s).
     let passed = || {
         c.agents[0]
-            .get("/metrics")
+            .metrics()
             .ok()
             .and_then(|(_, t)| {
                 t.lines().find_map(|l| {
