@@ -83,6 +83,9 @@ pub struct FrontendView {
     pub backend_set: u32,
     pub flags: Vec<&'static str>,
     pub affinity_timeout: Option<u32>,
+    /// The sessionAffinity decision this frontend shares with the other
+    /// frontends of its Service port and endpoint selection.
+    pub affinity_id: Option<u32>,
     pub backends: Vec<BackendView>,
     /// Slots that point nowhere; non-empty only if something is broken.
     pub missing_slots: Vec<u32>,
@@ -143,6 +146,8 @@ impl Subject for Services {
                 flags,
                 affinity_timeout: (value.flags & service_flags::AFFINITY != 0)
                     .then_some(value.affinity_timeout),
+                affinity_id: (value.flags & service_flags::AFFINITY != 0)
+                    .then_some(value.affinity_id),
                 backends,
                 missing_slots,
             };
@@ -188,7 +193,10 @@ impl Subject for Services {
 pub struct AffinityView {
     /// "netns:<cookie>" on the socket path, "ip:<addr>" on the tc path.
     pub client: String,
-    pub service_id: u32,
+    /// The `affinity_id` of the decision (see `inspect services`).
+    pub affinity_id: u32,
+    /// The frontends that share it, as `scope addr:port/proto`.
+    pub frontends: Vec<String>,
     pub backend_id: u32,
     /// The backend's address, if it still exists.
     pub backend: Option<String>,
@@ -201,6 +209,27 @@ impl Subject for Affinity {
     fn read(dir: &Path) -> anyhow::Result<Vec<AffinityView>> {
         let maps = PinnedMaps::open(dir)?;
         let now = monotonic_now_ns();
+        let mut frontends: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+        for entry in maps.services.iter() {
+            let (key, value) = entry.context("reading LB_SERVICES")?;
+            if value.flags & service_flags::AFFINITY == 0 {
+                continue;
+            }
+            let scope = match Scope::from_number(key.scope) {
+                Some(Scope::Internal) => "internal",
+                Some(Scope::External) => "external",
+                None => "?",
+            };
+            let proto = Protocol::from_number(key.proto)
+                .map_or_else(|| key.proto.to_string(), |p| p.to_string());
+            frontends
+                .entry(value.affinity_id)
+                .or_default()
+                .push(format!("{scope} {}/{proto}", sockaddr(&key.addr, key.port)));
+        }
+        for list in frontends.values_mut() {
+            list.sort();
+        }
         let mut out = Vec::new();
         for entry in maps.affinity.iter() {
             let (key, value) = entry.context("reading LB_AFFINITY")?;
@@ -223,26 +252,32 @@ impl Subject for Affinity {
                 .map(|b| sockaddr(&b.addr, b.port));
             out.push(AffinityView {
                 client,
-                service_id: key.service_id,
+                affinity_id: key.affinity_id,
+                frontends: frontends.get(&key.affinity_id).cloned().unwrap_or_default(),
                 backend_id: value.backend_id,
                 backend,
                 age_ms: clock::age_ns(now, value.last_used_ns) / 1_000_000,
             });
         }
-        out.sort_by(|a, b| (a.service_id, &a.client).cmp(&(b.service_id, &b.client)));
+        out.sort_by(|a, b| (a.affinity_id, &a.client).cmp(&(b.affinity_id, &b.client)));
         Ok(out)
     }
 
     fn render(views: &[AffinityView]) -> String {
-        const COLUMNS: Columns = Columns(&[(28, Left), (8, Left), (28, Left), (10, Right)]);
-        let mut s = COLUMNS.header(&["CLIENT", "SERVICE", "BACKEND", "AGE"]);
+        const COLUMNS: Columns =
+            Columns(&[(28, Left), (10, Left), (28, Left), (10, Right), (0, Left)]);
+        let mut s = COLUMNS.header(&["CLIENT", "AFFINITY", "BACKEND", "AGE", "  FRONTENDS"]);
         for v in views {
             let backend = v
                 .backend
                 .clone()
                 .unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
             let age = format!("{:.1}s", v.age_ms as f64 / 1000.0);
-            COLUMNS.row(&mut s, &[&v.client, &v.service_id, &backend, &age]);
+            let frontends = format!("  {}", v.frontends.join(", "));
+            COLUMNS.row(
+                &mut s,
+                &[&v.client, &v.affinity_id, &backend, &age, &frontends],
+            );
         }
         let _ = writeln!(s, "{} entries", views.len());
         s

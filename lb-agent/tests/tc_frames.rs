@@ -380,6 +380,7 @@ impl Fixture {
             flags: 0,
             maglev_size: 0,
             affinity_timeout: 0,
+            affinity_id: service_id,
         };
         self.services.insert(key, value, 0).unwrap();
     }
@@ -1185,8 +1186,9 @@ fn icmp_errors_of_tracked_flows_reach_the_backend() {
 }
 
 /// sessionAffinity ClientIP on the tc path: every new flow of a client
-/// address goes to the same backend while the entry lives; another client
-/// address is chosen for independently.
+/// address goes to the same backend while the entry lives, through every
+/// frontend of the same `affinity_id` (a NodePort and an LB IP of one
+/// Service port); another client address is chosen for independently.
 #[test]
 fn affinity_by_source_address() {
     if skip() {
@@ -1196,23 +1198,34 @@ fn affinity_by_source_address() {
     for id in 1..=4 {
         fx.backend(id, &format!("10.244.1.{}", 9 + id), 8080, proto::TCP, true);
     }
+    const LB_IP: &str = "203.0.113.10";
     fx.frontend(NODE4, 30080, proto::TCP, 5, &[1, 2, 3, 4]);
-    let key = ServiceKey {
-        addr: addr_bytes(ip(NODE4)),
-        port: 30080,
-        proto: proto::TCP,
-        scope: scope::EXTERNAL,
-    };
-    let mut v = fx.services.get(&key, 0).unwrap();
-    v.flags |= lb_common::service_flags::AFFINITY;
-    v.affinity_timeout = 60;
-    fx.services.insert(key, v, 0).unwrap();
+    fx.frontend(LB_IP, 80, proto::TCP, 6, &[1, 2, 3, 4]);
+    for (addr, port) in [(NODE4, 30080), (LB_IP, 80)] {
+        let key = ServiceKey {
+            addr: addr_bytes(ip(addr)),
+            port,
+            proto: proto::TCP,
+            scope: scope::EXTERNAL,
+        };
+        let mut v = fx.services.get(&key, 0).unwrap();
+        v.flags |= lb_common::service_flags::AFFINITY;
+        v.affinity_timeout = 60;
+        // One Service port: both frontends share the decision.
+        v.affinity_id = 9;
+        fx.services.insert(key, v, 0).unwrap();
+    }
     for client in ["192.168.77.100", "192.168.77.101"] {
         let mut seen = std::collections::BTreeSet::new();
         for sport in 40000..40020 {
+            let (dst, dport) = if sport % 2 == 0 {
+                (NODE4, 30080)
+            } else {
+                (LB_IP, 80)
+            };
             let (rc, out) = fx.run(
                 "tc_ingress",
-                &Frame::tcp(client, sport, NODE4, 30080, TCP_SYN),
+                &Frame::tcp(client, sport, dst, dport, TCP_SYN),
             );
             assert_eq!(rc, OK);
             seen.insert(parse(&out).dst);

@@ -124,6 +124,14 @@ impl ServiceKey {
 /// | 12     | `flags`            | `service_flags::*`                          |
 /// | 14     | `maglev_size`      | Maglev table length M, with `MAGLEV`        |
 /// | 16     | `affinity_timeout` | seconds, with `service_flags::AFFINITY`     |
+/// | 20     | `affinity_id`      | `AffinityKey::affinity_id`, with `AFFINITY`; 0 without |
+///
+/// `affinity_id` is shared by every frontend of one Service port whose
+/// backends come from the same selection of its endpoints (the ClusterIP,
+/// externalIPs, LoadBalancer IPs and NodePorts under the same traffic
+/// policy), so a client keeps one sessionAffinity decision whichever of
+/// them it uses, as with kube-proxy. Frontends sharing it always hold the
+/// same backends, which is what lets the kernel trust a live entry.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ServiceValue {
@@ -134,6 +142,7 @@ pub struct ServiceValue {
     pub flags: u16,
     pub maglev_size: u16,
     pub affinity_timeout: u32,
+    pub affinity_id: u32,
 }
 
 /// One slot of a backend set. Key of `LB_SLOTS`.
@@ -230,19 +239,27 @@ pub mod affinity_client {
     pub const SOURCE_IP: u8 = 1;
 }
 
-/// Key of `LB_AFFINITY` (sessionAffinity: ClientIP).
+/// Key of `LB_AFFINITY` (sessionAffinity: ClientIP): one decision per
+/// client and `ServiceValue::affinity_id` (a Service port and endpoint
+/// selection, not a frontend).
+///
+/// | offset | field         | meaning                                   |
+/// |--------|---------------|-------------------------------------------|
+/// | 0      | `client`      | see `affinity_client`                     |
+/// | 16     | `affinity_id` | the frontend's `ServiceValue::affinity_id` |
+/// | 20     | `kind`        | `affinity_client::*`                      |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AffinityKey {
     pub client: [u8; 16],
-    pub service_id: u32,
+    pub affinity_id: u32,
     pub kind: u8,
     pub _pad: [u8; 3],
 }
 
 impl AffinityKey {
     /// The socket path's key: the client's network namespace cookie.
-    pub fn for_netns(cookie: u64, service_id: u32) -> Self {
+    pub fn for_netns(cookie: u64, affinity_id: u32) -> Self {
         let mut client = [0u8; 16];
         let bytes = cookie.to_le_bytes();
         let mut i = 0;
@@ -252,7 +269,7 @@ impl AffinityKey {
         }
         Self {
             client,
-            service_id,
+            affinity_id,
             kind: affinity_client::NETNS_COOKIE,
             _pad: [0; 3],
         }
@@ -655,7 +672,11 @@ pub mod capacity {
 
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey>() == 20);
-    assert!(core::mem::size_of::<ServiceValue>() == 20);
+    assert!(core::mem::size_of::<ServiceValue>() == 24);
+    assert!(core::mem::offset_of!(ServiceValue, affinity_timeout) == 16);
+    assert!(core::mem::offset_of!(ServiceValue, affinity_id) == 20);
+    assert!(core::mem::offset_of!(AffinityKey, affinity_id) == 16);
+    assert!(core::mem::offset_of!(AffinityKey, kind) == 20);
     assert!(core::mem::size_of::<BackendSlotKey>() == 8);
     assert!(core::mem::size_of::<BackendSlot>() == 4);
     assert!(core::mem::size_of::<BackendId>() == 4);
@@ -795,6 +816,7 @@ pub mod select {
                 flags: 0,
                 maglev_size: 0,
                 affinity_timeout: 0,
+                affinity_id: 0,
             }
         }
 

@@ -137,7 +137,7 @@ fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
     }
     // SAFETY: plain helper calls on the program's own context.
     let (netns, now) = unsafe { (bpf_get_netns_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
-    let key = AffinityKey::for_netns(netns, svc.id);
+    let key = AffinityKey::for_netns(netns, svc.affinity_id);
     lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
 }
 

@@ -496,7 +496,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
     }
     let key = AffinityKey {
         client: p.src,
-        service_id: svc.id,
+        affinity_id: svc.affinity_id,
         kind: lb_common::affinity_client::SOURCE_IP,
         _pad: [0; 3],
     };

@@ -3,12 +3,16 @@
 //! entries that can no longer bind (expired, Service gone or without
 //! affinity, backend no longer active in the Service), so the map stays
 //! bounded under churn and a client whose backend left moves on at once.
+//!
+//! Entries are keyed by `affinity_id`, which every frontend of one Service
+//! port and endpoint selection shares (`semantics::model::AffinityGroup`):
+//! the policies here are per affinity id, not per frontend.
 use std::collections::{BTreeMap, BTreeSet};
 
 use lb_common::{select, AffinityEntry, AffinityKey};
 
-/// What a frontend with affinity allows: its timeout and the backends a
-/// client may be bound to (see [`selectable_backends`]).
+/// What the frontends of one `affinity_id` allow: their timeout and the
+/// backends a client may be bound to (see [`selectable_backends`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AffinityPolicy {
     pub timeout_s: u32,
@@ -40,7 +44,7 @@ pub enum Stale {
     BackendLeft,
 }
 
-/// Pure: which entries to delete, by service id of live policies.
+/// Pure: which entries to delete, given the live policies by affinity id.
 pub fn stale_entries<'a>(
     entries: impl IntoIterator<Item = (&'a AffinityKey, &'a AffinityEntry)>,
     policies: &BTreeMap<u32, AffinityPolicy>,
@@ -49,7 +53,7 @@ pub fn stale_entries<'a>(
     entries
         .into_iter()
         .filter_map(|(k, e)| {
-            let why = match policies.get(&k.service_id) {
+            let why = match policies.get(&k.affinity_id) {
                 None => Some(Stale::NoPolicy),
                 Some(p) if !p.active_backends.contains(&e.backend_id) => Some(Stale::BackendLeft),
                 Some(p) if !select::affinity_live(e, now_ns, p.timeout_s) => Some(Stale::Expired),
@@ -73,8 +77,8 @@ pub struct SweepReport {
 mod tests {
     use super::*;
 
-    fn key(client: u64, service_id: u32) -> AffinityKey {
-        AffinityKey::for_netns(client, service_id)
+    fn key(client: u64, affinity_id: u32) -> AffinityKey {
+        AffinityKey::for_netns(client, affinity_id)
     }
 
     fn entry(backend_id: u32, last_used_s: u64) -> AffinityEntry {

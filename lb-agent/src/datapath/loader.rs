@@ -285,7 +285,9 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
 
 /// Removes pinned maps whose layout or size differs from this version's, so
 /// the loader recreates them. The three service maps refer to each other by
-/// id and go together. Returns what was recreated, for the log.
+/// id and go together, and `LB_AFFINITY` with them: its entries name
+/// affinity ids and backend ids of the maps being replaced, which the new
+/// ones hand out afresh. Returns what was recreated, for the log.
 fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
     let mut recreated = Vec::new();
     let mut core_changed = false;
@@ -323,7 +325,12 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
         }
     }
     if core_changed {
-        for name in [map_names::SERVICES, map_names::SLOTS, map_names::BACKENDS] {
+        for name in [
+            map_names::SERVICES,
+            map_names::SLOTS,
+            map_names::BACKENDS,
+            map_names::AFFINITY,
+        ] {
             let path = pin_dir.join(name);
             if path.exists() {
                 fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
@@ -740,6 +747,7 @@ mod tests {
             flags: lb_common::service_flags::WILDCARD,
             maglev_size: 0,
             affinity_timeout: 0,
+            affinity_id: 0,
         };
         dp.maps().put_service(key, value).unwrap();
         // A second reader through the pins sees the write.
@@ -766,7 +774,37 @@ mod tests {
         };
         let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         assert!(adopted.services.is_empty());
-        assert_eq!(adopted.recreated.len(), 3, "{:?}", adopted.recreated);
+        // The three service maps and the affinity map, whose entries name
+        // their ids.
+        assert_eq!(adopted.recreated.len(), 4, "{:?}", adopted.recreated);
+        drop(dp);
+        // An upgrade from the 20-byte ServiceValue (before `affinity_id`):
+        // recreated cleanly, affinity entries of the old ids with it.
+        let services = scratch.pins.join(map_names::SERVICES);
+        fs::remove_file(&services).unwrap();
+        let created = std::process::Command::new("bpftool")
+            .args(["map", "create"])
+            .arg(&services)
+            .args(["type", "hash", "key", "20", "value", "20", "entries", "128"])
+            .args(["name", map_names::SERVICES])
+            .status();
+        if created.is_ok_and(|s| s.success()) {
+            let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+            let r = &adopted.recreated;
+            assert!(
+                r.iter()
+                    .any(|m| m.starts_with("LB_SERVICES: type/key/value/entries (1, 20, 20, 128)")),
+                "{r:?}"
+            );
+            assert!(r.iter().any(|m| m.starts_with("LB_AFFINITY")), "{r:?}");
+            let info = MapInfo::from_pin(&services).unwrap();
+            assert_eq!(
+                info.value_size() as usize,
+                std::mem::size_of::<ServiceValue>()
+            );
+            drop(dp);
+        }
+        let (dp, _) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         dp.unload().unwrap();
         assert!(!scratch.pins.exists());
     }

@@ -28,7 +28,8 @@ use lb_common::{
 use crate::{
     base::addr::addr_bytes,
     semantics::model::{
-        Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState, Scope,
+        AffinityGroup, Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState,
+        Scope,
     },
 };
 
@@ -198,6 +199,20 @@ pub struct Reconciler {
     used_backend_ids: IdSet,
     used_sets: BTreeSet<u32>,
     next_set: u32,
+    /// The `affinity_id` of each sessionAffinity group (see
+    /// `AffinityGroup`) that a programmed or planned frontend belongs to:
+    /// one per group, kept while any programmed frontend carries it, so an
+    /// endpoint change never resets the clients' decisions.
+    affinity_ids: BTreeMap<AffinityGroup, u32>,
+    /// The reverse of `affinity_ids`.
+    affinity_groups: BTreeMap<u32, AffinityGroup>,
+    /// How many programmed frontends carry each `affinity_id`, adopted ones
+    /// (whose group is not known yet) included.
+    affinity_refs: BTreeMap<u32, u32>,
+    /// Affinity ids are handed out in turn, not lowest-free: a new group
+    /// never inherits an id that entries of a group gone a moment ago may
+    /// still carry in `LB_AFFINITY` (until the sweep deletes them).
+    next_affinity: u32,
     /// Sets replaced or removed by the last `apply`: (set id, slot count).
     retiring: Vec<(u32, u32)>,
     /// How the desired frontends of the last `apply` use each backend,
@@ -304,6 +319,7 @@ fn service_value(
     backend_set: u32,
     state: &FrontendState,
     maglev_size: u16,
+    affinity_id: u32,
 ) -> ServiceValue {
     let mut flags = 0;
     if state.affinity_timeout.is_some() {
@@ -326,6 +342,7 @@ fn service_value(
         flags,
         maglev_size,
         affinity_timeout: state.affinity_timeout.unwrap_or(0),
+        affinity_id,
     }
 }
 
@@ -340,6 +357,10 @@ impl Reconciler {
             used_backend_ids: IdSet::default(),
             used_sets: BTreeSet::new(),
             next_set: 1,
+            affinity_ids: BTreeMap::new(),
+            affinity_groups: BTreeMap::new(),
+            affinity_refs: BTreeMap::new(),
+            next_affinity: 1,
             retiring: Vec::new(),
             uses: HashMap::new(),
             needs_full: true,
@@ -408,6 +429,10 @@ impl Reconciler {
             };
             r.used_service_ids.insert(value.id);
             r.used_sets.insert(value.backend_set);
+            r.count_affinity(value.affinity_id, true);
+            r.next_affinity = r
+                .next_affinity
+                .max(value.affinity_id.wrapping_add(1).max(1));
             r.frontends.insert(
                 frontend,
                 Programmed {
@@ -669,6 +694,7 @@ impl Reconciler {
             flags: service_flags::WILDCARD,
             maglev_size: 0,
             affinity_timeout: 0,
+            affinity_id: 0,
         };
         let vip_items: Vec<(ServiceKey, ServiceValue)> = new_vips
             .iter()
@@ -719,6 +745,7 @@ impl Reconciler {
                     let p = self.frontends.remove(&frontend).expect("listed above");
                     self.note_departed(&frontend, &p, &[], &mut report);
                     self.used_service_ids.remove(&p.id);
+                    self.count_affinity(p.value.affinity_id, false);
                     self.retiring.push((p.backend_set, p.slots.len() as u32));
                     report.frontends_removed += 1;
                 }
@@ -731,9 +758,65 @@ impl Reconciler {
             let _ = ops.del_service(vip_key(addr, scope));
             self.vips.remove(&(addr, scope));
         }
+        self.release_affinity_groups();
         self.needs_full = !report.errors.is_empty();
         self.stray_backends |= self.needs_full;
         report
+    }
+
+    /// One more (`add`) or one fewer programmed frontend carries `id`.
+    fn count_affinity(&mut self, id: u32, add: bool) {
+        if id == 0 {
+            return;
+        }
+        let n = self.affinity_refs.entry(id).or_default();
+        if add {
+            *n += 1;
+        } else {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.affinity_refs.remove(&id);
+            }
+        }
+    }
+
+    /// The `affinity_id` of `group`: the one it has; else the one the
+    /// frontend carried before (`previous`, adopted after a restart) unless
+    /// another group has it; else a new one.
+    fn affinity_id_for(&mut self, group: AffinityGroup, previous: u32) -> u32 {
+        if let Some(&id) = self.affinity_ids.get(&group) {
+            return id;
+        }
+        let id = if previous != 0 && !self.affinity_groups.contains_key(&previous) {
+            previous
+        } else {
+            loop {
+                let id = self.next_affinity;
+                self.next_affinity = id.wrapping_add(1).max(1);
+                if !self.affinity_groups.contains_key(&id) && !self.affinity_refs.contains_key(&id)
+                {
+                    break id;
+                }
+            }
+        };
+        self.affinity_ids.insert(group.clone(), id);
+        self.affinity_groups.insert(id, group);
+        id
+    }
+
+    /// Forgets the groups no programmed frontend carries any more.
+    fn release_affinity_groups(&mut self) {
+        let gone: Vec<u32> = self
+            .affinity_groups
+            .keys()
+            .filter(|id| !self.affinity_refs.contains_key(id))
+            .copied()
+            .collect();
+        for id in gone {
+            if let Some(group) = self.affinity_groups.remove(&id) {
+                self.affinity_ids.remove(&group);
+            }
+        }
     }
 
     /// Programs one frontend; `Ok(false)` when the maps already held exactly
@@ -825,7 +908,14 @@ impl Reconciler {
                 (id, true, self.alloc_set(), true)
             }
         };
-        let value = service_value(frontend, id, set, state, maglev_size);
+        let affinity_id = match state.affinity_group(frontend) {
+            Some(group) => {
+                let before = previous.as_ref().map_or(0, |p| p.value.affinity_id);
+                self.affinity_id_for(group, before)
+            }
+            None => 0,
+        };
+        let value = service_value(frontend, id, set, state, maglev_size, affinity_id);
         let adopt_only = reuse.is_some_and(|p| p.state.is_none() && p.value == value);
         Ok(Plan {
             frontend: *frontend,
@@ -880,6 +970,10 @@ impl Reconciler {
             }
         }
         self.used_service_ids.insert(plan.id);
+        if let Some(p) = &plan.previous {
+            self.count_affinity(p.value.affinity_id, false);
+        }
+        self.count_affinity(plan.value.affinity_id, true);
         let keep = plan.slots.clone();
         self.frontends.insert(
             plan.frontend,
@@ -897,30 +991,41 @@ impl Reconciler {
         }
     }
 
-    /// The affinity policy of every programmed frontend that has one, by
-    /// service id, for the affinity sweeper.
+    /// The affinity policy of every `affinity_id` of a programmed frontend
+    /// with affinity, for the affinity sweeper. The frontends of one id
+    /// have the same backends and timeout by construction; should they
+    /// differ for a moment (a write failed), an entry is kept only if its
+    /// backend is selectable through each of them, and until the longest
+    /// timeout.
     pub fn affinity_policies(&self) -> BTreeMap<u32, crate::datapath::affinity::AffinityPolicy> {
-        self.frontends
-            .values()
-            .filter_map(|p| {
-                if p.value.flags & service_flags::AFFINITY == 0 {
-                    return None;
-                }
-                let timeout_s = p.value.affinity_timeout;
-                let active_backends = crate::datapath::affinity::selectable_backends(
-                    &p.slots,
-                    p.value.active,
-                    p.value.terminating,
-                );
-                Some((
-                    p.id,
-                    crate::datapath::affinity::AffinityPolicy {
+        let mut out: BTreeMap<u32, crate::datapath::affinity::AffinityPolicy> = BTreeMap::new();
+        for p in self.frontends.values() {
+            if p.value.flags & service_flags::AFFINITY == 0 || p.value.affinity_id == 0 {
+                continue;
+            }
+            let timeout_s = p.value.affinity_timeout;
+            let active_backends = crate::datapath::affinity::selectable_backends(
+                &p.slots,
+                p.value.active,
+                p.value.terminating,
+            );
+            match out.entry(p.value.affinity_id) {
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    e.insert(crate::datapath::affinity::AffinityPolicy {
                         timeout_s,
                         active_backends,
-                    },
-                ))
-            })
-            .collect()
+                    });
+                }
+                std::collections::btree_map::Entry::Occupied(mut e) => {
+                    let policy = e.get_mut();
+                    policy.timeout_s = policy.timeout_s.max(timeout_s);
+                    policy
+                        .active_backends
+                        .retain(|b| active_backends.contains(b));
+                }
+            }
+        }
+        out
     }
 
     /// Whether `apply` left sets or backends for `retire` to delete.
@@ -1134,6 +1239,7 @@ mod tests {
                 .collect(),
             terminating: vec![],
             affinity_timeout: None,
+            selection: Default::default(),
             algorithm: Algorithm::Random,
             reject: false,
         }
@@ -1406,6 +1512,128 @@ mod tests {
         // marker are all that is left.
         assert_eq!(m.services.len(), 2, "{:?}", m.services);
         assert!(m.services.contains_key(&vip_key(a.addr, a.scope)));
+    }
+
+    /// sessionAffinity ids: one per group (Service port and selection),
+    /// shared by its frontends, kept across endpoint changes and restarts,
+    /// never shared with another group; the sweeper's policies by id.
+    #[test]
+    fn affinity_ids_are_shared_per_group_and_stable() {
+        let mut m = FakeMaps::default();
+        let all = [be("10.244.1.1", 80), be("10.244.1.2", 80)];
+        let sticky = |name: &str, kind, active: &[BackendAddr]| {
+            let mut s = state(name, active);
+            s.kind = kind;
+            s.affinity_timeout = Some(60);
+            s
+        };
+        let cip = fe("10.96.0.10", 80);
+        let ext_ip = fe("203.0.113.5", 80);
+        let node_port = Frontend {
+            scope: Scope::External,
+            ..fe("192.168.1.10", 30080)
+        };
+        let other = fe("10.96.0.11", 80);
+        let mut local = sticky("web", FrontendKind::LoadBalancer, &all[..1]);
+        local.selection = crate::semantics::model::Selection::NodeLocal;
+        let lb_ext = Frontend {
+            scope: Scope::External,
+            ..fe("198.51.100.1", 80)
+        };
+        let d = |active: &[BackendAddr]| {
+            desired(&[
+                (cip, sticky("web", FrontendKind::ClusterIp, active)),
+                (ext_ip, sticky("web", FrontendKind::ExternalIp, active)),
+                (node_port, sticky("web", FrontendKind::NodePort, active)),
+                (lb_ext, local.clone()),
+                (other, sticky("other", FrontendKind::ClusterIp, active)),
+            ])
+        };
+        let mut r = Reconciler::test();
+        sync(&mut r, &d(&all), &mut m);
+        let id = |m: &FakeMaps, f: &Frontend| m.services[&service_key(f)].affinity_id;
+        let web = id(&m, &cip);
+        assert_ne!(web, 0);
+        assert_eq!(id(&m, &ext_ip), web);
+        assert_eq!(id(&m, &node_port), web);
+        let ids = BTreeSet::from([web, id(&m, &lb_ext), id(&m, &other)]);
+        assert_eq!(ids.len(), 3, "groups share no id: {ids:?}");
+        // The frontend ids stay one per frontend.
+        let frontend_ids: BTreeSet<u32> = m
+            .services
+            .values()
+            .filter(|v| v.flags & service_flags::WILDCARD == 0)
+            .map(|v| v.id)
+            .collect();
+        assert_eq!(frontend_ids.len(), 5);
+        let policies = r.affinity_policies();
+        assert_eq!(policies.len(), 3);
+        assert_eq!(policies[&web].active_backends.len(), 2);
+        assert_eq!(policies[&id(&m, &lb_ext)].active_backends.len(), 1);
+
+        // An endpoint change keeps every id (no client loses its backend
+        // because another endpoint came or went).
+        let before: Vec<u32> = [cip, ext_ip, node_port, lb_ext, other]
+            .iter()
+            .map(|f| id(&m, f))
+            .collect();
+        sync(&mut r, &d(&all[1..]), &mut m);
+        let after: Vec<u32> = [cip, ext_ip, node_port, lb_ext, other]
+            .iter()
+            .map(|f| id(&m, f))
+            .collect();
+        assert_eq!(before, after);
+
+        // A restart adopts them without a write.
+        let mut r = adopt_from(&m);
+        let writes = m.writes;
+        let report = sync(&mut r, &d(&all[1..]), &mut m);
+        assert_eq!(report.frontends_adopted, 5, "{report:?}");
+        assert_eq!(m.writes, writes);
+        // ... and keeps them through the next change.
+        sync(&mut r, &d(&all), &mut m);
+        let again: Vec<u32> = [cip, ext_ip, node_port, lb_ext, other]
+            .iter()
+            .map(|f| id(&m, f))
+            .collect();
+        assert_eq!(before, again);
+
+        // Without affinity: no id; a group that comes back gets a new one.
+        let mut plain = d(&all);
+        for st in plain.frontends.values_mut() {
+            st.affinity_timeout = None;
+        }
+        sync(&mut r, &plain, &mut m);
+        assert!(m.services.values().all(|v| v.affinity_id == 0));
+        assert!(r.affinity_policies().is_empty());
+        sync(&mut r, &d(&all), &mut m);
+        assert!(
+            !before.contains(&id(&m, &cip)),
+            "ids are not reused at once"
+        );
+        assert_eq!(id(&m, &ext_ip), id(&m, &cip));
+    }
+
+    /// Frontends of one id that differ for a moment (a failed write): the
+    /// sweeper keeps only entries selectable through all of them.
+    #[test]
+    fn affinity_policies_of_a_shared_id_intersect() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("203.0.113.5", 80));
+        let mut s = state("web", &[be("10.244.1.1", 80), be("10.244.1.2", 80)]);
+        s.affinity_timeout = Some(30);
+        sync(&mut r, &desired(&[(a, s.clone()), (b, s.clone())]), &mut m);
+        let id = m.services[&service_key(&a)].affinity_id;
+        // Pretend `b` holds one backend and a longer timeout.
+        let p = r.frontends.get_mut(&b).unwrap();
+        p.slots.truncate(1);
+        p.value.active = 1;
+        p.value.affinity_timeout = 90;
+        let policies = r.affinity_policies();
+        assert_eq!(policies.len(), 1);
+        assert_eq!(policies[&id].active_backends.len(), 1);
+        assert_eq!(policies[&id].timeout_s, 90);
     }
 
     #[test]

@@ -142,6 +142,39 @@ pub enum Algorithm {
     Maglev,
 }
 
+/// Which endpoints of its Service port a frontend's backends are selected
+/// from (kube-proxy's `CategorizeEndpoints`): the traffic policy class of
+/// the frontend, the node and the family doing the rest.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum Selection {
+    /// Every endpoint of the family, narrowed by topology hints: policy
+    /// `Cluster`, and the in-cluster copies of north-south frontends.
+    #[default]
+    Cluster,
+    /// Only the endpoints on this node: policy `Local`
+    /// (`internalTrafficPolicy` for a ClusterIP, `externalTrafficPolicy`
+    /// for the `External` copies of north-south frontends).
+    NodeLocal,
+}
+
+/// The identity of one sessionAffinity decision: a Service port (as
+/// kube-proxy's `ServicePortName`: Service, port name, protocol) of one IP
+/// family, and the selection its backends come from. Every frontend of the
+/// group has the same backends by construction (the same candidates
+/// through the same selection), which is what lets one decision serve all
+/// of them: a client alternating between the ClusterIP, externalIPs,
+/// LoadBalancer IPs and NodePorts of one port keeps its backend, as with
+/// kube-proxy. Frontends of another selection (a `Local` policy) have
+/// another set and decide apart; so do other ports and other Services.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub struct AffinityGroup {
+    pub service: ServiceName,
+    pub port_name: String,
+    pub protocol: Protocol,
+    pub ipv6: bool,
+    pub selection: Selection,
+}
+
 /// Everything the datapath needs to know about one frontend.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct FrontendState {
@@ -156,6 +189,8 @@ pub struct FrontendState {
     pub terminating: Vec<BackendRef>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
+    /// Which endpoints `active` and `terminating` were selected from.
+    pub selection: Selection,
     pub algorithm: Algorithm,
     /// An `External` frontend without backends whose Service has no usable
     /// endpoint of its family anywhere: the tc path REJECTs (TCP RST, ICMP
@@ -164,6 +199,21 @@ pub struct FrontendState {
     /// as kube-proxy does. Always false for `Internal` frontends, whose
     /// emptiness the socket path already refuses.
     pub reject: bool,
+}
+
+impl FrontendState {
+    /// The sessionAffinity decision `frontend` (of this state) shares with
+    /// the other frontends of its group; `None` without affinity.
+    pub fn affinity_group(&self, frontend: &Frontend) -> Option<AffinityGroup> {
+        self.affinity_timeout?;
+        Some(AffinityGroup {
+            service: self.service.clone(),
+            port_name: self.port_name.clone(),
+            protocol: frontend.protocol,
+            ipv6: frontend.addr.is_ipv6(),
+            selection: self.selection,
+        })
+    }
 }
 
 /// The whole desired datapath.

@@ -384,6 +384,7 @@ mod tests {
             active: Vec::new(),
             terminating: Vec::new(),
             affinity_timeout: None,
+            selection: Default::default(),
             algorithm: Algorithm::Random,
             reject: false,
         }

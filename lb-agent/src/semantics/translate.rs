@@ -18,7 +18,7 @@ use crate::{
     input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
     semantics::model::{
         Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
-        Protocol, Scope, ServiceName,
+        Protocol, Scope, Selection, ServiceName,
     },
 };
 
@@ -560,6 +560,10 @@ fn translate_service(
                 active,
                 terminating,
                 affinity_timeout: settings.affinity_timeout,
+                selection: match policy {
+                    Policy::Cluster => Selection::Cluster,
+                    Policy::Local => Selection::NodeLocal,
+                },
                 algorithm: settings.algorithm,
                 reject,
             };
@@ -1678,6 +1682,136 @@ mod tests {
     const ITP_LOCAL_WEB: &str = "{apiVersion: v1, kind: Service, metadata: {name: web}, \
         spec: {clusterIP: 10.96.0.10, internalTrafficPolicy: Local, ports: [{name: http, port: 80}]}}";
 
+    /// The frontends of `docs` (on `node_a()`, node addresses 192.168.1.10
+    /// and fd00::10) grouped by the sessionAffinity decision they share:
+    /// one line per group, `scope addr:port/proto` joined by `, `; the
+    /// frontends without affinity left out.
+    fn affinity_groups(docs: &[&str]) -> Vec<String> {
+        let opts = TranslateOptions {
+            default_algorithm: Algorithm::Random,
+            node_addresses: vec!["192.168.1.10".parse().unwrap(), "fd00::10".parse().unwrap()],
+        };
+        let (state, _) = translate(&store(docs), &node_a(), &opts);
+        let mut groups: BTreeMap<crate::semantics::model::AffinityGroup, Vec<String>> =
+            BTreeMap::new();
+        for (f, st) in &state.frontends {
+            if let Some(g) = st.affinity_group(f) {
+                let scope = match f.scope {
+                    Scope::Internal => "int",
+                    Scope::External => "ext",
+                };
+                groups.entry(g).or_default().push(format!("{scope} {f}"));
+            }
+        }
+        // Frontends that share a decision have the same backends: the
+        // kernel trusts a live entry's backend through any of them.
+        for (f, st) in &state.frontends {
+            for (g, st2) in &state.frontends {
+                if st.affinity_group(f).is_some() && st.affinity_group(f) == st2.affinity_group(g) {
+                    assert_eq!(
+                        (&st.active, &st.terminating),
+                        (&st2.active, &st2.terminating),
+                        "{f} and {g} share an affinity decision"
+                    );
+                }
+            }
+        }
+        let mut out: Vec<String> = groups.into_values().map(|l| l.join(", ")).collect();
+        out.sort();
+        out
+    }
+
+    /// kube-proxy keeps one affinity decision per Service port "without
+    /// regard to which service IP was used": every frontend of a port whose
+    /// backends come from the same selection shares it.
+    #[test]
+    fn affinity_is_shared_by_the_frontends_of_one_service_port() {
+        const SLICE: &str = "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+            metadata: {name: web-1, labels: {kubernetes.io/service-name: web}}, addressType: IPv4, \
+            ports: [{name: http, port: 8080}, {name: admin, port: 9090}], \
+            endpoints: [{addresses: [10.1.0.2], nodeName: node-b}, {addresses: [10.1.0.1], nodeName: node-a}]}";
+        const SLICE_V6: &str = "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+            metadata: {name: web-6, labels: {kubernetes.io/service-name: web}}, addressType: IPv6, \
+            ports: [{name: http, port: 8080}], endpoints: [{addresses: [\"fd00:1::1\"], nodeName: node-a}]}";
+        let web = |extra: &str| {
+            format!(
+                "{{apiVersion: v1, kind: Service, metadata: {{name: web}}, spec: {{type: LoadBalancer, \
+                 clusterIP: 10.96.0.10, externalIPs: [203.0.113.5], sessionAffinity: ClientIP, \
+                 ports: [{{name: http, port: 80, nodePort: 30080}}]{extra}}}, \
+                 status: {{loadBalancer: {{ingress: [{{ip: 198.51.100.1}}]}}}}}}"
+            )
+        };
+        let cluster = web("");
+        let etp_local = web(", externalTrafficPolicy: Local");
+        let itp_local = web(", internalTrafficPolicy: Local");
+        let two_ports =
+            "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, \
+            sessionAffinity: ClientIP, ports: [{name: http, port: 80}, {name: admin, port: 81}, \
+            {name: dns, port: 53, protocol: UDP}]}}";
+        let other = "{apiVersion: v1, kind: Service, metadata: {name: other}, spec: {clusterIP: 10.96.0.11, \
+            externalIPs: [203.0.113.6], sessionAffinity: ClientIP, ports: [{name: http, port: 80}]}}";
+        let other_slice = "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+            metadata: {name: other-1, labels: {kubernetes.io/service-name: other}}, addressType: IPv4, \
+            ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.1], nodeName: node-a}]}";
+        let dual = "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIPs: [10.96.0.10, \"fd00:96::10\"], \
+            ipFamilyPolicy: PreferDualStack, sessionAffinity: ClientIP, ports: [{name: http, port: 80}]}}";
+        let no_affinity =
+            "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, \
+            externalIPs: [203.0.113.5], ports: [{name: http, port: 80}]}}";
+        let cases: Vec<(&str, Vec<&str>, Vec<&str>)> = vec![
+            (
+                "Cluster policies: ClusterIP, externalIP, LB IP and NodePort share, in both scopes",
+                vec![&cluster, SLICE],
+                vec!["int 10.96.0.10:80/TCP, int 192.168.1.10:30080/TCP, ext 192.168.1.10:30080/TCP, \
+                      int 198.51.100.1:80/TCP, ext 198.51.100.1:80/TCP, int 203.0.113.5:80/TCP, ext 203.0.113.5:80/TCP"],
+            ),
+            (
+                "externalTrafficPolicy Local: the External frontends (node-local set) apart from the ClusterIP",
+                vec![&etp_local, SLICE],
+                vec![
+                    "ext 192.168.1.10:30080/TCP, ext 198.51.100.1:80/TCP, ext 203.0.113.5:80/TCP",
+                    "int 10.96.0.10:80/TCP, int 192.168.1.10:30080/TCP, int 198.51.100.1:80/TCP, int 203.0.113.5:80/TCP",
+                ],
+            ),
+            (
+                "internalTrafficPolicy Local: the ClusterIP (node-local set) apart from the north-south frontends",
+                vec![&itp_local, SLICE],
+                vec![
+                    "int 10.96.0.10:80/TCP",
+                    "int 192.168.1.10:30080/TCP, ext 192.168.1.10:30080/TCP, int 198.51.100.1:80/TCP, \
+                     ext 198.51.100.1:80/TCP, int 203.0.113.5:80/TCP, ext 203.0.113.5:80/TCP",
+                ],
+            ),
+            (
+                "two ports (and two protocols) of one Service never share",
+                vec![two_ports, SLICE],
+                vec!["int 10.96.0.10:53/UDP", "int 10.96.0.10:80/TCP", "int 10.96.0.10:81/TCP"],
+            ),
+            (
+                "two Services never share",
+                vec![&cluster, SLICE, other, other_slice],
+                vec![
+                    "int 10.96.0.10:80/TCP, int 192.168.1.10:30080/TCP, ext 192.168.1.10:30080/TCP, \
+                     int 198.51.100.1:80/TCP, ext 198.51.100.1:80/TCP, int 203.0.113.5:80/TCP, ext 203.0.113.5:80/TCP",
+                    "int 10.96.0.11:80/TCP, int 203.0.113.6:80/TCP, ext 203.0.113.6:80/TCP",
+                ],
+            ),
+            (
+                "the two families of a dual-stack Service decide apart",
+                vec![dual, SLICE, SLICE_V6],
+                vec!["int 10.96.0.10:80/TCP", "int [fd00:96::10]:80/TCP"],
+            ),
+            ("without affinity: no group", vec![no_affinity, SLICE], vec![]),
+        ];
+        for (name, docs, want) in cases {
+            let want: Vec<String> = want
+                .iter()
+                .map(|w| w.split_whitespace().collect::<Vec<_>>().join(" "))
+                .collect();
+            assert_eq!(affinity_groups(&docs), want, "{name}");
+        }
+    }
+
     #[test]
     fn traffic_policies_and_north_south() {
         run(vec![
@@ -1966,6 +2100,7 @@ mod tests {
                 active: vec![backend],
                 terminating: vec![],
                 affinity_timeout: Some(DEFAULT_AFFINITY_TIMEOUT),
+                selection: Selection::Cluster,
                 algorithm: Algorithm::Maglev,
                 reject: false,
             }
