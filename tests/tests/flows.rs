@@ -491,6 +491,27 @@ fn failed(st: &[FlowState]) -> Vec<String> {
         .collect()
 }
 
+/// Closes the flows of `f` (named `name`), noting failures as `note` does;
+/// their final states.
+fn close(
+    f: &mut EchoFlows,
+    name: &str,
+    bad: &mut Vec<String>,
+    seen: &mut std::collections::BTreeSet<String>,
+) -> Vec<FlowState> {
+    let st = f.event(Some("close"));
+    note(bad, seen, &format!("{name}, close"), &st);
+    st
+}
+
+/// `echo_problems` of the final states, once every server has reported
+/// them (or 10 s have passed).
+fn server_problems(bed: &Bed, finals: &[FlowState]) -> Vec<String> {
+    let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
+    let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
+    echo_problems(finals, &servers)
+}
+
 /// The server side of echo flows: exactly one connection per flow id, on
 /// the backend that greeted it, that echoed every byte the client sent.
 fn echo_problems(flows: &[FlowState], servers: &[tcpflow::ServerReport]) -> Vec<String> {
@@ -591,13 +612,9 @@ fn out_of_window_rst_does_not_end_a_flow() {
             &format!("{name}, ping after 3 s idle"),
             &st,
         );
-        let st = f.event(Some("close"));
-        note(&mut bad, &mut seen, &format!("{name}, close"), &st);
-        finals.extend(st);
+        finals.extend(close(f, name, &mut bad, &mut seen));
     }
-    let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
-    let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
-    let server_bad = echo_problems(&finals, &servers);
+    let server_bad = server_problems(&bed, &finals);
     let rsts = pod_rsts(c) - rsts0;
     println!(
         "out-of-window RST:\n  {}\n  flows broken: {} of {}\n  RSTs sent by the pods: {rsts}",
@@ -728,13 +745,9 @@ fn spoofed_syn_flood_spares_established_flows_and_new_clients() {
             &format!("{name}, after the flood"),
             &st,
         );
-        let st = f.event(Some("close"));
-        note(&mut bad, &mut seen, &format!("{name}, close"), &st);
-        finals.extend(st);
+        finals.extend(close(f, name, &mut bad, &mut seen));
     }
-    let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
-    let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
-    let server_bad = echo_problems(&finals, &servers);
+    let server_bad = server_problems(&bed, &finals);
     let rsts = pod_rsts(c) - rsts0;
     // The legitimate client during the flood (started 1 s before it).
     let during: Vec<&ClientReport> = legit
@@ -901,13 +914,9 @@ fn connections_nated_by_kube_proxy_before_the_agent_keep_flowing() {
         }
     }
     for (name, f) in &mut sets {
-        let st = f.event(Some("close"));
-        note(&mut bad, &mut seen, &format!("{name}, close"), &st);
-        finals.extend(st);
+        finals.extend(close(f, name, &mut bad, &mut seen));
     }
-    let ids: Vec<String> = finals.iter().map(|f| f.id.clone()).collect();
-    let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
-    let server_bad = echo_problems(&finals, &servers);
+    let server_bad = server_problems(&bed, &finals);
     let rsts = pod_rsts(c) - rsts0;
     // The counters reach /metrics at the agent's next sweep (5 s).
     let passed = || {

@@ -1573,16 +1573,15 @@ mod tests {
 
         // An endpoint change keeps every id (no client loses its backend
         // because another endpoint came or went).
-        let before: Vec<u32> = [cip, ext_ip, node_port, lb_ext, other]
-            .iter()
-            .map(|f| id(&m, f))
-            .collect();
+        let ids = |m: &FakeMaps| -> Vec<u32> {
+            [cip, ext_ip, node_port, lb_ext, other]
+                .iter()
+                .map(|f| id(m, f))
+                .collect()
+        };
+        let before = ids(&m);
         sync(&mut r, &d(&all[1..]), &mut m);
-        let after: Vec<u32> = [cip, ext_ip, node_port, lb_ext, other]
-            .iter()
-            .map(|f| id(&m, f))
-            .collect();
-        assert_eq!(before, after);
+        assert_eq!(before, ids(&m));
 
         // A restart adopts them without a write.
         let mut r = adopt_from(&m);
@@ -1592,11 +1591,7 @@ mod tests {
         assert_eq!(m.writes, writes);
         // ... and keeps them through the next change.
         sync(&mut r, &d(&all), &mut m);
-        let again: Vec<u32> = [cip, ext_ip, node_port, lb_ext, other]
-            .iter()
-            .map(|f| id(&m, f))
-            .collect();
-        assert_eq!(before, again);
+        assert_eq!(before, ids(&m));
 
         // Without affinity: no id; a group that comes back gets a new one.
         let mut plain = d(&all);

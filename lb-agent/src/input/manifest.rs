@@ -1262,13 +1262,8 @@ mod tests {
 
     /// The store's content as sorted "Kind ns/name" labels.
     fn contents(store: &Store) -> Vec<String> {
-        let s = store;
-        labels(
-            s.services.keys(),
-            s.slices.keys(),
-            s.endpoints.keys(),
-            s.nodes.keys(),
-        )
+        let (services, slices) = (store.services.keys(), store.slices.keys());
+        labels(services, slices, store.endpoints.keys(), store.nodes.keys())
     }
 
     const SERVICE_WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n";
@@ -1511,12 +1506,12 @@ mod tests {
 
     /// The changes as sorted "Kind key" labels.
     fn changed(changes: &Changes) -> Vec<String> {
-        let c = changes;
+        let (services, slices) = (changes.services.iter(), changes.slices.iter());
         labels(
-            c.services.iter(),
-            c.slices.iter(),
-            c.endpoints.iter(),
-            c.nodes.iter(),
+            services,
+            slices,
+            changes.endpoints.iter(),
+            changes.nodes.iter(),
         )
     }
 
