@@ -1761,3 +1761,80 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
         "the reply gets its frontend back"
     );
 }
+
+/// Cost of tc_ingress per kind of packet of a masqueraded TCP flow, through
+/// BPF_PROG_TEST_RUN, for BENCHMARKS.md's account of the tc path's cost
+/// (`--ignored --nocapture`; times are printed, never asserted). Every
+/// packet must still be translated and redirected.
+#[test]
+#[ignore]
+fn cost_by_packet_kind() {
+    if skip() {
+        return;
+    }
+    let mut fx = Fixture::new();
+    fx.backend(1, "10.244.2.10", 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 9, &[1]);
+    let client = "192.168.77.100";
+    let mut cost: std::collections::BTreeMap<&str, Vec<u128>> = Default::default();
+    let mut timed = |fx: &mut Fixture, kind: &'static str, f: &Frame| -> Vec<u8> {
+        let data = f.bytes();
+        let p: &mut SchedClassifier = fx
+            .ebpf
+            .program_mut("tc_ingress")
+            .unwrap()
+            .try_into()
+            .unwrap();
+        let mut out = vec![0u8; data.len() + 1024];
+        let r = p
+            .test_run(TestRunOptions {
+                data_in: Some(&data),
+                data_out: Some(&mut out),
+                repeat: 1,
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(r.return_value, REDIRECT, "{kind}");
+        cost.entry(kind).or_default().push(r.duration.as_nanos());
+        out.truncate(r.data_size_out as usize);
+        out
+    };
+    for i in 0..100u16 {
+        let cport = 20_000 + i;
+        let out = timed(
+            &mut fx,
+            "1 SYN (new flow)",
+            &Frame::tcp(client, cport, NODE4, 30080, TCP_SYN),
+        );
+        let snat = parse(&out).sport;
+        timed(
+            &mut fx,
+            "2 SYN-ACK (promoted)",
+            &Frame::tcp("10.244.2.10", 8080, NODE4, snat, TCP_SYN | TCP_ACK),
+        );
+        timed(
+            &mut fx,
+            "3 ACK (established)",
+            &Frame::tcp(client, cport, NODE4, 30080, TCP_ACK),
+        );
+        timed(
+            &mut fx,
+            "4 reply ACK",
+            &Frame::tcp("10.244.2.10", 8080, NODE4, snat, TCP_ACK),
+        );
+        timed(
+            &mut fx,
+            "5 RST",
+            &Frame::tcp(client, cport, NODE4, 30080, TCP_RST | TCP_ACK),
+        );
+    }
+    for (k, mut v) in cost {
+        v.sort();
+        println!(
+            "{k}: median {} ns, p10 {} ns, p90 {} ns",
+            v[v.len() / 2],
+            v[v.len() / 10],
+            v[v.len() * 9 / 10]
+        );
+    }
+}
