@@ -26,6 +26,7 @@ const HEALTH_PORT: u16 = 32000;
 const LB_LOCAL: &str = "203.0.113.10";
 const EXTERNAL_IP: &str = "203.0.113.20";
 const LB_RANGED: &str = "203.0.113.30";
+const LB_RANGED_V6_ONLY: &str = "203.0.113.40";
 const REFUSED_EXTERNAL_IP: &str = "198.51.100.66";
 
 fn service(name: &str, cluster_ips: &[&str], spec: Value, status: Value) -> Value {
@@ -106,6 +107,16 @@ fn setup(tag: &str) -> Cluster {
             json!({"loadBalancer": {"ingress": [{"ip": LB_RANGED}]}}),
         ),
         c.slice("ranged", &all, false, "TCP"),
+        // Ranges of the other family only: open (kube-proxy splits them by
+        // family).
+        service(
+            "ranged6",
+            &["10.96.0.15"],
+            json!({"type": "LoadBalancer", "ports": port(30088, "TCP"),
+                "loadBalancerSourceRanges": ["fd00:77::100/128"]}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_RANGED_V6_ONLY}]}}),
+        ),
+        c.slice("ranged6", &all, false, "TCP"),
         // An externalIP outside --allowed-external-ip-cidrs.
         service(
             "evil",
@@ -268,9 +279,22 @@ fn load_balancer_ips_external_ips_and_source_ranges() {
     assert_eq!(ok_count(&a), 10, "{}", show(&a));
     let a = c.from_netns(&c.client2_netns, "tcp", &format!("{LB_RANGED}:80"), 3);
     assert_eq!(ok_count(&a), 0, "outside the source ranges: {}", show(&a));
-    // The same client may use a frontend without ranges.
+    // The same client may use a frontend without ranges, and one whose
+    // ranges are all of the other family.
     let a = c.from_netns(&c.client2_netns, "tcp", &format!("{EXTERNAL_IP}:80"), 5);
     assert_eq!(ok_count(&a), 5, "{}", show(&a));
+    let a = c.from_netns(
+        &c.client2_netns,
+        "tcp",
+        &format!("{LB_RANGED_V6_ONLY}:80"),
+        5,
+    );
+    assert_eq!(
+        ok_count(&a),
+        5,
+        "IPv6 ranges close an IPv4 LB IP: {}",
+        show(&a)
+    );
     // CVE-2020-8554: the externalIP outside the allowed CIDRs is not served.
     let a = c.from_client("tcp", &format!("{REFUSED_EXTERNAL_IP}:80"), 3);
     assert_eq!(ok_count(&a), 0, "{}", show(&a));

@@ -559,10 +559,16 @@ impl SourceRangeWriter {
 
 /// What `LB_SOURCE_RANGES` must hold for `wanted`: per frontend a DENY
 /// marker (the frontend's 160 bits) and an ALLOW entry per range of its
-/// family, host bits zeroed.
+/// family, host bits zeroed. Ranges bind per family, as kube-proxy's
+/// `serviceport.go` splits them: a frontend without a range of its own
+/// family is open (an IPv4 LoadBalancer IP of a Service whose ranges are
+/// all IPv6 serves everyone), so it gets no marker.
 fn range_entries(wanted: &BTreeMap<Frontend, Vec<Cidr>>) -> RangeEntries {
     let mut want = RangeEntries::new();
     for (f, ranges) in wanted {
+        if !ranges.iter().any(|c| c.addr.is_ipv4() == f.addr.is_ipv4()) {
+            continue;
+        }
         let base = SourceRangeData {
             addr: addr_bytes(f.addr),
             port: f.port,
@@ -828,6 +834,18 @@ mod tests {
             .iter()
             .map(|((bits, d), v)| (*bits, ip_from_bytes(&d.src), *v))
             .collect()
+    }
+
+    /// kube-proxy splits the ranges by family: an IPv4 frontend whose
+    /// ranges are all IPv6 is open, not closed to everyone.
+    #[test]
+    fn a_frontend_without_ranges_of_its_family_is_open() {
+        assert!(range_entries(&ranged("203.0.113.30", &["fd00::/8"])).is_empty());
+        assert!(range_entries(&ranged("fd00:96::30", &["10.0.0.0/8"])).is_empty());
+        assert_eq!(
+            range_entries(&ranged("fd00:96::30", &["10.0.0.0/8", "fd00::/8"])).len(),
+            2
+        );
     }
 
     #[test]
