@@ -270,6 +270,25 @@ fn set_addr(ctx: &TcContext, p: &Pkt, is_src: bool, old: &[u8; 16], new: &[u8; 1
     }
 }
 
+/// Rewrites the source and destination of the IPv4 header at `hdr`, each
+/// as (old, new) in network order, with the header checksum; the transport
+/// checksum is the caller's.
+#[inline(always)]
+pub(crate) fn set_ipv4_addrs(
+    ctx: &TcContext,
+    hdr: usize,
+    (old_src, new_src): (u32, u32),
+    (old_dst, new_dst): (u32, u32),
+) -> bool {
+    ctx.l3_csum_replace(hdr + 10, old_src as u64, new_src as u64, 4)
+        .is_ok()
+        && ctx
+            .l3_csum_replace(hdr + 10, old_dst as u64, new_dst as u64, 4)
+            .is_ok()
+        && ctx.store(hdr + 12, &new_src, 0).is_ok()
+        && ctx.store(hdr + 16, &new_dst, 0).is_ok()
+}
+
 #[inline(always)]
 fn set_port(ctx: &TcContext, p: &Pkt, is_src: bool, old: u16, new: u16) -> bool {
     if old == new {
@@ -797,14 +816,7 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
     // The quoted header: frontend -> client becomes backend -> client (or
     // node address and SNAT port); its IP checksum, then the ICMP checksum
     // over every changed quoted byte.
-    let ok = ctx
-        .l3_csum_replace(inner + 10, old_src as u64, backend as u64, 4)
-        .is_ok()
-        && ctx
-            .l3_csum_replace(inner + 10, old_dst as u64, peer as u64, 4)
-            .is_ok()
-        && ctx.store(inner + 12, &backend, 0).is_ok()
-        && ctx.store(inner + 16, &peer, 0).is_ok()
+    let ok = set_ipv4_addrs(ctx, inner, (old_src, backend), (old_dst, peer))
         && ctx.store(ports, &e.nat_dport.to_be(), 0).is_ok()
         && ctx.store(ports + 2, &e.nat_sport.to_be(), 0).is_ok();
     if !ok {

@@ -20,7 +20,8 @@ use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, progra
 use lb_common::{ct_flags, frag_flags, proto, stat, CtEntry, FragEntry, FragKey};
 
 use super::{
-    at, route, Pkt, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
+    at, route, set_ipv4_addrs, Pkt, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK, TC_ACT_SHOT,
+    TC_ACT_UNSPEC,
 };
 use crate::maps::{count, this_cpu, LB_FRAGMENTS};
 
@@ -270,11 +271,5 @@ fn set_ip_addrs(ctx: &TcContext, v6: bool, key: &FragKey, e: &FragEntry) -> bool
         word(&e.nat_src),
         word(&e.nat_dst),
     );
-    ctx.l3_csum_replace(ETH_HLEN + 10, os as u64, ns as u64, 4)
-        .is_ok()
-        && ctx
-            .l3_csum_replace(ETH_HLEN + 10, od as u64, nd as u64, 4)
-            .is_ok()
-        && ctx.store(ETH_HLEN + 12, &ns, 0).is_ok()
-        && ctx.store(ETH_HLEN + 16, &nd, 0).is_ok()
+    set_ipv4_addrs(ctx, ETH_HLEN, (os, ns), (od, nd))
 }
