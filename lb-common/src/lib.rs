@@ -54,6 +54,13 @@ pub mod service_flags {
     /// (LoadBalancer IPs, externalIPs) it would be forwarded, so there it
     /// drops, as kube-proxy's `KUBE-FORWARD` drops INVALID.
     pub const NODE_ADDRESS: u16 = 1 << 4;
+    /// Set by the agent on a LoadBalancer frontend (either scope) whose
+    /// Service has `loadBalancerSourceRanges` of the frontend's family:
+    /// `LB_SOURCE_RANGES` decides who may use it. The socket path needs to
+    /// know before it can see the source (the kernel picks it after
+    /// connect), so it marks the socket for `cgroup_egress` (see
+    /// `SockSourceCheck`); the tc path looks the trie up for every new flow.
+    pub const SOURCE_RANGES: u16 = 1 << 5;
 }
 
 /// `Backend::flags`.
@@ -228,6 +235,32 @@ pub struct SockPeer {
     pub frontend_addr: [u8; 16],
     pub backend_port: u16,
     pub frontend_port: u16,
+}
+
+/// A socket connected or sending to a frontend with
+/// `service_flags::SOURCE_RANGES`. Value of the socket storage map
+/// `LB_SOCK_CHECK`: its presence makes `cgroup_egress` check the source
+/// of the socket's packets against `LB_SOURCE_RANGES` (kube-proxy checks
+/// the ranges on OUTPUT as on PREROUTING). Sockets of other frontends have
+/// none, so their packets cost one failed storage lookup.
+///
+/// | offset | field     | meaning                         |
+/// |--------|-----------|---------------------------------|
+/// | 0      | `verdict` | a `source_check` value          |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SockSourceCheck {
+    pub verdict: u32,
+}
+
+/// `SockSourceCheck::verdict`.
+pub mod source_check {
+    /// Every packet is checked (a TCP socket before its first packet, and
+    /// every UDP socket: its datagrams may leave from any address).
+    pub const PENDING: u32 = 0;
+    /// A TCP socket whose first packet was allowed: its source cannot
+    /// change, so later packets pass unchecked.
+    pub const ALLOWED: u32 = 1;
 }
 
 /// `AffinityKey::kind`: what identifies the client.
@@ -594,7 +627,11 @@ pub mod stat {
     /// tc path, passed to the node's stack: a TCP packet without SYN and
     /// without a flow, to a NodePort (`service_flags::NODE_ADDRESS`).
     pub const TC_PASS_NO_FLOW: u32 = 20;
-    pub const COUNT: u32 = 21;
+    /// Socket path, dropped at `cgroup_egress`: a pod's or host process's
+    /// packet to a LoadBalancer frontend from outside its
+    /// `loadBalancerSourceRanges` (kube-proxy drops it on OUTPUT).
+    pub const SOCK_DROP_SOURCE_RANGE: u32 = 21;
+    pub const COUNT: u32 = 22;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -618,6 +655,7 @@ pub mod stat {
         "tc_frag_needed",
         "tc_drop_fragment",
         "tc_pass_no_flow",
+        "sock_drop_source_range",
     ];
 }
 
@@ -635,7 +673,8 @@ pub mod map_names {
     pub const SOURCE_RANGES: &str = "LB_SOURCE_RANGES";
     pub const TC_CONFIG: &str = "LB_TC_CONFIG";
     pub const FRAGMENTS: &str = "LB_FRAGMENTS";
-    pub const ALL: [&str; 12] = [
+    pub const SOCK_CHECK: &str = "LB_SOCK_CHECK";
+    pub const ALL: [&str; 13] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -648,6 +687,7 @@ pub mod map_names {
         SOURCE_RANGES,
         TC_CONFIG,
         FRAGMENTS,
+        SOCK_CHECK,
     ];
 }
 
@@ -684,6 +724,7 @@ const _: () = {
     assert!(core::mem::size_of::<ReverseSockKey>() == 32);
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
     assert!(core::mem::size_of::<SockPeer>() == 36);
+    assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);
@@ -708,6 +749,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockKey {}
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for SockPeer {}
+    unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
     unsafe impl aya::Pod for CtKey {}

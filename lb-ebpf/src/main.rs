@@ -5,19 +5,23 @@
 //! routes anything, so there is no per-packet NAT; recvmsg and getpeername
 //! translate back so that the application only ever sees the frontend.
 //!
+//! `cgroup_egress` applies `loadBalancerSourceRanges` to the sockets the
+//! hooks sent to a restricted frontend, once their source is known.
+//!
 //! The tc programs (`tc_ingress`, `tc_egress`) serve north-south traffic on
 //! the node's external devices: NodePorts, LoadBalancer IPs, externalIPs.
 #![no_std]
 #![no_main]
 
+mod egress;
 mod lb;
 mod maps;
 mod sock;
 mod tc;
 
 use aya_ebpf::{
-    macros::{cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{cgroup_skb, cgroup_sock_addr, classifier},
+    programs::{SkBuffContext, SockAddrContext, TcContext},
 };
 
 #[classifier]
@@ -68,6 +72,11 @@ pub fn getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx, sock::Family::V6)
+}
+
+#[cgroup_skb(egress)]
+pub fn cgroup_egress(ctx: SkBuffContext) -> i32 {
+    egress::egress(&ctx)
 }
 
 #[cfg(not(test))]

@@ -7,7 +7,7 @@ use aya_ebpf::{
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
     CtEntry, CtKey, FragEntry, FragKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
-    SockPeer, SourceRangeData, TcConfig,
+    SockPeer, SockSourceCheck, SourceRangeData, TcConfig,
 };
 
 #[btf_map]
@@ -32,6 +32,11 @@ pub static LB_REV_SOCK: LruHashMap<
 /// The reverse view of connected TCP sockets, stored with the socket.
 #[btf_map]
 pub static LB_SOCK_PEER: SkStorage<SockPeer> = SkStorage::new();
+
+/// Sockets whose packets `cgroup_egress` checks against
+/// `LB_SOURCE_RANGES`, stored with the socket.
+#[btf_map]
+pub static LB_SOCK_CHECK: SkStorage<SockSourceCheck> = SkStorage::new();
 
 #[btf_map]
 pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityEntry, { capacity::AFFINITY as usize }> =

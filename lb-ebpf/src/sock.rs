@@ -12,13 +12,13 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, stat, AffinityKey, Backend,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
+    ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check, stat,
+    AffinityKey, Backend, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
 };
 
 use crate::{
     lb,
-    maps::{count, LB_REV_SOCK, LB_SERVICES, LB_SOCK_PEER},
+    maps::{count, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER},
 };
 
 /// Let the syscall proceed (with whatever address the program left).
@@ -181,6 +181,9 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
     if !write_addr(ctx, family, &backend.addr, backend.port) {
         return refuse(ctx);
     }
+    if svc.flags & service_flags::SOURCE_RANGES != 0 && !mark_for_source_check(ctx) {
+        return refuse(ctx);
+    }
     if proto == proto::TCP {
         remember_peer(ctx, &dst, &backend);
     } else {
@@ -188,6 +191,23 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
     }
     count(stat::TRANSLATED);
     PROCEED
+}
+
+/// The source of a connect is chosen by the kernel after this hook, so
+/// `loadBalancerSourceRanges` are checked on the socket's packets
+/// (`egress`); this marks the socket for it. Without the mark the ranges
+/// could not be enforced, so `false` (no memory for it) refuses.
+#[inline(always)]
+fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
+    // SAFETY: the helper takes the context's own socket.
+    let check = unsafe { LB_SOCK_CHECK.get_or_insert_ptr_mut(ctx, None) };
+    if check.is_null() {
+        return false;
+    }
+    // SAFETY: non-null storage of this socket. A reconnect (to this or
+    // another frontend) is checked afresh.
+    unsafe { (*check).verdict = source_check::PENDING };
+    true
 }
 
 /// A TCP socket's one peer, kept with the socket and freed with it.

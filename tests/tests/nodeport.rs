@@ -27,6 +27,7 @@ const LB_LOCAL: &str = "203.0.113.10";
 const EXTERNAL_IP: &str = "203.0.113.20";
 const LB_RANGED: &str = "203.0.113.30";
 const LB_RANGED_V6_ONLY: &str = "203.0.113.40";
+const LB_RANGED_PODS: &str = "203.0.113.31";
 const REFUSED_EXTERNAL_IP: &str = "198.51.100.66";
 
 fn service(name: &str, cluster_ips: &[&str], spec: Value, status: Value) -> Value {
@@ -117,6 +118,24 @@ fn setup(tag: &str) -> Cluster {
             json!({"loadBalancer": {"ingress": [{"ip": LB_RANGED_V6_ONLY}]}}),
         ),
         c.slice("ranged6", &all, false, "TCP"),
+        // Ranges that admit one pod of n1, for the socket path.
+        service(
+            "ranged-pods",
+            &["10.96.0.16"],
+            json!({"type": "LoadBalancer",
+                "ports": [
+                    {"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080, "nodePort": 30091},
+                    {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 8080, "nodePort": 30092}],
+                "loadBalancerSourceRanges": [format!("{}/32", n1p0.ipv4)]}),
+            json!({"loadBalancer": {"ingress": [{"ip": LB_RANGED_PODS}]}}),
+        ),
+        {
+            let mut slice = c.slice("ranged-pods", &all, false, "TCP");
+            slice["ports"] = json!([
+                {"name": "http", "port": 8080, "protocol": "TCP"},
+                {"name": "dns", "port": 8080, "protocol": "UDP"}]);
+            slice
+        },
         // An externalIP outside --allowed-external-ip-cidrs.
         service(
             "evil",
@@ -659,6 +678,54 @@ fn pods_and_host_processes_use_the_socket_path_hairpin_included() {
     );
     assert_eq!(ok_count(&a), 30, "{}", show(&a));
     assert_eq!(backends(&a).len(), 3, "{}", show(&a));
+}
+
+/// `loadBalancerSourceRanges` bind pods and host processes too, as
+/// kube-proxy checks them on OUTPUT as on PREROUTING: through the socket
+/// path a source inside the ranges reaches every endpoint, one outside is
+/// dropped (TCP, unconnected and connected UDP); the Service's ClusterIP
+/// and its LoadBalancer IPs without ranges stay open to everyone.
+#[test]
+fn source_ranges_bind_pods_and_host_processes() {
+    require_root!();
+    let c = setup("ranges-in");
+    let n1p0 = c.pod("n1p0").netns.clone();
+    let n1p1 = c.pod("n1p1").netns.clone();
+    let node2 = c.nodes[1].netns.clone();
+    for (proto, port) in [("tcp", 80), ("udp", 53), ("udp-connected", 53)] {
+        let target = format!("{LB_RANGED_PODS}:{port}");
+        let a = c.from_pod(1, &n1p0, proto, &target, 30);
+        assert_eq!(ok_count(&a), 30, "{proto} inside the ranges: {}", show(&a));
+        assert_eq!(backends(&a).len(), 3, "{proto}: {}", show(&a));
+        let a = c.from_pod(1, &n1p1, proto, &target, 4);
+        assert_eq!(ok_count(&a), 0, "{proto}, a pod outside: {}", show(&a));
+        let a = c.from_pod(2, &node2, proto, &target, 4);
+        assert_eq!(
+            ok_count(&a),
+            0,
+            "{proto}, a host process outside: {}",
+            show(&a)
+        );
+        // kube-proxy filters the load balancer IPs only.
+        let a = c.from_pod(1, &n1p1, proto, &format!("10.96.0.16:{port}"), 5);
+        assert_eq!(ok_count(&a), 5, "{proto}, the ClusterIP: {}", show(&a));
+    }
+    // Ranges that admit the external client only close the LB IP to pods;
+    // a range of the other family only leaves it open.
+    let a = c.from_pod(1, &n1p0, "tcp", &format!("{LB_RANGED}:80"), 4);
+    assert_eq!(ok_count(&a), 0, "{}", show(&a));
+    let a = c.from_pod(1, &n1p0, "tcp", &format!("{LB_RANGED_V6_ONLY}:80"), 5);
+    assert_eq!(ok_count(&a), 5, "{}", show(&a));
+    let a = c.from_pod(1, &n1p0, "tcp", &format!("{EXTERNAL_IP}:80"), 5);
+    assert_eq!(ok_count(&a), 5, "{}", show(&a));
+    // Dropped packets are counted (at least one per TCP attempt above).
+    let (_, m) = c.agents[0].metrics().unwrap();
+    let dropped = m
+        .lines()
+        .find_map(|l| l.strip_prefix("lb_datapath_events_total{event=\"sock_drop_source_range\"} "))
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .unwrap_or(0);
+    assert!(dropped >= 8, "sock_drop_source_range {dropped}:\n{m}");
 }
 
 /// Standalone mode without a Node object: the node addresses come from

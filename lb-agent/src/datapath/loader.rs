@@ -11,7 +11,7 @@ use aya::{
     maps::{HashMap, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
-        CgroupAttachMode, CgroupSockAddr,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr,
     },
     Ebpf, EbpfLoader,
 };
@@ -78,6 +78,10 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "getpeername4",
     "getpeername6",
 ];
+
+/// The cgroup skb egress program that applies `loadBalancerSourceRanges` to
+/// the sockets the socket programs marked (see `lb-ebpf/src/egress.rs`).
+pub const EGRESS_PROGRAM: &str = "cgroup_egress";
 
 /// The mount point whose filesystem type is `fstype`, from /proc/mounts.
 pub fn find_mount(fstype: &str) -> anyhow::Result<Option<PathBuf>> {
@@ -246,7 +250,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 13] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -265,6 +269,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
             c.max_reverse_sockets,
         ),
         layout::<i32, SockPeer>(map_names::SOCK_PEER, SK_STORAGE, 0),
+        layout::<i32, lb_common::SockSourceCheck>(map_names::SOCK_CHECK, SK_STORAGE, 0),
         layout::<AffinityKey, AffinityEntry>(map_names::AFFINITY, LRU_HASH, c.max_affinity),
         layout::<u32, u64>(map_names::STATS, PERCPU_ARRAY, lb_common::stat::COUNT),
         layout::<CtKey, CtEntry>(map_names::CONNTRACK, LRU_HASH, c.max_conntrack),
@@ -378,6 +383,13 @@ fn sock_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Cg
         .with_context(|| format!("program {name} is not a cgroup sock_addr program"))
 }
 
+fn egress_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut CgroupSkb> {
+    ebpf.program_mut(EGRESS_PROGRAM)
+        .with_context(|| format!("program {EGRESS_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("program {EGRESS_PROGRAM} is not a cgroup skb program"))
+}
+
 /// Forwards the programs' aya-log records to the agent's log (they arrive
 /// at debug level and rarely: only on paths that indicate a problem).
 pub fn forward_kernel_logs(logger: KernelLogger) -> anyhow::Result<()> {
@@ -458,6 +470,8 @@ impl Datapath {
             let program = sock_program(&mut ebpf, name)?;
             verify(|| program.load()).with_context(|| format!("verifying program {name}"))?;
         }
+        let egress = egress_program(&mut ebpf)?;
+        verify(|| egress.load()).with_context(|| format!("verifying program {EGRESS_PROGRAM}"))?;
 
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name)
@@ -503,6 +517,22 @@ impl Datapath {
                 .with_context(|| format!("link of {name}"))?;
             replaced += usize::from(pin_replacing(link, &links_dir, name, name)?);
         }
+        let egress = egress_program(&mut self._ebpf)?;
+        let link_id = egress
+            .attach(
+                &cgroup_dir,
+                CgroupSkbAttachType::Egress,
+                CgroupAttachMode::Single,
+            )
+            .with_context(|| format!("attaching {EGRESS_PROGRAM} to {}", cgroup.display()))?;
+        let link = FdLink::try_from(egress.take_link(link_id)?)
+            .with_context(|| format!("link of {EGRESS_PROGRAM}"))?;
+        replaced += usize::from(pin_replacing(
+            link,
+            &links_dir,
+            EGRESS_PROGRAM,
+            EGRESS_PROGRAM,
+        )?);
         Ok(replaced)
     }
 
@@ -765,7 +795,7 @@ mod tests {
         // A second load adopts the pinned maps and replaces the links.
         let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
         assert_eq!(adopted.services, vec![(key, value)]);
-        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len());
+        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 1);
         drop(dp);
         // Other capacities: the service maps are recreated, and reported.
         let bigger = Capacity {

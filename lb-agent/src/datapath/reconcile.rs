@@ -334,6 +334,9 @@ fn service_value(
     if state.kind == FrontendKind::NodePort && frontend.scope == Scope::External {
         flags |= service_flags::NODE_ADDRESS;
     }
+    if state.source_ranges {
+        flags |= service_flags::SOURCE_RANGES;
+    }
     ServiceValue {
         id,
         backend_set,
@@ -1242,6 +1245,7 @@ mod tests {
             selection: Default::default(),
             algorithm: Algorithm::Random,
             reject: false,
+            source_ranges: false,
         }
     }
 

@@ -199,6 +199,11 @@ pub struct FrontendState {
     /// as kube-proxy does. Always false for `Internal` frontends, whose
     /// emptiness the socket path already refuses.
     pub reject: bool,
+    /// A LoadBalancer frontend whose Service lists `loadBalancerSourceRanges`
+    /// of the frontend's family (kube-proxy splits them per family; a family
+    /// without ranges is open). On both scopes: kube-proxy checks the ranges
+    /// on OUTPUT too, so pods and host processes are bound by them.
+    pub source_ranges: bool,
 }
 
 impl FrontendState {

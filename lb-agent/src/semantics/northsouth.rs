@@ -5,9 +5,7 @@
 //! Pure functions over the store and the desired state, with table tests.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    fmt,
     net::IpAddr,
-    str::FromStr,
 };
 
 use k8s_openapi::api::core::v1::Node;
@@ -22,63 +20,7 @@ use crate::{
 
 const SOURCE: &str = "translate";
 
-/// An address prefix, `10.0.0.0/8` or `fd00::/8`; a bare address is a /32
-/// or /128.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Cidr {
-    pub addr: IpAddr,
-    pub prefix: u8,
-}
-
-impl Cidr {
-    pub fn contains(&self, ip: IpAddr) -> bool {
-        let ip = match ip {
-            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
-            v4 => v4,
-        };
-        match (self.addr, ip) {
-            (IpAddr::V4(net), IpAddr::V4(a)) => {
-                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
-                u32::from(net) & mask == u32::from(a) & mask
-            }
-            (IpAddr::V6(net), IpAddr::V6(a)) => {
-                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
-                u128::from(net) & mask == u128::from(a) & mask
-            }
-            _ => false,
-        }
-    }
-}
-
-impl FromStr for Cidr {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let s = s.trim();
-        let (addr, prefix) = match s.split_once('/') {
-            Some((a, p)) => (a, Some(p)),
-            None => (s, None),
-        };
-        let addr: IpAddr = addr
-            .parse()
-            .map_err(|_| format!("{s:?} is not an address prefix"))?;
-        let max = if addr.is_ipv4() { 32 } else { 128 };
-        let prefix = match prefix {
-            None => max,
-            Some(p) => p
-                .parse::<u8>()
-                .ok()
-                .filter(|p| *p <= max)
-                .ok_or_else(|| format!("{s:?}: prefix length must be 0..={max}"))?,
-        };
-        Ok(Cidr { addr, prefix })
-    }
-}
-
-impl fmt::Display for Cidr {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.addr, self.prefix)
-    }
-}
+pub use crate::base::addr::Cidr;
 
 /// `InternalIP` and `ExternalIP` addresses of a Node, in its order.
 pub fn node_object_addresses(node: &Node) -> Vec<IpAddr> {
@@ -387,6 +329,7 @@ mod tests {
             selection: Default::default(),
             algorithm: Algorithm::Random,
             reject: false,
+            source_ranges: false,
         }
     }
 

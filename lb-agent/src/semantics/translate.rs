@@ -15,6 +15,7 @@ use std::{
 use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
 
 use crate::{
+    base::addr::Cidr,
     input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
     semantics::model::{
         Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
@@ -533,6 +534,15 @@ fn translate_service(
         .collect();
     let external_ips = external_ips(spec, &families, report);
     let lb_ips = load_balancer_ips(svc, &families, report);
+    // Which families `loadBalancerSourceRanges` restrict (malformed ranges
+    // are reported by `northsouth::source_ranges`, which writes them).
+    let ranged_families: BTreeSet<Family> = spec
+        .load_balancer_source_ranges
+        .iter()
+        .flatten()
+        .filter_map(|r| r.parse::<Cidr>().ok())
+        .map(|c| Family::of(c.addr))
+        .collect();
     // Only now: the endpoints of headless and broken Services do not matter.
     let groups = endpoint_groups(ctx.store, key, slices, &mut out.endpoint_rejections);
 
@@ -566,6 +576,8 @@ fn translate_service(
                 },
                 algorithm: settings.algorithm,
                 reject,
+                source_ranges: kind == FrontendKind::LoadBalancer
+                    && ranged_families.contains(&Family::of(addr)),
             };
             out.claims.push((frontend, state, field));
         };
@@ -1242,6 +1254,9 @@ mod tests {
                 if st.reject {
                     line += " | reject";
                 }
+                if st.source_ranges {
+                    line += " | source ranges";
+                }
                 line
             })
             .collect()
@@ -1887,6 +1902,32 @@ mod tests {
                 "Service default/web status.loadBalancer.ingress[4].ip",
             ]),
             Case::new(
+                "loadBalancerSourceRanges restrict the LoadBalancer IPs of their family, in both scopes; \
+                 ClusterIP, NodePort and externalIPs stay open",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                     spec: {type: LoadBalancer, clusterIPs: [10.96.0.10, \"fd00:96::10\"], ipFamilyPolicy: PreferDualStack, \
+                     externalIPs: [203.0.113.5], loadBalancerSourceRanges: [10.0.0.0/8, bogus], \
+                     ports: [{name: http, port: 80, nodePort: 30080}]}, \
+                     status: {loadBalancer: {ingress: [{ip: 198.51.100.1}, {ip: \"2001:db8::1\"}]}}}",
+                    WEB_SLICE,
+                ],
+                &[
+                    WEB_FRONTEND,
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "int 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | source ranges",
+                    "ext 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | source ranges",
+                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "int [2001:db8::1]:80/TCP LoadBalancer default/web:http => none",
+                    "ext [2001:db8::1]:80/TCP LoadBalancer default/web:http => none | reject",
+                    "int [fd00::10]:30080/TCP NodePort default/web:http => none",
+                    "ext [fd00::10]:30080/TCP NodePort default/web:http => none | reject",
+                    "int [fd00:96::10]:80/TCP ClusterIp default/web:http => none",
+                ],
+            ),
+            Case::new(
                 "bad external IPs and traffic policy values rejected",
                 &[
                     "{apiVersion: v1, kind: Service, metadata: {name: web}, \
@@ -2103,6 +2144,7 @@ mod tests {
                 selection: Selection::Cluster,
                 algorithm: Algorithm::Maglev,
                 reject: false,
+                source_ranges: false,
             }
         );
     }
