@@ -120,6 +120,10 @@ struct Syncer {
     tc: Option<crate::datapath::tc::TcMaps>,
     /// Devices the tc programs are attached to; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
+    /// Devices the tc programs are asked for while attaching them failed:
+    /// retried every sweep, not only when the next change comes.
+    tc_failed: Option<Vec<String>>,
+    ready: Readiness,
     health_checks: HealthCheckServers,
     /// As last told to `health`.
     node_eligible: bool,
@@ -453,19 +457,48 @@ impl Syncer {
             }
         }
         if self.tc_devices.as_ref() != Some(&net.devices) {
-            let links = self.datapath.pin_dir().join("links");
-            match crate::datapath::tc::attach(self.datapath.ebpf_mut(), &links, &net.devices) {
-                Ok(replaced) => {
-                    tracing::info!(
-                        devices = ?net.devices,
-                        node_addresses = ?net.node_addresses,
-                        replaced_links = replaced,
-                        "tc programs attached"
-                    );
-                    self.tc_devices = Some(net.devices.clone());
+            self.attach_tc(&net.devices, &net.node_addresses);
+        }
+    }
+
+    /// Attaches the tc programs to `devices`. A failure keeps the agent
+    /// unready, shows in `/readyz` and `lb_tc_attach_failing`, and is
+    /// retried (`retry_tc_attach`): a device may appear later.
+    fn attach_tc(&mut self, devices: &[String], node_addresses: &[std::net::IpAddr]) {
+        let links = self.datapath.pin_dir().join("links");
+        match crate::datapath::tc::attach(self.datapath.ebpf_mut(), &links, devices) {
+            Ok(replaced) => {
+                tracing::info!(
+                    devices = ?devices,
+                    node_addresses = ?node_addresses,
+                    replaced_links = replaced,
+                    "tc programs attached"
+                );
+                self.tc_devices = Some(devices.to_vec());
+                if self.tc_failed.take().is_some() {
+                    self.ready.set_unattached(None);
+                    self.metrics.tc_attach_failing.set(0);
                 }
-                Err(e) => tracing::error!("attaching the tc programs: {e:#}"),
             }
+            Err(e) => {
+                let why = format!("tc programs not attached to {devices:?}: {e:#}");
+                if self.tc_failed.as_deref() != Some(devices) {
+                    tracing::error!("{why}; retried every sweep");
+                }
+                self.ready.set_unattached(Some(why));
+                self.metrics.tc_attach_failing.set(1);
+                self.tc_failed = Some(devices.to_vec());
+            }
+        }
+    }
+
+    fn retry_tc_attach(&mut self) {
+        if let Some(devices) = self.tc_failed.clone() {
+            let addresses = self
+                .north_south_cache
+                .as_ref()
+                .map(|c| c.net.node_addresses.clone());
+            self.attach_tc(&devices, &addresses.unwrap_or_default());
         }
     }
 
@@ -659,6 +692,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         },
         tc_devices: None,
+        tc_failed: None,
+        ready: ready.clone(),
         health_checks: HealthCheckServers::new(proxy_health.clone()),
         node_eligible: true,
         health: proxy_health.clone(),
@@ -710,6 +745,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 Some(true)
             }
             _ = sweep.tick() => {
+                syncer.retry_tc_attach();
                 syncer.sweep_affinity();
                 syncer.sweep_conntrack();
                 syncer.record_datapath_events();

@@ -80,6 +80,9 @@ pub struct AgentOpts {
     /// the cgroups and bpffs). Its health address is then reached from
     /// inside that namespace.
     pub netns: Option<String>,
+    /// Return once started, without waiting for `/readyz` (for agents
+    /// that are expected not to become ready).
+    pub no_ready_wait: bool,
 }
 
 impl Default for AgentOpts {
@@ -91,6 +94,7 @@ impl Default for AgentOpts {
             ready_timeout: Duration::from_secs(20),
             extra_args: Vec::new(),
             netns: None,
+            no_ready_wait: false,
         }
     }
 }
@@ -256,9 +260,11 @@ impl Agent {
             child,
             _cleanup: handle,
         };
-        agent
-            .wait_ready(opts.ready_timeout)
-            .with_context(|| format!("`{line}`"))?;
+        if !opts.no_ready_wait {
+            agent
+                .wait_ready(opts.ready_timeout)
+                .with_context(|| format!("`{line}`"))?;
+        }
         Ok(agent)
     }
 

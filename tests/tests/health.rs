@@ -8,10 +8,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::{api_and_env, web_env};
+use common::{api_and_env, web, web_env};
 use integration_tests::{
     nodes::{node_v4, Cluster},
-    require_root, wait_until, Agent, AgentOpts,
+    require_root, wait_until, Agent, AgentOpts, Env,
 };
 use serde_json::{json, Value};
 
@@ -255,4 +255,59 @@ fn health_check_node_ports_bind_the_node_addresses() {
         "/",
     );
     assert!(r.is_err(), "answered on 127.0.0.1: {r:?}");
+}
+
+/// A datapath part that was asked for and cannot be attached is no silent
+/// half-start: with a `--devices` entry that does not exist, `/readyz`
+/// answers 503 naming it and `lb_tc_attach_failing` is 1 while the socket
+/// path serves; once the device appears, a later sweep attaches the tc
+/// programs and the agent turns ready.
+#[test]
+fn a_device_the_tc_programs_cannot_attach_to_keeps_the_agent_unready() {
+    require_root!();
+    let mut env = Env::new("tcdev", 2).unwrap();
+    env.manifests.write("web.yaml", &web(&env)).unwrap();
+    let netns = env.topo.client_netns().to_string();
+    env.start_agent_with(AgentOpts {
+        netns: Some(netns.clone()),
+        extra_args: vec![
+            "--devices".into(),
+            "lbmissing0".into(),
+            "--sweep-interval".into(),
+            "500ms".into(),
+        ],
+        no_ready_wait: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let agent = env.agent();
+    let mut last = (0, String::new());
+    let unready = wait_until(Duration::from_secs(20), Duration::from_millis(100), || {
+        last = agent.get("/readyz").unwrap_or((0, String::new()));
+        last.0 == 503 && last.1.contains("lbmissing0")
+    });
+    assert!(unready, "/readyz: {last:?}\n{}", agent.log());
+    let (_, m) = agent.metrics().unwrap();
+    assert!(m.contains("lb_tc_attach_failing 1"), "{m}");
+    integration_tests::cmd::ip(&[
+        "-n",
+        &netns,
+        "link",
+        "add",
+        "lbmissing0",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "lbmissing1",
+    ])
+    .unwrap();
+    integration_tests::cmd::ip(&["-n", &netns, "link", "set", "lbmissing0", "up"]).unwrap();
+    let ready = wait_until(Duration::from_secs(20), Duration::from_millis(100), || {
+        last = agent.get("/readyz").unwrap_or((0, String::new()));
+        last.0 == 200
+    });
+    assert!(ready, "/readyz: {last:?}\n{}", agent.log());
+    let (_, m) = agent.metrics().unwrap();
+    assert!(m.contains("lb_tc_attach_failing 0"), "{m}");
 }

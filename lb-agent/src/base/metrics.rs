@@ -74,6 +74,7 @@ pub struct Metrics {
     pub conntrack_entries: Gauge,
     pub conntrack_expired: Counter,
     pub conntrack_udp_purged: Counter,
+    pub tc_attach_failing: Gauge,
     pub datapath_events: Family<EventLabel, Counter>,
     /// The `LB_STATS` totals last added to `datapath_events`.
     datapath_seen: Arc<std::sync::Mutex<Vec<u64>>>,
@@ -105,6 +106,7 @@ impl Metrics {
             affinity_swept: Counter::default(),
             udp_sockets_destroyed: Counter::default(),
             conntrack_entries: Gauge::default(),
+            tc_attach_failing: Gauge::default(),
             conntrack_expired: Counter::default(),
             conntrack_udp_purged: Counter::default(),
             datapath_events: Family::default(),
@@ -189,6 +191,11 @@ impl Metrics {
             "conntrack_udp_purged",
             "tc path UDP conntrack entries deleted because their backend left",
             m.conntrack_udp_purged.clone(),
+        );
+        registry.register(
+            "tc_attach_failing",
+            "1 while the tc programs could not be attached to a device they are asked for (the reason is in /readyz and the log; retried every sweep)",
+            m.tc_attach_failing.clone(),
         );
         registry.register(
             "datapath_events",

@@ -26,17 +26,39 @@ use crate::{
     semantics::health::{Answer, Now, ProxyHealth},
 };
 
-/// Set once the first full sync has been programmed.
+/// Ready once the first full sync has been programmed, and while every
+/// datapath part asked for is attached: a part that failed is not a silent
+/// half-start.
 #[derive(Clone, Default)]
-pub struct Readiness(Arc<AtomicBool>);
+pub struct Readiness {
+    synced: Arc<AtomicBool>,
+    /// Why a datapath part asked for is not attached.
+    unattached: Arc<Mutex<Option<String>>>,
+}
 
 impl Readiness {
     pub fn set_ready(&self) {
-        self.0.store(true, Ordering::Release);
+        self.synced.store(true, Ordering::Release);
+    }
+
+    /// `Some(reason)` while a part asked for is not attached.
+    pub fn set_unattached(&self, reason: Option<String>) {
+        *self.unattached.lock().unwrap_or_else(|e| e.into_inner()) = reason;
+    }
+
+    /// `Ok` when ready, else why not.
+    pub fn check(&self) -> Result<(), String> {
+        if !self.synced.load(Ordering::Acquire) {
+            return Err("first sync not done".into());
+        }
+        match &*self.unattached.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(reason) => Err(reason.clone()),
+            None => Ok(()),
+        }
     }
 
     pub fn is_ready(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.check().is_ok()
     }
 }
 
@@ -104,14 +126,13 @@ fn json_answer(a: Answer) -> Response {
     r
 }
 
-async fn readyz(State(ready): State<Readiness>) -> (StatusCode, &'static str) {
-    if ready.is_ready() {
-        (StatusCode::OK, "ready\n")
-    } else {
-        (
+async fn readyz(State(ready): State<Readiness>) -> (StatusCode, String) {
+    match ready.check() {
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            "not ready: first sync not done\n",
-        )
+            format!("not ready: {why}\n"),
+        ),
     }
 }
 
