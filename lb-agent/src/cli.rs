@@ -123,12 +123,15 @@ pub struct NorthSouthArgs {
     /// Lifetime of a TCP flow after FIN or RST.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_close_timeout: Duration,
-    /// Idle lifetime of a UDP flow.
+    /// Idle lifetime of a UDP flow: in the tc path's conntrack, and of a
+    /// UDP socket's flow to a frontend on the socket path, which keeps the
+    /// socket's datagrams on one backend while it sends within this time
+    /// (whole seconds, at least one).
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub conntrack_udp_timeout: Duration,
-    /// How often expired conntrack and sessionAffinity entries are deleted
-    /// (the kernel ignores them from their timeout on; this bounds how long
-    /// they take room in the maps).
+    /// How often expired conntrack, sessionAffinity and datagram flow
+    /// entries are deleted (the kernel ignores them from their timeout on;
+    /// this bounds how long they take room in the maps).
     #[arg(long, default_value = "5s", value_parser = humantime::parse_duration)]
     pub sweep_interval: Duration,
 }
@@ -177,6 +180,9 @@ pub enum InspectWhat {
     Services(InspectArgs),
     /// Live sessionAffinity entries: client, Service, backend and age.
     Affinity(InspectArgs),
+    /// Flows of UDP sockets to frontends: the backend every datagram of
+    /// the socket goes to, and how long it has been idle.
+    DatagramFlows(InspectArgs),
     /// Flows of the tc path (NodePort, LoadBalancer, externalIP): both
     /// directions, their translation and idle time.
     Conntrack(InspectArgs),

@@ -1,6 +1,6 @@
 //! `lb-agent inspect`: what the datapath does, read from the pinned maps
 //! alone, so it works with or without a running agent. Each subject
-//! (`Services`, `Affinity`, `Conntrack`) reads its views and renders them as
+//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`) reads its views and renders them as
 //! a table; [`show`] prints either that table or the views as JSON.
 use std::{
     collections::BTreeMap,
@@ -36,6 +36,8 @@ pub trait Subject {
 pub struct Services;
 /// sessionAffinity entries.
 pub struct Affinity;
+/// UDP sockets' flows to frontends.
+pub struct DatagramFlows;
 /// Flows of the tc path.
 pub struct Conntrack;
 
@@ -54,6 +56,7 @@ pub fn show_what(what: &InspectWhat) -> anyhow::Result<String> {
     match what {
         InspectWhat::Services(a) => show_args::<Services>(a),
         InspectWhat::Affinity(a) => show_args::<Affinity>(a),
+        InspectWhat::DatagramFlows(a) => show_args::<DatagramFlows>(a),
         InspectWhat::Conntrack(a) => show_args::<Conntrack>(a),
     }
 }
@@ -240,16 +243,7 @@ impl Subject for Affinity {
             } else {
                 format!("ip:{}", ip_from_bytes(&key.client))
             };
-            let backend = maps
-                .backends
-                .get(
-                    &BackendId {
-                        id: value.backend_id,
-                    },
-                    0,
-                )
-                .ok()
-                .map(|b| sockaddr(&b.addr, b.port));
+            let backend = backend_addr(&maps, value.backend_id);
             out.push(AffinityView {
                 client,
                 affinity_id: key.affinity_id,
@@ -282,6 +276,77 @@ impl Subject for Affinity {
         let _ = writeln!(s, "{} entries", views.len());
         s
     }
+}
+
+/// One flow of `LB_DGRAM_FLOWS` for `inspect datagram-flows`.
+#[derive(Debug, Serialize)]
+pub struct DatagramFlowView {
+    /// The sending socket's cookie (`ss -e` shows it as `sk:<hex>`).
+    pub socket_cookie: u64,
+    /// The frontend it sends to, `addr:port`.
+    pub frontend: String,
+    pub protocol: Option<Protocol>,
+    pub service_id: u32,
+    pub backend_id: u32,
+    /// The backend's address, if it still exists.
+    pub backend: Option<String>,
+    pub idle_ms: u64,
+}
+
+impl Subject for DatagramFlows {
+    type View = DatagramFlowView;
+
+    fn read(dir: &Path) -> anyhow::Result<Vec<DatagramFlowView>> {
+        let maps = PinnedMaps::open(dir)?;
+        let now = monotonic_now_ns();
+        let mut out = Vec::new();
+        for entry in maps.datagram_flows.iter() {
+            let (key, flow) = entry.context("reading LB_DGRAM_FLOWS")?;
+            out.push(DatagramFlowView {
+                socket_cookie: key.cookie,
+                frontend: sockaddr(&key.addr, key.port),
+                protocol: Protocol::from_number(key.proto),
+                service_id: flow.service_id,
+                backend_id: flow.backend_id,
+                backend: backend_addr(&maps, flow.backend_id),
+                idle_ms: clock::age_ns(now, flow.last_used_ns) / 1_000_000,
+            });
+        }
+        out.sort_by(|a, b| (&a.frontend, a.socket_cookie).cmp(&(&b.frontend, b.socket_cookie)));
+        Ok(out)
+    }
+
+    fn render(views: &[DatagramFlowView]) -> String {
+        const COLUMNS: Columns =
+            Columns(&[(20, Left), (46, Left), (6, Right), (46, Left), (9, Right)]);
+        let mut s = COLUMNS.header(&["SOCKET", "FRONTEND", "SVC", "BACKEND", "IDLE ms"]);
+        for v in views {
+            let backend = v
+                .backend
+                .clone()
+                .unwrap_or_else(|| format!("#{} (gone)", v.backend_id));
+            COLUMNS.row(
+                &mut s,
+                &[
+                    &v.socket_cookie,
+                    &v.frontend,
+                    &v.service_id,
+                    &backend,
+                    &v.idle_ms,
+                ],
+            );
+        }
+        let _ = writeln!(s, "{} flows", views.len());
+        s
+    }
+}
+
+/// `addr:port` of backend `id`, if it exists.
+fn backend_addr(maps: &PinnedMaps, id: u32) -> Option<String> {
+    maps.backends
+        .get(&BackendId { id }, 0)
+        .ok()
+        .map(|b| sockaddr(&b.addr, b.port))
 }
 
 /// One conntrack entry for `inspect conntrack`.

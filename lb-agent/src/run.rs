@@ -9,6 +9,7 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use notify::{RecommendedWatcher, RecursiveMode, Watcher as _};
+use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
 use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 
 use crate::{
@@ -281,10 +282,11 @@ impl Syncer {
         }
         self.problems
             .update(rejections.iter().map(ToString::to_string).collect());
-        // Before the old sets retire: a client must not stick to a backend
-        // that just left its Service.
+        // Before the old sets retire: a client, or an unconnected socket's
+        // flow, must not stick to a backend that just left its Service.
         if report.frontends_written + report.frontends_removed > 0 {
             self.sweep_affinity();
+            self.sweep_datagram_flows();
         }
         if !report.udp_departed.is_empty() {
             self.destroy_departed_udp(&report.udp_departed);
@@ -524,26 +526,61 @@ impl Syncer {
     fn sweep_affinity(&mut self) {
         let policies = self.reconciler.affinity_policies();
         let r = self.datapath.maps().sweep_affinity(&policies);
-        self.metrics.affinity_entries.set(r.entries as i64);
-        self.metrics.affinity_expired.inc_by(r.expired as u64);
-        self.metrics
-            .affinity_swept
-            .inc_by((r.no_policy + r.backend_left) as u64);
-        if r.expired + r.no_policy + r.backend_left > 0 {
-            tracing::debug!(
-                entries = r.entries,
-                expired = r.expired,
-                service_gone = r.no_policy,
-                backend_left = r.backend_left,
-                "affinity entries swept"
-            );
-        }
+        let m = &self.metrics;
+        record_sweep(
+            lb_common::map_names::AFFINITY,
+            &r,
+            (&m.affinity_entries, &m.affinity_expired, &m.affinity_swept),
+        );
+    }
+
+    fn sweep_datagram_flows(&mut self) {
+        let policies = self.reconciler.datagram_flow_policies();
+        // The timeout exactly as the kernel reads it from LB_TC_CONFIG.
+        let timeout_s = self.north_south.timeouts().config().udp_timeout_s;
+        let r = self
+            .datapath
+            .maps()
+            .sweep_datagram_flows(&policies, timeout_s);
+        let m = &self.metrics;
+        record_sweep(
+            lb_common::map_names::DGRAM_FLOWS,
+            &r,
+            (
+                &m.datagram_flows,
+                &m.datagram_flows_expired,
+                &m.datagram_flows_swept,
+            ),
+        );
     }
 
     fn retire(&mut self) {
         for e in self.reconciler.retire(self.datapath.maps()) {
             tracing::error!("cleanup failed, will retry: {e}");
         }
+    }
+}
+
+/// A sweep of `map`: its entries left, and those deleted because they
+/// expired or their Service (frontend) or backend left, into the metrics
+/// (entries, expired, swept) and the log.
+fn record_sweep(
+    map: &str,
+    r: &crate::datapath::sweep::SweepReport,
+    (entries, expired, swept): (&Gauge, &Counter, &Counter),
+) {
+    entries.set(r.entries as i64);
+    expired.inc_by(r.expired as u64);
+    swept.inc_by(r.swept() as u64);
+    if r.expired + r.swept() > 0 {
+        tracing::debug!(
+            map,
+            entries = r.entries,
+            expired = r.expired,
+            service_gone = r.no_policy,
+            backend_left = r.backend_left,
+            "swept"
+        );
     }
 }
 
@@ -747,6 +784,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = sweep.tick() => {
                 syncer.retry_tc_attach();
                 syncer.sweep_affinity();
+                syncer.sweep_datagram_flows();
                 syncer.sweep_conntrack();
                 syncer.record_datapath_events();
                 None

@@ -319,6 +319,58 @@ pub struct AffinityEntry {
     pub last_used_ns: u64,
 }
 
+/// A UDP socket's flow to one frontend: key of `LB_DGRAM_FLOWS`. An
+/// unconnected socket passes the sendmsg hook with every datagram; this
+/// keeps them on one backend, as netfilter's conntrack keeps the flow of
+/// one source port under kube-proxy (QUIC, DTLS, SIP and game protocols
+/// need it). The socket is its cookie: one socket has one source port and
+/// protocol, so this is kube-proxy's 5-tuple for the socket path.
+///
+/// | offset | field    | meaning                                        |
+/// |--------|----------|------------------------------------------------|
+/// | 0      | `cookie` | `bpf_get_socket_cookie` of the sending socket  |
+/// | 8      | `addr`   | the frontend the socket addressed; IPv4 is mapped |
+/// | 24     | `port`   | host order                                     |
+/// | 26     | `proto`  | `proto::UDP`                                   |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DatagramFlowKey {
+    pub cookie: u64,
+    pub addr: [u8; 16],
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: [u8; 5],
+}
+
+/// Where a socket's datagrams to a frontend go: value of `LB_DGRAM_FLOWS`.
+/// The kernel reuses it while it is live (see [`DatagramFlow::live`]),
+/// names the frontend's current `ServiceValue::id` and its backend still
+/// exists; the agent deletes it once the backend left the frontend's
+/// serving backends, so that the next datagram chooses a live one.
+///
+/// | offset | field          | meaning                                    |
+/// |--------|----------------|--------------------------------------------|
+/// | 0      | `backend_id`   | the backend the flow was sent to           |
+/// | 4      | `service_id`   | the frontend's `ServiceValue::id` then     |
+/// | 8      | `last_used_ns` | `bpf_ktime_get_ns` of the last datagram    |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct DatagramFlow {
+    pub backend_id: u32,
+    pub service_id: u32,
+    pub last_used_ns: u64,
+}
+
+impl DatagramFlow {
+    /// Whether the flow still binds its socket at `now_ns`: a datagram
+    /// within `timeout_s` seconds (`TcConfig::udp_timeout_s`, inclusive;
+    /// clock-safe, as every timestamp here).
+    #[inline(always)]
+    pub fn live(&self, now_ns: u64, timeout_s: u32) -> bool {
+        clock::within(now_ns, self.last_used_ns, timeout_s)
+    }
+}
+
 /// `CtEntry::flags`: what a flow is, fixed when its entries are written.
 /// What happens to it later is in `CtEntry::state`.
 pub mod ct_flags {
@@ -502,7 +554,9 @@ pub struct FragEntry {
     pub _pad: [u8; 3],
 }
 
-/// Settings of the tc path. The single element of `LB_TC_CONFIG`.
+/// Settings of the tc path, and the UDP timeout the socket path's
+/// datagram flows (`LB_DGRAM_FLOWS`) share with it. The single element of
+/// `LB_TC_CONFIG`.
 ///
 /// | offset | field               | meaning                                  |
 /// |--------|---------------------|------------------------------------------|
@@ -510,7 +564,7 @@ pub struct FragEntry {
 /// | 16     | `snat_v6`           | masquerade address for IPv6, or zero     |
 /// | 32     | `tcp_timeout_s`     | idle lifetime of a TCP flow              |
 /// | 36     | `tcp_close_timeout_s` | lifetime after FIN or RST              |
-/// | 40     | `udp_timeout_s`     | idle lifetime of a UDP flow              |
+/// | 40     | `udp_timeout_s`     | idle lifetime of a UDP flow (both paths) |
 /// | 44     | `snat_port_min`     | SNAT source ports, inclusive range       |
 /// | 46     | `snat_port_max`     |                                          |
 /// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow the backend has not answered yet |
@@ -674,7 +728,8 @@ pub mod map_names {
     pub const TC_CONFIG: &str = "LB_TC_CONFIG";
     pub const FRAGMENTS: &str = "LB_FRAGMENTS";
     pub const SOCK_CHECK: &str = "LB_SOCK_CHECK";
-    pub const ALL: [&str; 13] = [
+    pub const DGRAM_FLOWS: &str = "LB_DGRAM_FLOWS";
+    pub const ALL: [&str; 14] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -688,6 +743,7 @@ pub mod map_names {
         TC_CONFIG,
         FRAGMENTS,
         SOCK_CHECK,
+        DGRAM_FLOWS,
     ];
 }
 
@@ -699,6 +755,9 @@ pub mod capacity {
     pub const BACKENDS: u32 = 262_144;
     pub const REV_SOCK: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
+    /// Flows of UDP sockets to frontends (one per socket and frontend), as
+    /// many as `LB_REV_SOCK` has reverse entries.
+    pub const DGRAM_FLOWS: u32 = 262_144;
     /// Entries (two per flow) of established and UDP flows: at least
     /// Cilium's defaults (512k TCP + 256k other).
     pub const CONNTRACK: u32 = 786_432;
@@ -727,6 +786,10 @@ const _: () = {
     assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
+    assert!(core::mem::size_of::<DatagramFlowKey>() == 32);
+    assert!(core::mem::offset_of!(DatagramFlowKey, port) == 24);
+    assert!(core::mem::offset_of!(DatagramFlowKey, proto) == 26);
+    assert!(core::mem::size_of::<DatagramFlow>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 64);
     assert!(core::mem::size_of::<TcConfig>() == 56);
@@ -752,6 +815,8 @@ mod pod {
     unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
+    unsafe impl aya::Pod for DatagramFlowKey {}
+    unsafe impl aya::Pod for DatagramFlow {}
     unsafe impl aya::Pod for CtKey {}
     unsafe impl aya::Pod for CtEntry {}
     unsafe impl aya::Pod for TcConfig {}
@@ -908,6 +973,19 @@ pub mod select {
             // Refreshed by another CPU after this one read the clock.
             assert!(affinity_live(&e, 4_999_999_999, 2));
             assert!(affinity_live(&e, 0, 0));
+        }
+
+        #[test]
+        fn a_datagram_flow_expires_after_the_udp_timeout() {
+            let f = crate::DatagramFlow {
+                backend_id: 1,
+                service_id: 2,
+                last_used_ns: 5_000_000_000,
+            };
+            assert!(f.live(65_000_000_000, 60));
+            assert!(!f.live(65_000_000_001, 60));
+            // Used on another CPU after this one read the clock.
+            assert!(f.live(4_000_000_000, 1));
         }
 
         #[test]

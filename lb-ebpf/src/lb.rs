@@ -1,13 +1,18 @@
 //! Frontend lookup and backend selection shared by every hook, as Cilium's
 //! `lb.h` is: the socket programs and the tc programs differ only in how
 //! they hash a flow and who the client is.
-use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32};
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::bpf_get_prandom_u32,
+};
 use lb_common::{
-    select, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlotKey, ServiceKey,
-    ServiceValue,
+    select, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlotKey, DatagramFlow,
+    DatagramFlowKey, ServiceKey, ServiceValue,
 };
 
-use crate::maps::{count, LB_AFFINITY, LB_BACKENDS, LB_SERVICES, LB_SLOTS};
+use crate::maps::{
+    count, LB_AFFINITY, LB_BACKENDS, LB_DGRAM_FLOWS, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
+};
 
 #[inline(always)]
 pub fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
@@ -84,4 +89,80 @@ pub fn with_affinity(
     // this client its stickiness for one connection.
     let _ = LB_AFFINITY.insert(key, &entry, BPF_ANY as u64);
     Some((id, backend))
+}
+
+/// A UDP socket's datagrams to one frontend (the flow under `key`) keep
+/// the backend of the first while the flow is live (a datagram within
+/// `--conntrack-udp-timeout`), it names this frontend's current service id
+/// (a frontend removed and created again is another one) and its backend
+/// exists; otherwise `fresh` chooses and the choice is recorded.
+///
+/// Whether the backend is still in the frontend's set is not checked here:
+/// that is a walk of the set per datagram. The agent deletes flows whose
+/// backend left the frontend's serving set right after publishing the new
+/// set, so a live flow is a valid choice; in between (the rest of that
+/// sync, milliseconds) its datagrams still reach the departing backend, as
+/// under kube-proxy until it clears the conntrack entry. A set that only
+/// changes otherwise (a backend joins) moves no flow.
+#[inline(always)]
+pub fn with_datagram_flow(
+    key: &DatagramFlowKey,
+    svc: &ServiceValue,
+    now: u64,
+    fresh: impl FnOnce() -> Option<(u32, Backend)>,
+) -> Option<(u32, Backend)> {
+    // The element always exists; 0 until the agent's first sync writes it.
+    let timeout_s = LB_TC_CONFIG.get(0).map_or(0, |c| c.udp_timeout_s);
+    let recorded = LB_DGRAM_FLOWS.get_ptr_mut(key);
+    if let Some(entry) = recorded {
+        // SAFETY: valid for this program run; a concurrent refresh of the
+        // same 8-byte timestamp is harmless.
+        let flow = unsafe { core::ptr::read(entry) };
+        if let Some(b) = flow_backend(&flow, svc, now, timeout_s) {
+            unsafe { (*entry).last_used_ns = now };
+            return Some((flow.backend_id, b));
+        }
+    }
+    let (id, backend) = fresh()?;
+    let flow = DatagramFlow {
+        backend_id: id,
+        service_id: svc.id,
+        last_used_ns: now,
+    };
+    if recorded.is_some() {
+        // Replaces a flow that no longer binds. A full LRU map evicts its
+        // oldest entry; a failure to record only lets the next datagram
+        // choose again.
+        let _ = LB_DGRAM_FLOWS.insert(key, &flow, BPF_ANY as u64);
+    } else if LB_DGRAM_FLOWS
+        .insert(key, &flow, BPF_NOEXIST as u64)
+        .is_err()
+    {
+        // Another CPU recorded this socket's flow since the lookup (two
+        // threads sending their first datagrams at once): follow it, so
+        // that both go to one backend.
+        if let Some(entry) = LB_DGRAM_FLOWS.get_ptr(key) {
+            // SAFETY: copied out at once.
+            let other = unsafe { core::ptr::read(entry) };
+            if let Some(b) = flow_backend(&other, svc, now, timeout_s) {
+                return Some((other.backend_id, b));
+            }
+        }
+    }
+    Some((id, backend))
+}
+
+/// The backend `flow` binds its socket to at `now`, if it still does.
+#[inline(always)]
+fn flow_backend(
+    flow: &DatagramFlow,
+    svc: &ServiceValue,
+    now: u64,
+    timeout_s: u32,
+) -> Option<Backend> {
+    if flow.service_id == svc.id && flow.live(now, timeout_s) {
+        backend_by_id(flow.backend_id)
+    } else {
+        None
+    }
 }

@@ -6,8 +6,9 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, FragEntry, FragKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
-    SockPeer, SockSourceCheck, SourceRangeData, TcConfig,
+    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, ReverseSockKey,
+    ReverseSockValue, ServiceKey, ServiceValue, SockPeer, SockSourceCheck, SourceRangeData,
+    TcConfig,
 };
 
 #[btf_map]
@@ -37,6 +38,15 @@ pub static LB_SOCK_PEER: SkStorage<SockPeer> = SkStorage::new();
 /// `LB_SOURCE_RANGES`, stored with the socket.
 #[btf_map]
 pub static LB_SOCK_CHECK: SkStorage<SockSourceCheck> = SkStorage::new();
+
+/// Socket path: the backend of each UDP socket's flow to a frontend, so
+/// that every datagram of an unconnected socket goes where its first went.
+#[btf_map]
+pub static LB_DGRAM_FLOWS: LruHashMap<
+    DatagramFlowKey,
+    DatagramFlow,
+    { capacity::DGRAM_FLOWS as usize },
+> = LruHashMap::new();
 
 #[btf_map]
 pub static LB_AFFINITY: LruHashMap<AffinityKey, AffinityEntry, { capacity::AFFINITY as usize }> =
@@ -69,7 +79,8 @@ pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeData, u32, { capacity::SOURCE_RA
 pub static LB_FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
 
-/// tc path: masquerade addresses and timeouts, written by the agent.
+/// tc path: masquerade addresses and timeouts, written by the agent; the
+/// socket path reads its UDP timeout (`LB_DGRAM_FLOWS`).
 #[btf_map]
 pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
 

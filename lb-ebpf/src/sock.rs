@@ -2,8 +2,9 @@
 //!
 //! `forward` (connect, sendmsg): frontend -> backend, remembering the pair per
 //! socket: with the socket itself for TCP (`LB_SOCK_PEER`), in `LB_REV_SOCK`
-//! for UDP. `reverse` (recvmsg, getpeername): backend -> frontend, from that
-//! memory. Addresses are handled as the 16-byte form of
+//! for UDP, whose flow to the frontend keeps its backend (`LB_DGRAM_FLOWS`)
+//! for every datagram. `reverse` (recvmsg, getpeername): backend -> frontend,
+//! from that memory. Addresses are handled as the 16-byte form of
 //! `lb-common` (IPv4 mapped), so both families share one path.
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
@@ -13,7 +14,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check, stat,
-    AffinityKey, Backend, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeer,
+    AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue, ServiceKey,
+    ServiceValue, SockPeer,
 };
 
 use crate::{
@@ -141,6 +143,33 @@ fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
     lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
 }
 
+/// A backend for a UDP socket's datagram to `frontend`: the one of its flow
+/// (`lb::with_datagram_flow`), so that an unconnected socket's datagrams
+/// do not each go elsewhere; `connect` keeps it too, as one source port's
+/// datagrams keep one conntrack entry under kube-proxy, connected or not.
+/// sessionAffinity decides alone: its entry keeps the pod, and so each of
+/// its sockets, on one backend already.
+#[inline(always)]
+fn choose_for_datagram(
+    ctx: &SockAddrContext,
+    svc: &ServiceValue,
+    frontend: &SockAddr,
+) -> Option<(u32, Backend)> {
+    if svc.flags & service_flags::AFFINITY != 0 {
+        return choose(ctx, svc);
+    }
+    // SAFETY: plain helper calls on the program's own context.
+    let (cookie, now) = unsafe { (bpf_get_socket_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
+    let key = DatagramFlowKey {
+        cookie,
+        addr: frontend.addr,
+        port: frontend.port,
+        proto: proto::UDP,
+        _pad: [0; 5],
+    };
+    lb::with_datagram_flow(&key, svc, now, || choose(ctx, svc))
+}
+
 /// connect and sendmsg: rewrite a frontend to one of its backends.
 #[inline(always)]
 pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
@@ -165,7 +194,12 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
         }
         return PROCEED;
     };
-    let Some((_id, backend)) = choose(ctx, &svc) else {
+    let chosen = if proto == proto::TCP {
+        choose(ctx, &svc)
+    } else {
+        choose_for_datagram(ctx, &svc, &dst)
+    };
+    let Some((_id, backend)) = chosen else {
         if svc.active > 0 || svc.terminating > 0 {
             // The agent publishes whole sets, so this means the maps were
             // edited by hand or are full; say so instead of refusing quietly.

@@ -396,6 +396,11 @@ impl Agent {
         self.inspect_list("conntrack")
     }
 
+    /// `lb-agent inspect datagram-flows --bpffs PIN --json`, parsed.
+    pub fn inspect_datagram_flows(&self) -> Result<Vec<serde_json::Value>> {
+        self.inspect_list("datagram-flows")
+    }
+
     /// `lb-agent inspect WHAT --json --bpffs PIN`, parsed.
     fn inspect_list(&self, what: &str) -> Result<Vec<serde_json::Value>> {
         let mut c = Command::new(&self.bin);

@@ -3,6 +3,7 @@ mod common;
 
 use common::*;
 use integration_tests::{
+    cluster::flows,
     manifests::{Endpoint, EndpointSlice, Service},
     netns::pod_v4,
     require_root, Env, Proto, Spread,
@@ -22,14 +23,33 @@ fn tcp_reaches_every_backend_evenly_and_shows_the_vip() {
 }
 
 #[test]
-fn udp_reaches_every_backend_evenly_and_answers_from_the_vip() {
+fn udp_sockets_spread_keep_their_backend_and_answer_from_the_vip() {
     require_root!();
     let env = web_env("udp", 3);
 
+    // A new unconnected socket per datagram: the sockets spread.
     let a = env.attempts(Proto::Udp, "10.96.0.10:53", 300);
     assert_all_ok("UDP sendto/recvfrom", &a);
-    assert_spread("UDP unconnected", &a, &["b1", "b2", "b3"], 0.20);
+    assert_spread(
+        "UDP unconnected, one socket each",
+        &a,
+        &["b1", "b2", "b3"],
+        0.20,
+    );
     assert_peer("UDP recvfrom source", &a, "10.96.0.10:53");
+
+    // Many datagrams of each of 30 unconnected sockets: all of a socket's
+    // go to one backend (QUIC, DTLS, SIP rely on it), the sockets spread
+    // (each backend is missed with probability 3 * (2/3)^30 ~ 1e-5).
+    let mut f = flows(&env, "10.96.0.10:53", 30).unwrap();
+    let on = backend_per_socket("UDP unconnected", &flow_rounds(&mut f, 10));
+    let per_backend = sockets_per_backend(&on);
+    eprintln!("UDP unconnected, 30 sockets x 10 datagrams: {per_backend:?}");
+    assert_eq!(
+        per_backend.keys().copied().collect::<Vec<_>>(),
+        ["b1", "b2", "b3"],
+        "the sockets do not spread: {per_backend:?}"
+    );
 
     let a = env.attempts(Proto::UdpConnected, "10.96.0.10:53", 300);
     assert_ok_spread("UDP connected", &a, &["b1", "b2", "b3"], 0.20);

@@ -5,6 +5,7 @@ use std::net::IpAddr;
 
 use common::*;
 use integration_tests::{
+    cluster::flows,
     manifests::{Endpoint, Service},
     require_root, Env, Family, Proto,
 };
@@ -46,6 +47,14 @@ fn ipv6_clusterip_with_ipv6_pods() {
         assert_ok_spread(&what, &a, &["b1", "b2", "b3"], 0.10);
         assert_peer(&what, &a, "[fd00:96::10]:53");
     }
+    // Each unconnected socket keeps one backend for all its datagrams.
+    let mut f = flows(&env, "[fd00:96::10]:53", 20).unwrap();
+    let on = backend_per_socket("UDP [fd00:96::10]:53", &flow_rounds(&mut f, 8));
+    let per_backend = sockets_per_backend(&on);
+    assert!(
+        per_backend.len() >= 2,
+        "the sockets do not spread: {per_backend:?}"
+    );
 }
 
 #[test]

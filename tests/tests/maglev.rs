@@ -1,7 +1,9 @@
 //! Maglev on the socket path: a flow is a socket (the hash covers its
 //! cookie), so long-lived unconnected UDP sockets that send to the VIP again
-//! and again keep their backend; when one of N backends leaves, only about
-//! 1/N of them move.
+//! and again keep their backend even without a record of their flow; when
+//! one of N backends leaves, only about 1/N of them move. (Records of the
+//! sockets' flows, `LB_DGRAM_FLOWS`, keep every socket on a backend that
+//! stays whatever the algorithm; the measurement lets them expire first.)
 mod common;
 
 use std::{collections::BTreeMap, time::Duration};
@@ -15,6 +17,20 @@ use serde_json::Value;
 
 const N: usize = 5;
 const SOCKETS: usize = 400;
+/// `--conntrack-udp-timeout` of the agent: the sockets' flow records
+/// expire after this much idleness.
+const UDP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// `--conntrack-udp-timeout UDP_TIMEOUT` and `extra`.
+fn agent_opts(extra: &[&str]) -> AgentOpts {
+    let timeout = format!("{}s", UDP_TIMEOUT.as_secs());
+    let mut args = vec!["--conntrack-udp-timeout", timeout.as_str()];
+    args.extend_from_slice(extra);
+    AgentOpts {
+        extra_args: args.iter().map(|a| a.to_string()).collect(),
+        ..Default::default()
+    }
+}
 
 fn web(env: &Env, hosts: &[String], maglev: bool) -> Vec<Value> {
     let svc = web_service().to_value();
@@ -32,7 +48,7 @@ fn maglev_env(tag: &str, maglev: bool) -> (Env, Vec<String>) {
     env.manifests
         .write("web.yaml", &web(&env, &hosts, maglev))
         .unwrap();
-    env.start_agent().unwrap();
+    env.start_agent_with(agent_opts(&[])).unwrap();
     (env, hosts)
 }
 
@@ -66,8 +82,9 @@ fn shares(m: &BTreeMap<String, usize>) -> String {
 }
 
 /// Runs the measurement: `SOCKETS` sockets, two rounds, remove `removed`,
-/// one more round (the Service annotated for Maglev with `annotate`; each
-/// socket expected to keep its backend between rounds with `stable`).
+/// let the sockets' flow records expire, one more round (the Service
+/// annotated for Maglev with `annotate`; each socket expected to keep its
+/// backend between the first rounds with `stable`).
 /// Returns (sockets that changed backend, sockets that were on `removed`,
 /// spread before, spread after).
 fn measure(
@@ -107,6 +124,8 @@ fn measure(
         }),
         "{removed} still a backend of 10.96.0.10:53: {last:?}"
     );
+    // Idle past the timeout: what follows is the algorithm's choice alone.
+    std::thread::sleep(UDP_TIMEOUT + Duration::from_secs(1));
     let r3 = f.round().unwrap();
     assert!(
         r3.iter().all(Option::is_some),
@@ -169,8 +188,8 @@ fn maglev_keeps_most_flows_when_a_backend_leaves() {
 #[test]
 fn random_selection_moves_flows_and_the_global_flag_selects_maglev() {
     require_root!();
-    // The same measurement without Maglev, for contrast: unconnected UDP
-    // datagrams are balanced one by one, so sockets wander.
+    // The same measurement without Maglev, for contrast: a socket whose
+    // flow record expired chooses at random again, so sockets wander.
     let (mut env, hosts) = maglev_env("random", false);
     let (changed, on_removed, _, _) = measure(&env, &hosts, "b3", false, false);
     println!(
@@ -180,10 +199,7 @@ fn random_selection_moves_flows_and_the_global_flag_selects_maglev() {
     assert!(changed as f64 > 0.5 * SOCKETS as f64);
 
     // `--algorithm maglev` makes every Service Maglev without the annotation.
-    let opts = AgentOpts {
-        extra_args: vec!["--algorithm".into(), "maglev".into()],
-        ..Default::default()
-    };
+    let opts = agent_opts(&["--algorithm", "maglev"]);
     drop(env.agent.take());
     env.start_agent_with(opts).unwrap();
     let mut inspect = String::new();

@@ -70,6 +70,9 @@ pub struct Metrics {
     pub affinity_entries: Gauge,
     pub affinity_expired: Counter,
     pub affinity_swept: Counter,
+    pub datagram_flows: Gauge,
+    pub datagram_flows_expired: Counter,
+    pub datagram_flows_swept: Counter,
     pub udp_sockets_destroyed: Counter,
     pub conntrack_entries: Gauge,
     pub conntrack_expired: Counter,
@@ -104,6 +107,9 @@ impl Metrics {
             affinity_entries: Gauge::default(),
             affinity_expired: Counter::default(),
             affinity_swept: Counter::default(),
+            datagram_flows: Gauge::default(),
+            datagram_flows_expired: Counter::default(),
+            datagram_flows_swept: Counter::default(),
             udp_sockets_destroyed: Counter::default(),
             conntrack_entries: Gauge::default(),
             tc_attach_failing: Gauge::default(),
@@ -171,6 +177,21 @@ impl Metrics {
             "affinity_swept",
             "sessionAffinity entries deleted because their Service or backend left",
             m.affinity_swept.clone(),
+        );
+        registry.register(
+            "datagram_flows",
+            "UDP sockets' flows to frontends (LB_DGRAM_FLOWS) after the last sweep",
+            m.datagram_flows.clone(),
+        );
+        registry.register(
+            "datagram_flows_expired",
+            "Datagram flows deleted because their socket sent nothing for --conntrack-udp-timeout",
+            m.datagram_flows_expired.clone(),
+        );
+        registry.register(
+            "datagram_flows_swept",
+            "Datagram flows deleted because their frontend or backend left",
+            m.datagram_flows_swept.clone(),
         );
         registry.register(
             "udp_sockets_destroyed",

@@ -11,6 +11,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use lb_common::{select, AffinityEntry, AffinityKey};
 
+use crate::datapath::sweep::Stale;
+
 /// What the frontends of one `affinity_id` allow: their timeout and the
 /// backends a client may be bound to (see [`selectable_backends`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,43 +36,20 @@ pub fn selectable_backends(slots: &[u32], active: u16, terminating: u16) -> BTre
     slots[start.min(end)..end].iter().copied().collect()
 }
 
-/// Why an entry is deleted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Stale {
-    Expired,
-    /// The Service is gone or no longer has affinity.
-    NoPolicy,
-    /// The backend left the Service's active set.
-    BackendLeft,
-}
-
-/// Pure: which entries to delete, given the live policies by affinity id.
-pub fn stale_entries<'a>(
-    entries: impl IntoIterator<Item = (&'a AffinityKey, &'a AffinityEntry)>,
+/// Whether the entry of `key` can no longer bind, given the live policies
+/// by affinity id.
+pub fn stale(
+    key: &AffinityKey,
+    e: &AffinityEntry,
     policies: &BTreeMap<u32, AffinityPolicy>,
     now_ns: u64,
-) -> Vec<(AffinityKey, Stale)> {
-    entries
-        .into_iter()
-        .filter_map(|(k, e)| {
-            let why = match policies.get(&k.affinity_id) {
-                None => Some(Stale::NoPolicy),
-                Some(p) if !p.active_backends.contains(&e.backend_id) => Some(Stale::BackendLeft),
-                Some(p) if !select::affinity_live(e, now_ns, p.timeout_s) => Some(Stale::Expired),
-                Some(_) => None,
-            };
-            why.map(|w| (*k, w))
-        })
-        .collect()
-}
-
-/// Counts of one sweep.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct SweepReport {
-    pub entries: usize,
-    pub expired: usize,
-    pub no_policy: usize,
-    pub backend_left: usize,
+) -> Option<Stale> {
+    match policies.get(&key.affinity_id) {
+        None => Some(Stale::NoPolicy),
+        Some(p) if !p.active_backends.contains(&e.backend_id) => Some(Stale::BackendLeft),
+        Some(p) if !select::affinity_live(e, now_ns, p.timeout_s) => Some(Stale::Expired),
+        Some(_) => None,
+    }
 }
 
 #[cfg(test)]
@@ -140,8 +119,7 @@ mod tests {
             ),
         ];
         for (name, k, e, want) in cases {
-            let got = stale_entries([(&k, &e)], &policies, now);
-            assert_eq!(got.first().map(|(_, w)| *w), want, "{name}");
+            assert_eq!(stale(&k, &e, &policies, now), want, "{name}");
         }
     }
 }

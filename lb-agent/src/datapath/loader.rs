@@ -2,6 +2,7 @@
 //! its maps, attaching the socket programs to a cgroup, and `MapOps` over the
 //! pinned maps.
 use std::{
+    collections::BTreeMap,
     fs,
     path::{Path, PathBuf},
 };
@@ -17,12 +18,15 @@ use aya::{
 };
 use lb_common::{
     map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    ServiceKey, ServiceValue,
+    DatagramFlow, DatagramFlowKey, ServiceKey, ServiceValue,
 };
 
 use crate::{
-    datapath::affinity::{self, AffinityPolicy, Stale, SweepReport},
+    base::clock::monotonic_now_ns,
+    datapath::affinity::{self, AffinityPolicy},
+    datapath::datagram_flows::{self, DatagramPolicy, FlowFrontend},
     datapath::reconcile::MapOps,
+    datapath::sweep::{self, SweepReport},
 };
 
 /// Map sizes; the defaults are `lb_common::capacity`.
@@ -40,6 +44,10 @@ pub struct Capacity {
     pub max_reverse_sockets: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
     pub max_affinity: u32,
+    /// Flows of UDP sockets to frontends (one per socket and frontend):
+    /// what keeps an unconnected socket's datagrams on one backend.
+    #[arg(long, default_value_t = lb_common::capacity::DGRAM_FLOWS)]
+    pub max_datagram_flows: u32,
     /// Established TCP and UDP flows of the tc path (two entries each:
     /// forward and reply).
     #[arg(long, default_value_t = lb_common::capacity::CONNTRACK)]
@@ -58,6 +66,7 @@ impl Default for Capacity {
             max_slots: lb_common::capacity::SLOTS,
             max_reverse_sockets: lb_common::capacity::REV_SOCK,
             max_affinity: lb_common::capacity::AFFINITY,
+            max_datagram_flows: lb_common::capacity::DGRAM_FLOWS,
             max_conntrack: lb_common::capacity::CONNTRACK,
             max_conntrack_syn: lb_common::capacity::CONNTRACK_SYN,
         }
@@ -152,6 +161,7 @@ pub struct PinnedMaps {
     pub backends: HashMap<MapData, BackendId, Backend>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
     pub rev_sock: HashMap<MapData, lb_common::ReverseSockKey, lb_common::ReverseSockValue>,
+    pub datagram_flows: HashMap<MapData, DatagramFlowKey, DatagramFlow>,
 }
 
 impl PinnedMaps {
@@ -169,6 +179,7 @@ impl PinnedMaps {
             backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
             affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(open(map_names::REV_SOCK)?)?,
+            datagram_flows: HashMap::try_from(open(map_names::DGRAM_FLOWS)?)?,
         })
     }
 
@@ -184,40 +195,26 @@ impl PinnedMaps {
     }
 
     /// Deletes affinity entries that can no longer bind (see `affinity`).
-    pub fn sweep_affinity(
+    pub fn sweep_affinity(&mut self, policies: &BTreeMap<u32, AffinityPolicy>) -> SweepReport {
+        sweep::sweep(
+            &mut self.affinity,
+            |k, e, now| affinity::stale(k, e, policies, now),
+            monotonic_now_ns,
+        )
+    }
+
+    /// Deletes datagram flows that can no longer bind (see
+    /// `datagram_flows`); `udp_timeout_s` as the kernel reads it.
+    pub fn sweep_datagram_flows(
         &mut self,
-        policies: &std::collections::BTreeMap<u32, AffinityPolicy>,
+        policies: &BTreeMap<FlowFrontend, DatagramPolicy>,
+        udp_timeout_s: u32,
     ) -> SweepReport {
-        let now = crate::base::clock::monotonic_now_ns();
-        // Entries the kernel adds meanwhile are simply seen next time.
-        let entries: Vec<(AffinityKey, AffinityEntry)> =
-            self.affinity.iter().filter_map(Result::ok).collect();
-        let mut report = SweepReport {
-            entries: entries.len(),
-            ..Default::default()
-        };
-        for (key, _) in affinity::stale_entries(entries.iter().map(|(k, e)| (k, e)), policies, now)
-        {
-            // The kernel refreshes (or replaces) entries meanwhile: judge the
-            // entry as it is now, against a clock read after reading it.
-            let Ok(fresh) = self.affinity.get(&key, 0) else {
-                continue;
-            };
-            let now = crate::base::clock::monotonic_now_ns();
-            let Some(&(_, why)) = affinity::stale_entries([(&key, &fresh)], policies, now).first()
-            else {
-                continue;
-            };
-            if self.affinity.remove(&key).is_ok() {
-                report.entries -= 1;
-                match why {
-                    Stale::Expired => report.expired += 1,
-                    Stale::NoPolicy => report.no_policy += 1,
-                    Stale::BackendLeft => report.backend_left += 1,
-                }
-            }
-        }
-        report
+        sweep::sweep(
+            &mut self.datagram_flows,
+            |k, f, now| datagram_flows::stale(k, f, policies, udp_timeout_s, now),
+            monotonic_now_ns,
+        )
     }
 }
 
@@ -250,7 +247,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 13] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 14] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -285,14 +282,20 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 13] {
             LRU_HASH,
             lb_common::capacity::FRAGMENTS,
         ),
+        layout::<DatagramFlowKey, DatagramFlow>(
+            map_names::DGRAM_FLOWS,
+            LRU_HASH,
+            c.max_datagram_flows,
+        ),
     ]
 }
 
 /// Removes pinned maps whose layout or size differs from this version's, so
 /// the loader recreates them. The three service maps refer to each other by
-/// id and go together, and `LB_AFFINITY` with them: its entries name
-/// affinity ids and backend ids of the maps being replaced, which the new
-/// ones hand out afresh. Returns what was recreated, for the log.
+/// id and go together, and `LB_AFFINITY` and `LB_DGRAM_FLOWS` with them:
+/// their entries name affinity, service and backend ids of the maps being
+/// replaced, which the new ones hand out afresh. Returns what was
+/// recreated, for the log.
 fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
     let mut recreated = Vec::new();
     let mut core_changed = false;
@@ -335,6 +338,7 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
             map_names::SLOTS,
             map_names::BACKENDS,
             map_names::AFFINITY,
+            map_names::DGRAM_FLOWS,
         ] {
             let path = pin_dir.join(name);
             if path.exists() {
@@ -356,9 +360,9 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
 ///   (`tc::SourceRangeWriter::adopt`);
 /// - `LB_TC_CONFIG`: one element, written whole by every process's first
 ///   sync, so nothing to read;
-/// - `LB_AFFINITY`, `LB_CONNTRACK`, `LB_CT_SYN`: written by the kernel; the
-///   agent keeps no record, its sweeps and purges read the whole map each
-///   time;
+/// - `LB_AFFINITY`, `LB_DGRAM_FLOWS`, `LB_CONNTRACK`, `LB_CT_SYN`: written
+///   by the kernel; the agent keeps no record, its sweeps and purges read
+///   the whole map each time;
 /// - `LB_REV_SOCK`, `LB_SOCK_PEER`, `LB_STATS`, `LB_FRAGMENTS`: the kernel's
 ///   alone.
 #[derive(Default)]
@@ -453,6 +457,7 @@ impl Datapath {
             .map_max_entries(map_names::BACKENDS, capacity.max_backends)
             .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
             .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
+            .map_max_entries(map_names::DGRAM_FLOWS, capacity.max_datagram_flows)
             .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack)
             .map_max_entries(map_names::CONNTRACK_SYN, capacity.max_conntrack_syn);
         for (name, path) in &paths {
@@ -483,6 +488,7 @@ impl Datapath {
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
+            datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
         };
         adopted.services = maps.services.iter().filter_map(Result::ok).collect();
         adopted.slots = maps.slots.iter().filter_map(Result::ok).collect();
@@ -760,6 +766,7 @@ mod tests {
             max_slots: 128,
             max_reverse_sockets: 64,
             max_affinity: 64,
+            max_datagram_flows: 64,
             max_conntrack: 64,
             max_conntrack_syn: 64,
         };
@@ -804,9 +811,9 @@ mod tests {
         };
         let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         assert!(adopted.services.is_empty());
-        // The three service maps and the affinity map, whose entries name
-        // their ids.
-        assert_eq!(adopted.recreated.len(), 4, "{:?}", adopted.recreated);
+        // The three service maps, and the affinity and datagram flow maps,
+        // whose entries name their ids.
+        assert_eq!(adopted.recreated.len(), 5, "{:?}", adopted.recreated);
         drop(dp);
         // An upgrade from the 20-byte ServiceValue (before `affinity_id`):
         // recreated cleanly, affinity entries of the old ids with it.
@@ -827,6 +834,7 @@ mod tests {
                 "{r:?}"
             );
             assert!(r.iter().any(|m| m.starts_with("LB_AFFINITY")), "{r:?}");
+            assert!(r.iter().any(|m| m.starts_with("LB_DGRAM_FLOWS")), "{r:?}");
             let info = MapInfo::from_pin(&services).unwrap();
             assert_eq!(
                 info.value_size() as usize,

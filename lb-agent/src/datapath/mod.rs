@@ -1,12 +1,16 @@
 //! The kernel side as the agent owns it: loading the embedded object and
 //! pinning its maps (`loader`), writing the difference between desired and
 //! programmed state (`reconcile`, through `batch`), the tc programs and their
-//! conntrack (`tc`), sessionAffinity ageing (`affinity`) and destruction of
-//! connected UDP sockets whose backend left (`sockets`). May use `base` and
-//! `semantics` (the desired state it programs).
+//! conntrack (`tc`), the ageing of what the kernel records (`sweep`, for
+//! sessionAffinity in `affinity` and unconnected UDP flows in
+//! `datagram_flows`) and destruction of connected UDP sockets whose backend
+//! left (`sockets`). May use `base` and `semantics` (the desired state it
+//! programs).
 pub mod affinity;
 pub mod batch;
+pub mod datagram_flows;
 pub mod loader;
 pub mod reconcile;
 pub mod sockets;
+pub mod sweep;
 pub mod tc;

@@ -1031,6 +1031,37 @@ impl Reconciler {
         out
     }
 
+    /// The policy of every programmed frontend whose UDP flows the kernel
+    /// keeps in `LB_DGRAM_FLOWS` (the socket path's UDP frontends without
+    /// sessionAffinity), for the datagram flow sweeper.
+    pub fn datagram_flow_policies(
+        &self,
+    ) -> BTreeMap<
+        crate::datapath::datagram_flows::FlowFrontend,
+        crate::datapath::datagram_flows::DatagramPolicy,
+    > {
+        self.frontends
+            .iter()
+            .filter(|(f, p)| {
+                f.scope == Scope::Internal
+                    && f.protocol == crate::semantics::model::Protocol::Udp
+                    && p.value.flags & service_flags::AFFINITY == 0
+            })
+            .map(|(f, p)| {
+                let key = service_key(f);
+                let policy = crate::datapath::datagram_flows::DatagramPolicy {
+                    service_id: p.id,
+                    serving: crate::datapath::datagram_flows::serving_backends(
+                        &p.slots,
+                        p.value.active,
+                        p.value.terminating,
+                    ),
+                };
+                ((key.addr, key.port, key.proto), policy)
+            })
+            .collect()
+    }
+
     /// Whether `apply` left sets or backends for `retire` to delete.
     ///
     /// A backend only loses its last slot when a set is replaced or
@@ -1633,6 +1664,59 @@ mod tests {
         assert_eq!(policies.len(), 1);
         assert_eq!(policies[&id].active_backends.len(), 1);
         assert_eq!(policies[&id].timeout_s, 90);
+    }
+
+    /// The datagram flow sweeper's policies: the socket path's UDP
+    /// frontends without affinity, by their key, with their service id and
+    /// every serving backend (terminating ones too); the same after a
+    /// restart.
+    #[test]
+    fn datagram_flow_policies_of_the_udp_frontends() {
+        let udp = |f: Frontend| Frontend {
+            protocol: Protocol::Udp,
+            ..f
+        };
+        let udp_be = |ip| BackendAddr {
+            protocol: Protocol::Udp,
+            ..be(ip, 53)
+        };
+        let dns = udp(fe("10.96.0.10", 53));
+        let sticky = udp(fe("10.96.0.11", 53));
+        let tcp = fe("10.96.0.10", 80);
+        let external = Frontend {
+            scope: Scope::External,
+            ..udp(fe("192.168.1.10", 30053))
+        };
+        let mut s = state("dns", &[udp_be("10.244.1.1")]);
+        s.terminating = vec![BackendRef {
+            backend: udp_be("10.244.1.2"),
+            local: false,
+        }];
+        let mut with_affinity = state("sticky", &[udp_be("10.244.1.1")]);
+        with_affinity.affinity_timeout = Some(30);
+        let d = desired(&[
+            (dns, s.clone()),
+            (sticky, with_affinity),
+            (tcp, state("web", &[be("10.244.1.1", 80)])),
+            (external, s),
+        ]);
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        sync(&mut r, &d, &mut m);
+        let key = service_key(&dns);
+        let policies = r.datagram_flow_policies();
+        assert_eq!(
+            policies.keys().collect::<Vec<_>>(),
+            [&(key.addr, key.port, key.proto)]
+        );
+        let p = &policies[&(key.addr, key.port, key.proto)];
+        assert_eq!(p.service_id, m.services[&key].id);
+        let ids: BTreeSet<u32> = ["10.244.1.1", "10.244.1.2"]
+            .iter()
+            .map(|ip| r.backends[&udp_be(ip)].id)
+            .collect();
+        assert_eq!(p.serving, ids);
+        assert_eq!(adopt_from(&m).datagram_flow_policies(), policies);
     }
 
     #[test]

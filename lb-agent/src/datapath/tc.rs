@@ -34,6 +34,7 @@ use crate::{
     base::addr::ip_from_bytes,
     base::clock::monotonic_now_ns,
     datapath::loader::pin_replacing,
+    datapath::sweep::Table,
     semantics::model::{BackendAddr, Frontend},
     semantics::northsouth::Cidr,
 };
@@ -422,15 +423,12 @@ impl TcMaps {
     }
 }
 
-/// Deletes the expired entries of one table. The walk is a snapshot that
-/// the kernel keeps refreshing meanwhile, so each candidate is read again
-/// just before it goes, against a clock read after that: an entry
-/// refreshed since the snapshot is kept. (What is left is the few
-/// microseconds between that read and the delete; the kernel refreshes a
-/// flow at every packet, so a flow idle for its whole timeout would have
-/// to send its next packet in exactly that window.)
+/// Deletes the expired entries of one table, as `sweep` does (each
+/// candidate read again, against a clock read after that, so an entry
+/// refreshed since the snapshot is kept); an entry's liveness depends on
+/// its partner too, which is why this is not `sweep::sweep`.
 fn sweep_table(map: &mut HashMap<MapData, CtKey, CtEntry>, t: &Timeouts) -> (usize, usize) {
-    let snapshot: BTreeMap<CtKey, CtEntry> = map.iter().filter_map(Result::ok).collect();
+    let snapshot: BTreeMap<CtKey, CtEntry> = map.entries().into_iter().collect();
     let cfg = t.config();
     let candidates = expired(&snapshot, monotonic_now_ns(), &cfg);
     let deleted = delete_if_still_expired(map, &candidates, monotonic_now_ns, &cfg);
@@ -447,25 +445,10 @@ fn expired(snapshot: &BTreeMap<CtKey, CtEntry>, now: u64, cfg: &TcConfig) -> Vec
         .collect()
 }
 
-/// A conntrack table as the sweep reads and deletes it.
-trait CtTable {
-    fn entry(&self, key: &CtKey) -> Option<CtEntry>;
-    fn delete(&mut self, key: &CtKey) -> bool;
-}
-
-impl CtTable for HashMap<MapData, CtKey, CtEntry> {
-    fn entry(&self, key: &CtKey) -> Option<CtEntry> {
-        self.get(key, 0).ok()
-    }
-    fn delete(&mut self, key: &CtKey) -> bool {
-        self.remove(key).is_ok()
-    }
-}
-
 /// Deletes each of `candidates` that is still expired when read again,
 /// against a clock read after that read. Returns how many went.
 fn delete_if_still_expired(
-    map: &mut impl CtTable,
+    map: &mut impl Table<CtKey, CtEntry>,
     candidates: &[CtKey],
     clock: impl Fn() -> u64,
     cfg: &TcConfig,
@@ -756,15 +739,6 @@ mod tests {
             now,
             &t.config()
         ));
-    }
-
-    impl CtTable for BTreeMap<CtKey, CtEntry> {
-        fn entry(&self, key: &CtKey) -> Option<CtEntry> {
-            self.get(key).copied()
-        }
-        fn delete(&mut self, key: &CtKey) -> bool {
-            self.remove(key).is_some()
-        }
     }
 
     /// The sweep's walk is a snapshot; the kernel refreshes entries

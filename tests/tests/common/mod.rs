@@ -1,10 +1,11 @@
 //! Helpers shared by the agent tests.
 #![allow(dead_code)]
 
-use std::net::SocketAddr;
+use std::{collections::BTreeMap, net::SocketAddr};
 
 use integration_tests::{
     apiserver::ApiServer,
+    cluster::Flows,
     manifests::{Endpoint, EndpointSlice, Service},
     netns::pod_v4,
     Attempt, Env, Spread,
@@ -132,4 +133,38 @@ pub fn assert_spread(what: &str, attempts: &[Attempt], backends: &[&str], min_sh
             "{what}: unexpected backend {b}\n{s}"
         );
     }
+}
+
+/// `n` rounds of `lb-probe flows`: per round, the backend each socket's
+/// datagram was answered by.
+pub fn flow_rounds(f: &mut Flows, n: usize) -> Vec<Vec<Option<String>>> {
+    (0..n)
+        .map(|_| f.round().unwrap_or_else(|e| panic!("flows round: {e:#}")))
+        .collect()
+}
+
+/// The one backend each socket's datagrams went to in `rounds` (every
+/// datagram answered, every answer of a socket from one backend).
+pub fn backend_per_socket(what: &str, rounds: &[Vec<Option<String>>]) -> Vec<String> {
+    let sockets = rounds.first().map_or(0, Vec::len);
+    (0..sockets)
+        .map(|s| {
+            let seen: Vec<Option<&str>> = rounds.iter().map(|r| r[s].as_deref()).collect();
+            let first = seen[0].unwrap_or_else(|| panic!("{what}: socket {s} unanswered"));
+            assert!(
+                seen.iter().all(|b| *b == Some(first)),
+                "{what}: socket {s}'s datagrams went to more than one backend: {seen:?}"
+            );
+            first.to_string()
+        })
+        .collect()
+}
+
+/// How many sockets each backend of [`backend_per_socket`] has.
+pub fn sockets_per_backend(on: &[String]) -> BTreeMap<&str, usize> {
+    let mut m = BTreeMap::new();
+    for b in on {
+        *m.entry(b.as_str()).or_default() += 1;
+    }
+    m
 }
