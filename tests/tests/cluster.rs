@@ -465,14 +465,10 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
     require_root!();
     let (api, mut env) = api_and_env("cludp", 3);
     let ports = [("dns", 8080, "UDP")];
-    let dns =
-        Service::new("demo", "dns")
-            .cluster_ip("10.96.0.53")
-            .port("dns", 53, "UDP", json!(8080));
     start_with(
         &api,
         &[
-            dns.to_value(),
+            dns_service("Cluster"),
             ready_slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
         ],
         &mut env,
