@@ -269,13 +269,17 @@ impl Syncer {
         // fixed for the agent's life, so the translator's touched frontends
         // are the restricted state's too.
         let desired = restricted.as_ref().unwrap_or(self.translator.state());
-        let report = if update.full {
+        let mut report = if update.full {
             self.reconciler.apply(desired, maps)
         } else {
             self.reconciler
                 .apply_touched(desired, &update.touched, maps)
         };
         let frontends = desired.frontends.len();
+        let mut stale_udp = std::mem::take(&mut report.stale_udp);
+        if !stale_udp.is_empty() {
+            stale_udp.find_orphans(desired);
+        }
         let apply = applying.elapsed();
         for e in &report.errors {
             tracing::error!("map write failed, will retry on the next sync: {e}");
@@ -288,10 +292,16 @@ impl Syncer {
             self.sweep_affinity();
             self.sweep_datagram_flows();
         }
-        if !report.udp_departed.is_empty() {
-            self.destroy_departed_udp(&report.udp_departed);
+        if !stale_udp.is_empty() {
+            self.destroy_stale_udp(&stale_udp);
         }
-        self.sync_tc(&net, &ranges, &report.udp_departed);
+        // The tc path's flows carry their frontend's service id.
+        let stale_flows: BTreeSet<(u32, crate::semantics::model::BackendAddr)> = stale_udp
+            .stale
+            .iter()
+            .filter_map(|(f, b)| Some((self.reconciler.service_id(f)?, *b)))
+            .collect();
+        self.sync_tc(&net, &ranges, &stale_flows);
         // kube-proxy's: every address, unless --nodeport-addresses limits
         // them to the node's own within those prefixes.
         let bind = if self.north_south.nodeport_addresses.is_empty() {
@@ -378,39 +388,30 @@ impl Syncer {
         }
     }
 
-    /// Connected UDP sockets keep talking to the backend they were sent to;
-    /// when it left their Service, destroy them so the application sees an
-    /// error and reconnects through the hook to a live backend.
-    fn destroy_departed_udp(
-        &mut self,
-        departed: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
-    ) {
-        let targets: BTreeSet<std::net::SocketAddr> = departed
+    /// Connected UDP sockets keep talking to the backend they were sent to
+    /// (or, connected before their frontend was programmed, to the
+    /// frontend's address, around the hook); when that is stale by
+    /// kube-proxy's rule (`stale_udp`), destroy them so that the
+    /// application sees an error and reconnects through the hook.
+    fn destroy_stale_udp(&mut self, stale: &crate::semantics::stale_udp::StaleUdp) {
+        let peers = stale.peers();
+        // `LB_REV_SOCK` names a socket's frontend by service id; only the
+        // frontends something is stale for matter.
+        let frontends: std::collections::BTreeMap<u32, Frontend> = stale
+            .stale
             .iter()
-            .map(|(_, b)| std::net::SocketAddr::new(b.addr, b.port))
+            .filter_map(|(f, _)| Some((self.reconciler.service_id(f)?, *f)))
             .collect();
         let maps = self.datapath.maps();
         let cgroup = self.cgroup.clone();
         let report = tokio::task::block_in_place(|| {
-            crate::datapath::sockets::destroy_udp_sockets(&cgroup, &targets, |sock| {
-                let Some(service_id) = maps.service_of_socket(sock.cookie, sock.dst) else {
-                    // Not sent through us (a direct pod-to-pod socket).
-                    return false;
-                };
-                let ip = match sock.dst.ip() {
-                    std::net::IpAddr::V6(v6) => v6
-                        .to_ipv4_mapped()
-                        .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
-                    v4 => v4,
-                };
-                departed.contains(&(
-                    service_id,
-                    crate::semantics::model::BackendAddr {
-                        addr: ip,
-                        port: sock.dst.port(),
-                        protocol: crate::semantics::model::Protocol::Udp,
-                    },
-                ))
+            crate::datapath::sockets::destroy_udp_sockets(&cgroup, &peers, |sock| {
+                // An entry may have been evicted (an LRU): it is extra
+                // knowledge, not a condition.
+                let via = maps
+                    .service_of_socket(sock.cookie, sock.dst)
+                    .and_then(|id| frontends.get(&id));
+                stale.is_stale(sock.dst, via)
             })
         });
         self.metrics
@@ -420,21 +421,21 @@ impl Syncer {
             tracing::warn!("destroying stale UDP sockets: {e}");
         }
         tracing::info!(
-            backends = targets.len(),
+            peers = peers.len(),
             namespaces = report.namespaces,
             examined = report.examined,
             destroyed = report.destroyed,
-            "connected UDP sockets to departed backends destroyed"
+            "stale connected UDP sockets destroyed"
         );
     }
 
-    /// The tc path's settings, source ranges, departed UDP flows, and the
-    /// devices its programs are attached to.
+    /// The tc path's settings, source ranges, stale UDP flows (by service
+    /// id and backend), and the devices its programs are attached to.
     fn sync_tc(
         &mut self,
         net: &NodeNet,
         ranges: &std::collections::BTreeMap<Frontend, Vec<Cidr>>,
-        departed: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
+        stale_flows: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
     ) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
@@ -447,13 +448,13 @@ impl Syncer {
             for e in tc.ranges.sync(ranges) {
                 tracing::error!("{e}");
             }
-            if !departed.is_empty() {
-                let n = tc.purge_udp(departed);
+            if !stale_flows.is_empty() {
+                let n = tc.purge_udp(stale_flows);
                 self.metrics.conntrack_udp_purged.inc_by(n as u64);
                 if n > 0 {
                     tracing::info!(
                         entries = n,
-                        "UDP conntrack entries of departed backends removed"
+                        "UDP conntrack entries of backends that stopped serving removed"
                     );
                 }
             }

@@ -431,6 +431,33 @@ impl Agent {
         &self.pin_dir
     }
 
+    /// Deletes every entry of the pinned map `name` with `bpftool` (as an
+    /// LRU map's evictions would); how many there were.
+    pub fn clear_map(&self, name: &str) -> Result<usize> {
+        let pin = self.pin_dir.join(name);
+        let out = cmd::run(
+            Command::new("bpftool")
+                .args(["-j", "map", "dump", "pinned"])
+                .arg(&pin),
+        )?;
+        let entries: Vec<serde_json::Value> = serde_json::from_str(&out)
+            .with_context(|| format!("bpftool map dump output is not JSON: {out}"))?;
+        for e in &entries {
+            let key: Vec<&str> = e["key"]
+                .as_array()
+                .and_then(|k| k.iter().map(|b| b.as_str()?.strip_prefix("0x")).collect())
+                .ok_or_else(|| anyhow!("{name}: no hex key in {e}"))?;
+            cmd::run(
+                Command::new("bpftool")
+                    .args(["map", "delete", "pinned"])
+                    .arg(&pin)
+                    .args(["key", "hex"])
+                    .args(&key),
+            )?;
+        }
+        Ok(entries.len())
+    }
+
     pub fn health_addr(&self) -> SocketAddr {
         self.health
     }

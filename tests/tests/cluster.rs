@@ -465,14 +465,10 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
     require_root!();
     let (api, mut env) = api_and_env("cludp", 3);
     let ports = [("dns", 8080, "UDP")];
-    let dns =
-        Service::new("demo", "dns")
-            .cluster_ip("10.96.0.53")
-            .port("dns", 53, "UDP", json!(8080));
     start_with(
         &api,
         &[
-            dns.to_value(),
+            dns_service("Cluster"),
             ready_slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
         ],
         &mut env,
@@ -524,29 +520,219 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
         assert!(rest.contains(&b.as_str()), "reconnected to {b}, which left");
         assert!(after.get_or_insert(b.clone()) == &b);
     }
-    eprintln!("reconnected to {}", after.unwrap());
-    // The whole Service goes: its connected sockets are destroyed too, and
-    // a new connect finds no Service behind the address.
+    let after = after.unwrap();
+    eprintln!("reconnected to {after}");
+    let m = metrics(&env);
+    assert!(
+        metric(&m, "lb_udp_sockets_destroyed_total") >= Some(1.0),
+        "{m}"
+    );
+    // The whole Service goes. kube-proxy leaves the flows of a deleted
+    // Service alone (`CleanStaleEntries` only looks at Service ports that
+    // exist), and so does the agent: the socket keeps its backend, which
+    // still answers, while a new connect finds no Service.
     api.delete(Kind::Service, "demo", "dns").unwrap();
+    let gone = wait_until(POLL, Duration::from_millis(50), || {
+        env.attempts(Proto::UdpConnected, "10.96.0.53:53", 1)
+            .iter()
+            .all(|a| a.error.as_deref() == Some("ENETUNREACH"))
+    });
+    assert!(gone, "the deleted Service is still served");
+    for _ in 0..10 {
+        let a = next();
+        assert!(a.ok, "after the Service was deleted: {a:?}");
+        assert_eq!(a.backend.as_deref(), Some(after.as_str()), "{a:?}");
+    }
+}
+
+/// `demo/dns` at 10.96.0.53, `dns` 53/UDP to 8080, with
+/// `internalTrafficPolicy: policy`.
+fn dns_service(policy: &str) -> Value {
+    let mut svc = Service::new("demo", "dns")
+        .cluster_ip("10.96.0.53")
+        .port("dns", 53, "UDP", json!(8080))
+        .to_value();
+    svc["spec"]["internalTrafficPolicy"] = json!(policy);
+    svc
+}
+
+#[test]
+fn connected_udp_socket_keeps_a_backend_a_traffic_policy_excludes_while_it_serves() {
+    require_root!();
+    // kube-proxy's rule: a UDP flow is cleared when its endpoint stops
+    // serving, not when a traffic policy or topology stops choosing it.
+    let (api, mut env) = api_and_env("cludpitp", 2);
+    // b1 runs on the agent's node (node-1), b2 on another.
+    let slice = |env: &Env, hosts: &[&str]| {
+        EndpointSlice::new("demo", "dns-1", "dns")
+            .port("dns", 8080, "UDP")
+            .endpoints(hosts.iter().map(|h| Endpoint {
+                node_name: Some(if *h == "b1" { "node-1" } else { "node-2" }.into()),
+                ..Endpoint::ready(env.topo.host(h).ipv4.into())
+            }))
+            .to_value()
+    };
+    start_with(
+        &api,
+        &[dns_service("Cluster"), slice(&env, &["b2"])],
+        &mut env,
+    );
+    let probe = integration_tests::cluster::hold_udp(&env, "10.96.0.53:53", 100, 60_000).unwrap();
+    let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
+    let a = next();
+    assert_eq!(a.backend.as_deref(), Some("b2"), "{a:?}");
+
+    // internalTrafficPolicy: Local, and b1 here: new connects go to b1
+    // only, while b2 still serves the Service.
+    apply(&api, &[dns_service("Local"), slice(&env, &["b1", "b2"])]);
+    let local = wait_until(POLL, Duration::from_millis(50), || {
+        env.attempts(Proto::UdpConnected, "10.96.0.53:53", 5)
+            .iter()
+            .all(|a| a.backend.as_deref() == Some("b1"))
+    });
+    assert!(local, "internalTrafficPolicy: Local was not applied");
+    // The held socket keeps its backend and works on.
+    for _ in 0..20 {
+        let a = next();
+        assert!(
+            a.ok,
+            "the socket to b2 broke when only the policy changed: {a:?}"
+        );
+        assert_eq!(a.backend.as_deref(), Some("b2"), "{a:?}");
+    }
+    assert_eq!(
+        metric(&metrics(&env), "lb_udp_sockets_destroyed_total"),
+        Some(0.0)
+    );
+
+    // b2 leaves the Service: now the socket is stale, and the reconnect
+    // lands on b1, the one the policy selects.
+    apply(&api, &[slice(&env, &["b1"])]);
     let (aborted, _) = probe
         .until_error(100)
-        .unwrap_or_else(|e| panic!("the socket was not destroyed with its Service: {e:#}"));
+        .unwrap_or_else(|e| panic!("the socket was not destroyed after b2 left: {e:#}"));
     assert_eq!(
         (aborted.stage.as_deref(), aborted.error.as_deref()),
         (Some("recv"), Some("ECONNABORTED")),
         "{aborted:?}"
     );
     let a = next();
+    assert_eq!(a.backend.as_deref(), Some("b1"), "{a:?}");
+}
+
+#[test]
+fn connected_udp_socket_is_destroyed_without_its_lb_rev_sock_entry() {
+    require_root!();
+    let (api, mut env) = api_and_env("cludprev", 3);
+    let ports = [("dns", 8080, "UDP")];
+    start_with(
+        &api,
+        &[
+            dns_service("Cluster"),
+            ready_slice(&env, "dns", "dns-1", &ports, &["b1", "b2", "b3"]),
+        ],
+        &mut env,
+    );
+    let probe = integration_tests::cluster::hold_udp(&env, "10.96.0.53:53", 100, 30_000).unwrap();
+    let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
+    let a = next();
+    assert!(a.ok, "{a:?}");
+    let gone = a.backend.unwrap();
+    // The socket's entry goes, as the LRU would evict it under load.
+    let cleared = env.agent().clear_map("LB_REV_SOCK").unwrap();
+    assert!(cleared >= 1, "no LB_REV_SOCK entry to delete");
+    let a = next();
+    assert_eq!(a.backend.as_deref(), Some(gone.as_str()), "{a:?}");
+
+    let rest: Vec<&str> = ["b1", "b2", "b3"]
+        .into_iter()
+        .filter(|b| *b != gone)
+        .collect();
+    apply(&api, &[ready_slice(&env, "dns", "dns-1", &ports, &rest)]);
+    let (aborted, _) = probe.until_error(100).unwrap_or_else(|e| {
+        panic!("the socket to {gone}, whose LB_REV_SOCK entry was gone, was not destroyed: {e:#}")
+    });
+    assert_eq!(
+        (aborted.stage.as_deref(), aborted.error.as_deref()),
+        (Some("recv"), Some("ECONNABORTED")),
+        "{aborted:?}"
+    );
+    let a = next();
+    assert!(a.ok, "after the reconnect: {a:?}");
+    assert!(rest.contains(&a.backend.as_deref().unwrap()), "{a:?}");
+}
+
+#[test]
+fn udp_socket_connected_to_the_vip_before_the_service_is_destroyed_once_it_serves() {
+    require_root!();
+    let (api, mut env) = api_and_env("cludpvip", 2);
+    start_with(&api, &[], &mut env);
+    // Without a Service, the hook leaves a connect to 10.96.0.53 alone.
+    // A route lets it succeed (as on a node with a route for the Service
+    // CIDR): to a veth pair whose both ends are in the client's namespace,
+    // with a static neighbour, so that the datagrams end at the other end
+    // (addressed to another MAC) without an ARP failure's ICMP error.
+    for cmd in [
+        &[
+            "ip", "link", "add", "vip0", "type", "veth", "peer", "name", "vip1",
+        ][..],
+        &["ip", "link", "set", "vip0", "up"],
+        &["ip", "link", "set", "vip1", "up"],
+        &["ip", "route", "add", "10.96.0.53/32", "dev", "vip0"],
+        &[
+            "ip",
+            "neigh",
+            "add",
+            "10.96.0.53",
+            "lladdr",
+            "02:00:00:00:00:53",
+            "dev",
+            "vip0",
+            "nud",
+            "permanent",
+        ],
+    ] {
+        env.topo.exec("client", cmd).unwrap();
+    }
+    let probe = integration_tests::cluster::hold_udp(&env, "10.96.0.53:53", 100, 30_000).unwrap();
+    let next = || probe.next_attempt(Duration::from_secs(5)).unwrap();
+    let a = next();
     assert_eq!(
         (a.stage.as_deref(), a.error.as_deref()),
-        (Some("connect"), Some("ENETUNREACH")),
-        "reconnecting to a deleted Service: {a:?}"
+        (Some("recv"), Some("ETIMEDOUT")),
+        "connected around the hook, unanswered: {a:?}"
     );
-    let m = metrics(&env);
+
+    let ports = [("dns", 8080, "UDP")];
+    apply(
+        &api,
+        &[
+            dns_service("Cluster"),
+            ready_slice(&env, "dns", "dns-1", &ports, &["b1", "b2"]),
+        ],
+    );
+    // Unanswered until the agent destroys the socket; then the reconnect
+    // goes through the hook to a backend.
+    let mut unanswered = 0;
+    let aborted = loop {
+        let a = next();
+        match a.error.as_deref() {
+            Some("ETIMEDOUT") if unanswered < 100 => unanswered += 1,
+            _ => break a,
+        }
+    };
+    assert_eq!(
+        (aborted.stage.as_deref(), aborted.error.as_deref()),
+        (Some("recv"), Some("ECONNABORTED")),
+        "the socket connected before the Service was not destroyed: {aborted:?}"
+    );
+    let a = next();
+    assert!(a.ok, "after the reconnect: {a:?}");
     assert!(
-        metric(&m, "lb_udp_sockets_destroyed_total") >= Some(1.0),
-        "{m}"
+        ["b1", "b2"].contains(&a.backend.as_deref().unwrap()),
+        "{a:?}"
     );
+    assert_eq!(a.peer_addr(), Some(sa("10.96.0.53:53")), "{a:?}");
 }
 
 #[test]

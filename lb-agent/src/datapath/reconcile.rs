@@ -29,8 +29,9 @@ use crate::{
     base::addr::addr_bytes,
     semantics::model::{
         AffinityGroup, Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState,
-        Scope,
+        Protocol, Scope,
     },
+    semantics::stale_udp::{self, StaleUdp},
 };
 
 /// A map operation failed; `what` names the object it was for.
@@ -134,6 +135,10 @@ struct Programmed {
     value: ServiceValue,
     /// Backend ids in slot order (with the Maglev table, if any).
     slots: Vec<u32>,
+    /// UDP backends that stopped serving while nothing served this
+    /// frontend: their sockets are stale once something does
+    /// (`stale_udp::frontend_change`).
+    stopped: Vec<BackendAddr>,
 }
 
 /// How one frontend is to be written by `apply`.
@@ -181,9 +186,10 @@ pub struct SyncReport {
     pub frontends_adopted: usize,
     pub frontends_removed: usize,
     pub backends_written: usize,
-    /// UDP backends that left a frontend (by its service id): connected
-    /// sockets still talking to them are to be destroyed.
-    pub udp_departed: BTreeSet<(u32, BackendAddr)>,
+    /// The connected UDP flows the written frontends made stale, by
+    /// kube-proxy's rule (see `stale_udp`); `orphaned` is left for the
+    /// caller to find.
+    pub stale_udp: StaleUdp,
     pub errors: Vec<String>,
 }
 
@@ -445,6 +451,7 @@ impl Reconciler {
                     value,
                     // Empty never equals a desired set, so a broken entry is rewritten.
                     slots: found.unwrap_or_default(),
+                    stopped: Vec::new(),
                 },
             );
         }
@@ -661,6 +668,8 @@ impl Reconciler {
         for plan in ready {
             if plan.adopt_only {
                 let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
+                adopted.stopped =
+                    self.note_udp_change(&plan.frontend, Some(&adopted), &plan.state, &mut report);
                 adopted.state = Some(plan.state.clone());
                 self.frontends.insert(plan.frontend, adopted);
                 report.frontends_adopted += 1;
@@ -745,8 +754,9 @@ impl Reconciler {
                     );
                 }
                 _ => {
+                    // A frontend that goes makes no UDP flow stale:
+                    // kube-proxy leaves a deleted Service's flows alone.
                     let p = self.frontends.remove(&frontend).expect("listed above");
-                    self.note_departed(&frontend, &p, &[], &mut report);
                     self.used_service_ids.remove(&p.id);
                     self.count_affinity(p.value.affinity_id, false);
                     self.retiring.push((p.backend_set, p.slots.len() as u32));
@@ -822,45 +832,49 @@ impl Reconciler {
         }
     }
 
-    /// Programs one frontend; `Ok(false)` when the maps already held exactly
-    /// this (an adopted entry), so nothing was written.
-    /// Records the UDP backends of `p` that `keep` no longer holds.
-    fn note_departed(
+    /// Records in `report` the UDP flows that programming `state` for
+    /// `frontend`, which had been programmed as `previous`, makes stale;
+    /// returns what the frontend is to remember (`Programmed::stopped`).
+    fn note_udp_change(
         &self,
         frontend: &Frontend,
-        p: &Programmed,
-        keep: &[u32],
+        previous: Option<&Programmed>,
+        state: &FrontendState,
         report: &mut SyncReport,
-    ) {
-        if frontend.protocol != crate::semantics::model::Protocol::Udp {
-            return;
+    ) -> Vec<BackendAddr> {
+        if frontend.protocol != Protocol::Udp {
+            return Vec::new();
         }
-        let serving = (p.value.active as usize + p.value.terminating as usize).min(p.slots.len());
-        // The state it was programmed from lists the backends in slot
-        // order; only an adopted entry needs the search through all.
-        let listed: Option<Vec<BackendAddr>> = p.state.as_ref().map(|s| {
-            s.active
-                .iter()
-                .chain(&s.terminating)
-                .map(|r| r.backend)
-                .collect()
+        let before: Option<Vec<BackendAddr>> = previous.map(|p| match &p.state {
+            Some(s) => s.serving.clone(),
+            // Adopted from an earlier run: what it served is not known,
+            // what it selected is (a part of it).
+            None => self.selected_backends(p),
         });
-        for (slot, id) in p.slots[..serving].iter().enumerate() {
-            if keep.contains(id) {
-                continue;
-            }
-            let addr = match listed.as_ref().and_then(|l| l.get(slot)) {
-                Some(addr) if self.backends.get(addr).is_some_and(|b| b.id == *id) => Some(*addr),
-                _ => self
-                    .backends
-                    .iter()
-                    .find(|(_, b)| b.id == *id)
-                    .map(|(addr, _)| *addr),
-            };
-            if let Some(addr) = addr {
-                report.udp_departed.insert((p.id, addr));
-            }
-        }
+        let stopped = previous.map_or(&[][..], |p| &p.stopped[..]);
+        let change = stale_udp::frontend_change(before.as_deref(), stopped, &state.serving);
+        report.stale_udp.add(*frontend, &change);
+        change.stopped
+    }
+
+    /// The backends an adopted frontend selects from, as its slots say.
+    fn selected_backends(&self, p: &Programmed) -> Vec<BackendAddr> {
+        let selectable =
+            (p.value.active as usize + p.value.terminating as usize).min(p.slots.len());
+        let ids: BTreeSet<u32> = p.slots[..selectable].iter().copied().collect();
+        let mut found: Vec<BackendAddr> = self
+            .backends
+            .iter()
+            .filter(|(_, b)| ids.contains(&b.id))
+            .map(|(addr, _)| *addr)
+            .collect();
+        found.sort();
+        found
+    }
+
+    /// The service id `frontend` is programmed with.
+    pub fn service_id(&self, frontend: &Frontend) -> Option<u32> {
+        self.frontends.get(frontend).map(|p| p.id)
     }
 
     /// Works out how `frontend` is to be programmed, reserving a service id
@@ -977,7 +991,8 @@ impl Reconciler {
             self.count_affinity(p.value.affinity_id, false);
         }
         self.count_affinity(plan.value.affinity_id, true);
-        let keep = plan.slots.clone();
+        let stopped =
+            self.note_udp_change(&plan.frontend, plan.previous.as_ref(), &plan.state, report);
         self.frontends.insert(
             plan.frontend,
             Programmed {
@@ -986,12 +1001,10 @@ impl Reconciler {
                 state: Some(plan.state),
                 value: plan.value,
                 slots: plan.slots,
+                stopped,
             },
         );
         report.frontends_written += 1;
-        if let Some(old) = plan.previous {
-            self.note_departed(&plan.frontend, &old, &keep, report);
-        }
     }
 
     /// The affinity policy of every `affinity_id` of a programmed frontend
@@ -1272,6 +1285,7 @@ mod tests {
                 })
                 .collect(),
             terminating: vec![],
+            serving: active.to_vec(),
             affinity_timeout: None,
             selection: Default::default(),
             algorithm: Algorithm::Random,
@@ -1748,7 +1762,7 @@ mod tests {
     }
 
     #[test]
-    fn udp_backends_that_leave_are_reported_with_their_service() {
+    fn udp_backends_that_stop_serving_are_reported_with_their_frontend() {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let dns = Frontend {
@@ -1759,34 +1773,82 @@ mod tests {
             protocol: Protocol::Udp,
             ..be(ip, 53)
         };
+        let (b1, b2, b3) = (udp("10.244.1.1"), udp("10.244.1.2"), udp("10.244.1.3"));
         let web = fe("10.96.0.10", 80);
-        sync(
+        let report = sync(
             &mut r,
             &desired(&[
-                (dns, state("dns", &[udp("10.244.1.1"), udp("10.244.1.2")])),
+                (dns, state("dns", &[b1, b2])),
                 (web, state("web", &[be("10.244.1.1", 80)])),
             ]),
             &mut m,
         );
-        let id = m.services[&service_key(&dns)].id;
+        // New, with serving endpoints: sockets connected to the VIP itself
+        // went around the hook.
+        assert_eq!(report.stale_udp.newly_serving, BTreeSet::from([dns]));
+        assert!(report.stale_udp.stale.is_empty());
         let report = sync(
             &mut r,
-            &desired(&[
-                (dns, state("dns", &[udp("10.244.1.2")])),
-                (web, state("web", &[])),
-            ]),
+            &desired(&[(dns, state("dns", &[b2])), (web, state("web", &[]))]),
             &mut m,
         );
         // TCP departures are not reported: TCP connections end on their own.
+        assert_eq!(report.stale_udp.stale, BTreeSet::from([(dns, b1)]));
+        assert!(report.stale_udp.newly_serving.is_empty());
+        // A traffic policy narrows the selection; b3 still serves: nothing.
+        let narrowed = FrontendState {
+            serving: vec![b2, b3],
+            ..state("dns", &[b2])
+        };
+        let wide = state("dns", &[b2, b3]);
+        sync(&mut r, &desired(&[(dns, wide)]), &mut m);
+        let report = sync(&mut r, &desired(&[(dns, narrowed)]), &mut m);
+        assert_eq!(report.frontends_written, 1);
+        assert!(report.stale_udp.is_empty(), "{report:?}");
+        // The last ones stop serving: nothing yet; once one serves again,
+        // they are stale.
+        let none = state("dns", &[]);
+        let report = sync(&mut r, &desired(&[(dns, none)]), &mut m);
+        assert!(report.stale_udp.is_empty(), "{report:?}");
+        let report = sync(&mut r, &desired(&[(dns, state("dns", &[b1]))]), &mut m);
         assert_eq!(
-            report.udp_departed,
-            BTreeSet::from([(id, udp("10.244.1.1"))])
+            report.stale_udp.stale,
+            BTreeSet::from([(dns, b2), (dns, b3)])
         );
+        assert_eq!(report.stale_udp.newly_serving, BTreeSet::from([dns]));
+        // The Service goes: kube-proxy leaves its flows alone.
         let report = sync(&mut r, &DesiredState::default(), &mut m);
-        assert_eq!(
-            report.udp_departed,
-            BTreeSet::from([(id, udp("10.244.1.2"))])
+        assert_eq!(report.frontends_removed, 1);
+        assert!(report.stale_udp.is_empty(), "{report:?}");
+    }
+
+    #[test]
+    fn adopted_udp_frontends_compare_against_their_slots() {
+        let udp = |ip: &str| BackendAddr {
+            protocol: Protocol::Udp,
+            ..be(ip, 53)
+        };
+        let dns = Frontend {
+            protocol: Protocol::Udp,
+            ..fe("10.96.0.10", 53)
+        };
+        let (b1, b2) = (udp("10.244.1.1"), udp("10.244.1.2"));
+        let mut m = FakeMaps::default();
+        sync(
+            &mut Reconciler::test(),
+            &desired(&[(dns, state("dns", &[b1, b2]))]),
+            &mut m,
         );
+        // Adopted as it was: nothing stale, and the VIP served before.
+        let report = adopt_from(&m).apply(&desired(&[(dns, state("dns", &[b1, b2]))]), &mut m);
+        assert_eq!(report.frontends_adopted, 1);
+        assert!(report.stale_udp.is_empty(), "{report:?}");
+        // b1 left while no agent ran.
+        let mut r = adopt_from(&m);
+        let report = r.apply(&desired(&[(dns, state("dns", &[b2]))]), &mut m);
+        assert_eq!(report.stale_udp.stale, BTreeSet::from([(dns, b1)]));
+        assert!(report.stale_udp.newly_serving.is_empty());
+        assert_eq!(r.service_id(&dns), Some(m.services[&service_key(&dns)].id));
     }
 
     #[test]
@@ -2040,7 +2102,7 @@ mod tests {
                     (b.frontends_written, b.frontends_removed, b.backends_written),
                     "seed {seed} step {step}: report"
                 );
-                assert_eq!(a.udp_departed, b.udp_departed);
+                assert_eq!(a.stale_udp, b.stale_udp);
                 assert!(full.retire(&mut mf).is_empty());
                 assert!(partial.retire(&mut mp).is_empty());
                 assert_eq!(observed(&mf), observed(&mp), "seed {seed} step {step}");

@@ -1,14 +1,17 @@
-//! Destroying connected UDP sockets whose peer is a backend that left its
-//! Service.
+//! Destroying connected UDP sockets by their peer address.
 //!
 //! The socket-layer load balancer rewrites `connect()` to a Service VIP into a
 //! backend address once, at connect time. A *connected* UDP socket (the usual
 //! DNS client) then keeps sending to that backend forever, even after the pod
-//! left the Service — the long-standing kube-proxy/Cilium bug. The cure is to
-//! destroy such sockets with `SOCK_DESTROY` (sock_diag, `CONFIG_INET_DIAG_DESTROY`):
-//! the kernel aborts the socket, its pending or next `recv()` fails with
-//! `ECONNABORTED`, the application reconnects, and the connect hook picks a
-//! live backend.
+//! stopped serving the Service — the long-standing kube-proxy/Cilium bug. The
+//! cure is to destroy such sockets with `SOCK_DESTROY` (sock_diag,
+//! `CONFIG_INET_DIAG_DESTROY`): the kernel aborts the socket, its pending or
+//! next `recv()` fails with `ECONNABORTED`, the application reconnects, and
+//! the connect hook picks a live backend. Which sockets are stale is decided
+//! by the caller (`semantics::stale_udp`); this module finds every connected
+//! UDP socket whose peer is one of the given addresses, in every network
+//! namespace of the cgroup's processes (the host's, too, for host-network
+//! pods in it), without any map lookup.
 //!
 //! Sockets live in the network namespaces of the pods, so for every process of
 //! a cgroup subtree we open `/proc/PID/ns/net`, dedupe by its inode, and on a

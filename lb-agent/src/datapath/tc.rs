@@ -1,7 +1,8 @@
 //! The tc path as the agent owns it: attaching `tc_ingress`/`tc_egress` to
 //! the external devices (TCX links pinned in `<bpffs>/links`), the settings
 //! in `LB_TC_CONFIG`, `loadBalancerSourceRanges` in `LB_SOURCE_RANGES`, and
-//! the conntrack map: periodic expiry and UDP flows of departed backends.
+//! the conntrack map: periodic expiry and UDP flows of backends that stopped
+//! serving.
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::CStr,
@@ -395,13 +396,12 @@ impl TcMaps {
         (left + syn_left, deleted + syn_deleted)
     }
 
-    /// Deletes the UDP flows (both directions) to backends that left their
-    /// frontend, so that the client's next datagram picks a live one.
-    pub fn purge_udp(&mut self, departed: &BTreeSet<(u32, BackendAddr)>) -> usize {
-        let gone: BTreeSet<(u32, IpAddr, u16)> = departed
-            .iter()
-            .map(|(id, b)| (*id, b.addr, b.port))
-            .collect();
+    /// Deletes the UDP flows (both directions) of `(service id, backend)`:
+    /// backends that stopped serving their frontend (`stale_udp`), so that
+    /// the client's next datagram picks a serving one.
+    pub fn purge_udp(&mut self, stale: &BTreeSet<(u32, BackendAddr)>) -> usize {
+        let gone: BTreeSet<(u32, IpAddr, u16)> =
+            stale.iter().map(|(id, b)| (*id, b.addr, b.port)).collect();
         let doomed: Vec<CtKey> = self
             .conntrack
             .iter()

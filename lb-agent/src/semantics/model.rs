@@ -187,6 +187,13 @@ pub struct FrontendState {
     /// Serving but terminating, used only while `active` is empty (KEP-1669);
     /// sorted, no duplicates, disjoint from `active`.
     pub terminating: Vec<BackendRef>,
+    /// UDP frontends only (empty for TCP, whose connections end on their
+    /// own): every serving endpoint of the Service port in the frontend's
+    /// family, whatever the traffic policy and topology hints select; sorted,
+    /// no duplicates, a superset of `active` and `terminating`. A connected
+    /// UDP socket is destroyed only once its backend leaves this set
+    /// (`stale_udp`).
+    pub serving: Vec<BackendAddr>,
     /// `sessionAffinity: ClientIP` timeout in seconds.
     pub affinity_timeout: Option<u32>,
     /// Which endpoints `active` and `terminating` were selected from.

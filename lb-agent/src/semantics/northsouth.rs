@@ -325,6 +325,7 @@ mod tests {
             kind,
             active: Vec::new(),
             terminating: Vec::new(),
+            serving: Vec::new(),
             affinity_timeout: None,
             selection: Default::default(),
             algorithm: Algorithm::Random,

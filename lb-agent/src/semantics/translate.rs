@@ -550,6 +550,10 @@ fn translate_service(
         let candidates = candidates(&groups, port, node);
         let mut emit = |addr: IpAddr, frontend_port: u16, kind, scope, policy, field: String| {
             let (active, terminating) = select(&candidates, Family::of(addr), policy, node);
+            let serving = match port.protocol {
+                Protocol::Udp => serving(&candidates, Family::of(addr)),
+                Protocol::Tcp => Vec::new(),
+            };
             // kube-proxy REJECTs when the Service has no endpoint at all,
             // and DROPs when only the traffic policy leaves none here.
             let reject =
@@ -569,6 +573,7 @@ fn translate_service(
                 kind,
                 active,
                 terminating,
+                serving,
                 affinity_timeout: settings.affinity_timeout,
                 selection: match policy {
                     Policy::Cluster => Selection::Cluster,
@@ -877,6 +882,13 @@ impl Endpoint {
         !self.ready && self.serving && self.terminating
     }
 
+    /// kube-proxy's `IsServing` (the `serving` condition, terminating or
+    /// not), and every ready endpoint: a backend the datapath selects is
+    /// never one whose UDP sockets are destroyed.
+    fn is_serving(&self) -> bool {
+        self.serving || self.ready
+    }
+
     /// How good a duplicate is: ready beats serving-terminating beats
     /// unusable.
     fn usability(&self) -> u8 {
@@ -1144,6 +1156,17 @@ fn topology_mode<'a>(endpoints: &[&Endpoint], node: &'a NodeInfo) -> Topology<'a
     Topology::Any
 }
 
+/// The serving endpoints of `family` among `candidates`, before any traffic
+/// policy or topology: what kube-proxy's UDP conntrack cleanup keeps
+/// (`FrontendState::serving`). Sorted and unique, as `candidates` is.
+fn serving(candidates: &[(BackendAddr, Endpoint)], family: Family) -> Vec<BackendAddr> {
+    candidates
+        .iter()
+        .filter(|(_, ep)| Family::of(ep.addr) == family && ep.is_serving())
+        .map(|(backend, _)| *backend)
+        .collect()
+}
+
 /// The `(active, terminating)` backends of a frontend of `family` under
 /// `policy` (kube-proxy's `CategorizeEndpoints`).
 fn select(
@@ -1244,6 +1267,19 @@ mod tests {
                 }
                 if !st.terminating.is_empty() {
                     line += &format!(" | terminating {}", backends(&st.terminating));
+                }
+                // Shown only where it differs from the selected backends
+                // of a UDP frontend.
+                let mut selected: Vec<BackendAddr> = st
+                    .active
+                    .iter()
+                    .chain(&st.terminating)
+                    .map(|r| r.backend)
+                    .collect();
+                selected.sort();
+                if frontend.protocol == Protocol::Udp && st.serving != selected {
+                    let serving: Vec<String> = st.serving.iter().map(|b| b.to_string()).collect();
+                    line += &format!(" | serving {}", serving.join(" "));
                 }
                 if let Some(timeout) = st.affinity_timeout {
                     line += &format!(" | affinity {timeout}");
@@ -1943,6 +1979,65 @@ mod tests {
         ]);
     }
 
+    /// The serving endpoints of a UDP frontend (rendered `| serving ...`
+    /// where they differ from the selected ones) are what kube-proxy's UDP
+    /// conntrack cleanup keeps: neither traffic policies nor topology hints
+    /// narrow them, serving-terminating endpoints are in, endpoints neither
+    /// ready nor serving and those of the other family are out.
+    #[test]
+    fn udp_frontends_keep_every_serving_endpoint() {
+        let udp_slice = |address_type: &str, endpoints: &str| {
+            format!(
+                "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {{name: dns-{address_type}, labels: {{kubernetes.io/service-name: dns}}}}, \
+                 addressType: {address_type}, ports: [{{name: dns, port: 5353, protocol: UDP}}], endpoints: {endpoints}}}"
+            )
+        };
+        let dns = |spec_extra: &str| {
+            format!(
+                "{{apiVersion: v1, kind: Service, metadata: {{name: dns}}, \
+                 spec: {{clusterIP: 10.96.0.53, ports: [{{name: dns, port: 53, protocol: UDP}}]{spec_extra}}}}}"
+            )
+        };
+        // 10.1.0.1 here, 10.1.0.2 elsewhere, 10.1.0.3 serving and
+        // terminating, 10.1.0.4 neither ready nor serving.
+        let conditions = udp_slice(
+            "IPv4",
+            "[{addresses: [10.1.0.1], nodeName: node-a}, {addresses: [10.1.0.2], nodeName: node-b}, \
+             {addresses: [10.1.0.3], nodeName: node-b, conditions: {ready: false, serving: true, terminating: true}}, \
+             {addresses: [10.1.0.4], nodeName: node-b, conditions: {ready: false, serving: false}}]",
+        );
+        let hinted = udp_slice(
+            "IPv4",
+            "[{addresses: [10.1.0.1], nodeName: node-a, hints: {forZones: [{name: zone-a}]}}, \
+             {addresses: [10.1.0.2], nodeName: node-b, hints: {forZones: [{name: zone-b}]}}]",
+        );
+        let v6 = udp_slice("IPv6", "[{addresses: [fd00:1::1], nodeName: node-b}]");
+        let (cluster, local) = (dns(""), dns(", internalTrafficPolicy: Local"));
+        run(vec![
+            Case::new(
+                "policy Cluster: every serving endpoint is selected",
+                &[&cluster, &conditions, &v6],
+                &["int 10.96.0.53:53/UDP ClusterIp default/dns:dns => 10.1.0.1:5353(local) 10.1.0.2:5353 | terminating 10.1.0.3:5353"],
+            ),
+            Case::new(
+                "internalTrafficPolicy Local narrows the selection, not the serving ones",
+                &[&local, &conditions],
+                &["int 10.96.0.53:53/UDP ClusterIp default/dns:dns => 10.1.0.1:5353(local) | serving 10.1.0.1:5353 10.1.0.2:5353 10.1.0.3:5353"],
+            ),
+            Case::new(
+                "internalTrafficPolicy Local with no endpoint here: none selected, all still serving",
+                &[&local, &conditions],
+                &["int 10.96.0.53:53/UDP ClusterIp default/dns:dns => none | serving 10.1.0.1:5353 10.1.0.2:5353 10.1.0.3:5353"],
+            )
+            .on(node("node-c", None)),
+            Case::new(
+                "topology hints narrow the selection, not the serving ones",
+                &[&cluster, &hinted],
+                &["int 10.96.0.53:53/UDP ClusterIp default/dns:dns => 10.1.0.1:5353(local) | serving 10.1.0.1:5353 10.1.0.2:5353"],
+            ),
+        ]);
+    }
+
     fn topology_service(metadata_extra: &str, spec_extra: &str) -> String {
         format!(
             "{{apiVersion: v1, kind: Service, metadata: {{name: web{metadata_extra}}}, \
@@ -2140,6 +2235,7 @@ mod tests {
                 kind: FrontendKind::ClusterIp,
                 active: vec![backend],
                 terminating: vec![],
+                serving: vec![backend.backend],
                 affinity_timeout: Some(DEFAULT_AFFINITY_TIMEOUT),
                 selection: Selection::Cluster,
                 algorithm: Algorithm::Maglev,
