@@ -34,8 +34,7 @@ use crate::{
     base::addr::ip_from_bytes,
     base::clock::monotonic_now_ns,
     datapath::loader::pin_replacing,
-    semantics::model::{BackendAddr, Frontend},
-    semantics::northsouth::Cidr,
+    semantics::model::{BackendAddr, Cidr, Frontend},
 };
 
 pub const INGRESS: &str = "tc_ingress";
