@@ -108,11 +108,11 @@ pub struct NorthSouthArgs {
     /// Serve NodePorts only on node addresses within these prefixes
     /// (comma-separated), like kube-proxy's --nodeport-addresses.
     #[arg(long, value_delimiter = ',')]
-    pub nodeport_addresses: Vec<crate::semantics::northsouth::Cidr>,
+    pub nodeport_addresses: Vec<crate::semantics::model::Cidr>,
     /// Opt-in CVE-2020-8554 mitigation: externalIPs outside these prefixes
     /// are refused, with a warning naming the Service.
     #[arg(long, value_delimiter = ',')]
-    pub allowed_external_ip_cidrs: Vec<crate::semantics::northsouth::Cidr>,
+    pub allowed_external_ip_cidrs: Vec<crate::semantics::model::Cidr>,
     /// Idle lifetime of a TCP flow in the tc path's conntrack.
     #[arg(long, default_value = "6h", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_timeout: Duration,

@@ -22,8 +22,8 @@ use crate::{
     input::store::{Changes, Rejection, Store},
     input::watch::{self, ApiAccess, SharedState},
     semantics::health::node_eligible,
-    semantics::model::{Algorithm, Frontend},
-    semantics::northsouth::{self, Cidr},
+    semantics::model::{Algorithm, Cidr, Frontend},
+    semantics::northsouth,
     semantics::translate::{TranslateOptions, Translator},
     serve::health::{self, ProxyHealthHandle, Readiness},
     serve::healthcheck::{Bind, HealthCheckServers},
@@ -214,7 +214,7 @@ impl Syncer {
         let algorithm = self.algorithm;
         let translator = &mut self.translator;
         let cache = &mut self.north_south_cache;
-        let (update, restricted, rejections, net, ranges, checks, eligible) =
+        let (update, rejections, net, ranges, checks, eligible) =
             self.source.with_store(|store, changes, mut rejections| {
                 // A wake-up for a file that is not a manifest (an editor's
                 // temporary file, say) changes nothing.
@@ -224,23 +224,14 @@ impl Syncer {
                 let opts = TranslateOptions {
                     default_algorithm: algorithm,
                     node_addresses: net.node_addresses.clone(),
+                    allowed_external_ips: ns.allowed_external_ip_cidrs.clone(),
                 };
                 let update = match changes {
                     Some(changes) if !full => translator.update(store, &changes, &node, &opts),
                     _ => translator.full(store, &node, &opts),
                 };
                 rejections.extend(translator.rejections());
-                // Refusing externalIPs takes frontends out of a copy: the
-                // translator's own state must stay what it translated.
-                let restricted = (!ns.allowed_external_ip_cidrs.is_empty()).then(|| {
-                    let mut desired = translator.state().clone();
-                    rejections.extend(northsouth::restrict_external_ips(
-                        &mut desired,
-                        &ns.allowed_external_ip_cidrs,
-                    ));
-                    desired
-                });
-                let desired = restricted.as_ref().unwrap_or(translator.state());
+                let desired = translator.state();
                 let inputs = match cache.take() {
                     Some(c) if unchanged && !update.full && c.net == net => c,
                     _ => {
@@ -257,18 +248,13 @@ impl Syncer {
                 let (ranges, checks) = (inputs.ranges.clone(), inputs.checks.clone());
                 *cache = Some(inputs);
                 let eligible = node_eligible(store.nodes.get(&node_name));
-                (
-                    update, restricted, rejections, net, ranges, checks, eligible,
-                )
+                (update, rejections, net, ranges, checks, eligible)
             });
         self.set_node_eligible(eligible);
         let read_translate = started.elapsed();
         let applying = Instant::now();
         let maps = self.datapath.maps();
-        // Refusing externalIPs filters each frontend by itself with ranges
-        // fixed for the agent's life, so the translator's touched frontends
-        // are the restricted state's too.
-        let desired = restricted.as_ref().unwrap_or(self.translator.state());
+        let desired = self.translator.state();
         let mut report = if update.full {
             self.reconciler.apply(desired, maps)
         } else {

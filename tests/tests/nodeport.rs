@@ -1198,3 +1198,71 @@ fn fragmented_udp_through_a_nodeport() {
         assert_eq!(names.len(), 2, "{target}: both backends: {replies:?}");
     }
 }
+
+/// Contested addresses (issue 11, item 8): Service `a-nodeport` has
+/// NodePort 30090; Service `b-extip` has n1's own address as externalIP,
+/// on port 30090. kube-proxy matches ClusterIPs, externalIPs and
+/// LoadBalancer IPs before NodePorts (`KUBE-NODEPORTS` is the last rule of
+/// `KUBE-SERVICES`; nftables looks up `@service-ips` before
+/// `@service-nodeports`), so on n1 the externalIP serves 192.168.77.1:30090,
+/// from outside (tc) and from pods (socket path), though `a-nodeport` sorts
+/// first; n2's address is no externalIP, and there the NodePort serves. The
+/// loser is logged, naming both Services and the address.
+#[test]
+fn an_external_ip_on_a_node_address_beats_the_node_port() {
+    require_root!();
+    const CONTESTED: u16 = 30090;
+    let mut c = Cluster::new("contest", &[2, 1]).expect("topology");
+    c.serve_all().unwrap();
+    let (n1p1, n2p0) = (c.pod("n1p1").clone(), c.pod("n2p0").clone());
+    let mut docs = c.node_objects();
+    docs.extend([
+        service(
+            "a-nodeport",
+            &["10.96.0.90"],
+            json!({"ports": port(CONTESTED, "TCP")}),
+            json!({}),
+        ),
+        c.slice("a-nodeport", &[&n2p0], false, "TCP"),
+        service(
+            "b-extip",
+            &["10.96.0.91"],
+            json!({"type": "ClusterIP", "externalIPs": [node_v4(1).to_string()],
+                "ports": [{"name": "http", "port": CONTESTED, "targetPort": 8080}]}),
+            json!({}),
+        ),
+        c.slice("b-extip", &[&n1p1], false, "TCP"),
+    ]);
+    c.manifests.write("contest.yaml", &docs).unwrap();
+    c.start_agents(&[]).unwrap();
+    let on_n1 = format!("{}:{CONTESTED}", node_v4(1));
+    let a = c.from_client("tcp", &on_n1, 20);
+    assert_eq!(ok_count(&a), 20, "{}\n{}", show(&a), c.agent_logs());
+    assert_eq!(
+        backends(&a),
+        BTreeSet::from(["n1p1".to_string()]),
+        "the externalIP, not the NodePort: {}",
+        show(&a)
+    );
+    let pod = c.pod("n1p0").netns.clone();
+    let a = c.from_pod(1, &pod, "tcp", &on_n1, 20);
+    assert_eq!(ok_count(&a), 20, "{}", show(&a));
+    assert_eq!(
+        backends(&a),
+        BTreeSet::from(["n1p1".to_string()]),
+        "socket path: {}",
+        show(&a)
+    );
+    let a = c.from_client("tcp", &format!("{}:{CONTESTED}", node_v4(2)), 10);
+    assert_eq!(ok_count(&a), 10, "{}", show(&a));
+    assert_eq!(backends(&a), BTreeSet::from(["n2p0".to_string()]));
+    let log = c.agents[0].log();
+    let line = log
+        .lines()
+        .find(|l| l.contains("skipped") && l.contains("Service demo/a-nodeport"))
+        .unwrap_or_else(|| panic!("the NodePort's loss is logged:\n{log}"));
+    assert!(
+        line.contains("demo/b-extip") && line.contains(&on_n1),
+        "names the winner and the address: {line}"
+    );
+}

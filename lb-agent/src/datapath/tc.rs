@@ -36,8 +36,7 @@ use crate::{
     base::clock::monotonic_now_ns,
     datapath::loader::pin_replacing,
     datapath::sweep::Table,
-    semantics::model::{BackendAddr, Frontend},
-    semantics::northsouth::Cidr,
+    semantics::model::{BackendAddr, Cidr, Frontend},
 };
 
 pub const INGRESS: &str = "tc_ingress";

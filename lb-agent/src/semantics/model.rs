@@ -6,6 +6,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
+    str::FromStr,
 };
 
 use lb_common::{proto, scope};
@@ -235,4 +236,89 @@ pub struct DesiredState {
     /// Addresses that are live VIPs in a scope: a connect to one of them on a
     /// port without a frontend is refused instead of leaking out.
     pub vips: BTreeSet<(IpAddr, Scope)>,
+}
+
+/// An address prefix, `10.0.0.0/8` or `fd00::/8`; a bare address is a /32
+/// or /128.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        let ip = match ip {
+            IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+            v4 => v4,
+        };
+        match (self.addr, ip) {
+            (IpAddr::V4(net), IpAddr::V4(a)) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                u32::from(net) & mask == u32::from(a) & mask
+            }
+            (IpAddr::V6(net), IpAddr::V6(a)) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                u128::from(net) & mask == u128::from(a) & mask
+            }
+            _ => false,
+        }
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .parse()
+            .map_err(|_| format!("{s:?} is not an address prefix"))?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => p
+                .parse::<u8>()
+                .ok()
+                .filter(|p| *p <= max)
+                .ok_or_else(|| format!("{s:?}: prefix length must be 0..={max}"))?,
+        };
+        Ok(Cidr { addr, prefix })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidr_parse_and_contains() {
+        let cases = [
+            ("10.0.0.0/8", "10.1.2.3", true),
+            ("10.0.0.0/8", "11.0.0.1", false),
+            ("10.0.0.0/8", "::ffff:10.9.9.9", true),
+            ("0.0.0.0/0", "192.168.1.1", true),
+            ("0.0.0.0/0", "fd00::1", false),
+            ("fd00::/8", "fd00:77::1", true),
+            ("fd00::/8", "fe80::1", false),
+            ("192.168.77.100", "192.168.77.100", true),
+            ("192.168.77.100", "192.168.77.101", false),
+        ];
+        for (c, a, want) in cases {
+            let c: Cidr = c.parse().unwrap();
+            assert_eq!(c.contains(a.parse().unwrap()), want, "{c} contains {a}");
+        }
+        for bad in ["10.0.0.0/33", "x/8", "fd00::/129", ""] {
+            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
+        }
+    }
 }

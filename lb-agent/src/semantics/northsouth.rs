@@ -1,7 +1,8 @@
 //! Kubernetes semantics of north-south traffic that the tc path needs on
 //! top of `translate`: the node's addresses (`--nodeport-addresses`),
-//! `--allowed-external-ip-cidrs` (CVE-2020-8554), `loadBalancerSourceRanges`
-//! and the health-check node ports of `externalTrafficPolicy: Local`.
+//! `loadBalancerSourceRanges` and the health-check node ports of
+//! `externalTrafficPolicy: Local`. (`--allowed-external-ip-cidrs` applies
+//! in `translate`.)
 //! Pure functions over the store and the desired state, with table tests.
 use std::{
     collections::{BTreeMap, BTreeSet},
@@ -13,14 +14,12 @@ use k8s_openapi::api::core::v1::Node;
 use crate::{
     input::store::{ObjectKey, Rejection, Store},
     semantics::{
-        model::{DesiredState, Frontend, FrontendKind, Scope, ServiceName},
+        model::{Cidr, DesiredState, Frontend, FrontendKind, Scope, ServiceName},
         translate,
     },
 };
 
 const SOURCE: &str = "translate";
-
-pub use crate::base::addr::Cidr;
 
 /// `InternalIP` and `ExternalIP` addresses of a Node, in its order.
 pub fn node_object_addresses(node: &Node) -> Vec<IpAddr> {
@@ -69,39 +68,6 @@ fn is_link_local(a: IpAddr) -> bool {
         IpAddr::V4(v4) => v4.is_link_local(),
         IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
     }
-}
-
-/// CVE-2020-8554: with `--allowed-external-ip-cidrs`, externalIPs outside
-/// them are removed (both scopes) and reported, naming the Service.
-pub fn restrict_external_ips(desired: &mut DesiredState, allowed: &[Cidr]) -> Vec<Rejection> {
-    if allowed.is_empty() {
-        return Vec::new();
-    }
-    let refused: Vec<Frontend> = desired
-        .frontends
-        .iter()
-        .filter(|(f, s)| {
-            s.kind == FrontendKind::ExternalIp && !allowed.iter().any(|c| c.contains(f.addr))
-        })
-        .map(|(f, _)| *f)
-        .collect();
-    let mut rejections = Vec::new();
-    for f in refused {
-        let state = desired.frontends.remove(&f).expect("listed above");
-        let r = Rejection::new(
-            SOURCE,
-            format!("Service {}", state.service),
-            "spec.externalIPs",
-            format!(
-                "externalIP {} refused: outside --allowed-external-ip-cidrs",
-                f.addr
-            ),
-        );
-        if !rejections.contains(&r) {
-            rejections.push(r);
-        }
-    }
-    rejections
 }
 
 /// `loadBalancerSourceRanges` of the External LoadBalancer frontends that
@@ -232,28 +198,6 @@ mod tests {
         s.parse().unwrap()
     }
 
-    #[test]
-    fn cidr_parse_and_contains() {
-        let cases = [
-            ("10.0.0.0/8", "10.1.2.3", true),
-            ("10.0.0.0/8", "11.0.0.1", false),
-            ("10.0.0.0/8", "::ffff:10.9.9.9", true),
-            ("0.0.0.0/0", "192.168.1.1", true),
-            ("0.0.0.0/0", "fd00::1", false),
-            ("fd00::/8", "fd00:77::1", true),
-            ("fd00::/8", "fe80::1", false),
-            ("192.168.77.100", "192.168.77.100", true),
-            ("192.168.77.100", "192.168.77.101", false),
-        ];
-        for (c, a, want) in cases {
-            let c: Cidr = c.parse().unwrap();
-            assert_eq!(c.contains(ip(a)), want, "{c} contains {a}");
-        }
-        for bad in ["10.0.0.0/33", "x/8", "fd00::/129", ""] {
-            assert!(bad.parse::<Cidr>().is_err(), "{bad}");
-        }
-    }
-
     fn node(name: &str, addrs: &[(&str, &str)]) -> Node {
         Node {
             metadata: ObjectMeta {
@@ -341,38 +285,6 @@ mod tests {
             protocol: Protocol::Tcp,
             scope,
         }
-    }
-
-    #[test]
-    fn external_ips_outside_the_allowed_cidrs_are_refused() {
-        use FrontendKind::{ExternalIp, LoadBalancer};
-        let mut d = DesiredState::default();
-        for scope in [Scope::External, Scope::Internal] {
-            add(
-                &mut d,
-                &[
-                    ("203.0.113.9", scope, "evil", ExternalIp),
-                    ("198.51.100.7", scope, "ok", ExternalIp),
-                    ("203.0.113.10", scope, "lb", LoadBalancer),
-                ],
-            );
-        }
-        // Without the option nothing changes.
-        let mut same = d.clone();
-        assert!(restrict_external_ips(&mut same, &[]).is_empty());
-        assert_eq!(same, d);
-        let allowed = vec!["198.51.100.0/24".parse().unwrap()];
-        let r = restrict_external_ips(&mut d, &allowed);
-        assert_eq!(r.len(), 1, "{r:?}");
-        assert_eq!(r[0].object, "Service demo/evil");
-        assert!(r[0].reason.contains("203.0.113.9"), "{}", r[0]);
-        assert_eq!(d.frontends.len(), 4);
-        assert!(!d
-            .frontends
-            .contains_key(&fe("203.0.113.9", Scope::Internal)));
-        assert!(d
-            .frontends
-            .contains_key(&fe("203.0.113.10", Scope::External)));
     }
 
     /// The metadata of object `demo/name`.

@@ -15,11 +15,10 @@ use std::{
 use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
 
 use crate::{
-    base::addr::Cidr,
     input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
     semantics::model::{
-        Algorithm, BackendAddr, BackendRef, DesiredState, Frontend, FrontendKind, FrontendState,
-        Protocol, Scope, Selection, ServiceName,
+        Algorithm, BackendAddr, BackendRef, Cidr, DesiredState, Frontend, FrontendKind,
+        FrontendState, Protocol, Scope, Selection, ServiceName,
     },
 };
 
@@ -44,6 +43,11 @@ pub struct TranslateOptions {
     pub default_algorithm: Algorithm,
     /// The node's own addresses, on which NodePorts are served; may be empty.
     pub node_addresses: Vec<IpAddr>,
+    /// `--allowed-external-ip-cidrs` (CVE-2020-8554): when not empty,
+    /// externalIPs outside these prefixes are refused, both scopes, and
+    /// claim nothing (kube-proxy filters them out of the Service before it
+    /// writes a rule).
+    pub allowed_external_ips: Vec<Cidr>,
 }
 
 /// Translates every Service of `store` as seen from `node`.
@@ -103,10 +107,10 @@ pub struct Update {
 /// The translation kept between syncs, so that a change to a few objects
 /// re-translates only the Services they belong to.
 ///
-/// Claims are settled in Service key order (the first Service claiming a
-/// frontend keeps it). An update is done in place only while no frontend
-/// it involves is or becomes claimed twice; otherwise everything is
-/// translated again, which settles conflicts exactly as before.
+/// A frontend claimed more than once goes to the claim of the lowest
+/// [`Rank`]. An update is done in place only while no frontend it involves
+/// is or becomes claimed twice; otherwise everything is translated again,
+/// which settles conflicts exactly as before.
 #[derive(Debug, Default)]
 pub struct Translator {
     state: DesiredState,
@@ -165,9 +169,7 @@ impl Translator {
         }
         let ctx = Context { store, node, opts };
         // Each Service translates on its own, so a large store is split
-        // over the cores; the claims are settled afterwards, in key order,
-        // so that on a conflict the Service whose namespace/name sorts
-        // first keeps the frontend.
+        // over the cores; the claims are settled afterwards, by `Rank`.
         let services: Vec<(&ObjectKey, &Service)> =
             store.services.iter().map(|(k, s)| (k, &**s)).collect();
         let chunk = services.len().div_ceil(threads).max(PARALLEL_SERVICES);
@@ -191,15 +193,81 @@ impl Translator {
                     .collect()
             })
         };
-        for ((key, _), out) in services.iter().zip(outs) {
+        let losses = self.elect(&services, &outs);
+        for (i, ((key, _), out)) in services.iter().zip(outs).enumerate() {
             if let Some((out, report)) = out {
-                self.settle(key, out, report);
+                self.settle(key, out, report, losses.get(&i));
             }
         }
         Update {
             full: true,
             touched: BTreeSet::new(),
         }
+    }
+
+    /// Finds the winning claim of every frontend claimed more than once
+    /// (recorded as contested) and says why each other claim lost: by
+    /// Service index (key order), claim index to the rejection's reason.
+    fn elect(
+        &mut self,
+        services: &[(&ObjectKey, &Service)],
+        outs: &[Option<(ServiceOut, Report)>],
+    ) -> BTreeMap<usize, BTreeMap<usize, String>> {
+        let claim =
+            |rank: &Rank| &outs[rank.service].as_ref().expect("ranked").0.claims[rank.claim];
+        // The best claim so far, and whether there were others.
+        let mut best: BTreeMap<Frontend, (Rank, bool)> = BTreeMap::new();
+        for (i, ((_, svc), out)) in services.iter().zip(outs).enumerate() {
+            let Some((out, _)) = out else { continue };
+            let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+            for (j, (frontend, state, _)) in out.claims.iter().enumerate() {
+                let rank = Rank {
+                    kind: precedence(state.kind),
+                    created: (created.is_none(), created),
+                    service: i,
+                    claim: j,
+                };
+                best.entry(*frontend)
+                    .and_modify(|(best, others)| {
+                        *others = true;
+                        *best = (*best).min(rank);
+                    })
+                    .or_insert((rank, false));
+            }
+        }
+        let mut losses: BTreeMap<usize, BTreeMap<usize, String>> = BTreeMap::new();
+        for (i, ((_, svc), out)) in services.iter().zip(outs).enumerate() {
+            let Some((out, _)) = out else { continue };
+            for (j, (frontend, state, _)) in out.claims.iter().enumerate() {
+                let Some((winner, true)) = best.get(frontend) else {
+                    continue;
+                };
+                if (i, j) == (winner.service, winner.claim) {
+                    continue;
+                }
+                let (_, won, won_field) = claim(winner);
+                let why = if i == winner.service {
+                    format!("already claimed by its {won_field}")
+                } else {
+                    let created = svc.metadata.creation_timestamp.as_ref().map(|t| t.0);
+                    format!(
+                        "also claimed by Service {} ({won_field}), which keeps it: {}",
+                        services[winner.service].0,
+                        why_first(won.kind, winner.created.1, state.kind, created),
+                    )
+                };
+                losses
+                    .entry(i)
+                    .or_default()
+                    .insert(j, format!("frontend {frontend} is {why}; ignored"));
+            }
+        }
+        self.contested.extend(
+            best.into_iter()
+                .filter(|(_, (_, others))| *others)
+                .map(|(f, _)| f),
+        );
+        losses
     }
 
     /// Brings the translation up to date with `store` after `changes`,
@@ -273,23 +341,25 @@ impl Translator {
         Some((out, report))
     }
 
-    /// Adds a translated Service after every Service sorting before it:
-    /// a frontend already served by one of those stays with it.
-    fn settle(&mut self, key: &ObjectKey, out: ServiceOut, mut report: Report) {
+    /// Adds a translated Service: every claim but those `losses` rejects
+    /// (claim index to reason) serves its frontend.
+    fn settle(
+        &mut self,
+        key: &ObjectKey,
+        out: ServiceOut,
+        mut report: Report,
+        losses: Option<&BTreeMap<usize, String>>,
+    ) {
         let ServiceOut {
             claims,
             vips,
             endpoint_rejections,
         } = out;
         let mut frontends = Vec::with_capacity(claims.len());
-        for (frontend, state, field) in claims {
+        for (j, (frontend, state, field)) in claims.into_iter().enumerate() {
             frontends.push(frontend);
-            if let Some((owner, owner_field)) = self.owners.get(&frontend) {
-                self.contested.insert(frontend);
-                let reason = format!(
-                    "frontend {frontend} is already served by Service {owner} ({owner_field}); ignored"
-                );
-                report.reject(field, reason);
+            if let Some(reason) = losses.and_then(|l| l.get(&j)) {
+                report.reject(field, reason.clone());
                 continue;
             }
             self.owners.insert(frontend, (key.clone(), field));
@@ -354,9 +424,86 @@ impl Translator {
         }
         if let Some((out, report)) = out {
             touched.extend(out.claims.iter().map(|(f, ..)| *f));
-            self.settle(key, out, report);
+            // Checked above: every frontend is this Service's alone.
+            self.settle(key, out, report, None);
         }
         true
+    }
+}
+
+/// Where a claim stands when several claim one frontend: the lowest wins.
+///
+/// kube-proxy looks up ClusterIPs, externalIPs and LoadBalancer IPs before
+/// NodePorts: its iptables mode jumps to `KUBE-NODEPORTS` from the last
+/// rule of `KUBE-SERVICES` ("NOTE: this must be the last rule in this
+/// chain", `pkg/proxy/iptables/proxier.go`, `syncProxyRules`), its nftables
+/// mode's `services` chain looks up `@service-ips` before
+/// `@service-nodeports` (`pkg/proxy/nftables/proxier.go`, `setupNFTables`).
+/// So a NodePort yields. Among the others kube-proxy has no order: both
+/// modes write one rule or map element per Service port while ranging over
+/// a Go map (`for svcName, svc := range proxier.svcPortMap`), the first
+/// match (iptables) or the last write (nftables' `ensureElem` replaces the
+/// element) wins, and that can change at every sync. Here the order is
+/// fixed: ClusterIP (the API server allocates it, unique), then
+/// LoadBalancer IP (its controller writes it to the status), then
+/// externalIP (anyone who may write a Service's spec, CVE-2020-8554); then
+/// the older Service (`creationTimestamp`: a new Service cannot take an
+/// address from one that serves it); then namespace/name; within one
+/// Service, its first claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Rank {
+    kind: u8,
+    /// No `creationTimestamp` (manifests) sorts after every time.
+    created: (bool, Option<k8s_openapi::jiff::Timestamp>),
+    /// Index of the Service in key order.
+    service: usize,
+    /// Index of the claim in its Service's claims.
+    claim: usize,
+}
+
+/// The kind's place in [`Rank`].
+fn precedence(kind: FrontendKind) -> u8 {
+    match kind {
+        FrontendKind::ClusterIp => 0,
+        FrontendKind::LoadBalancer => 1,
+        FrontendKind::ExternalIp => 2,
+        FrontendKind::NodePort => 3,
+    }
+}
+
+/// "a ClusterIP", "an externalIP", ...
+fn a_kind(kind: FrontendKind) -> &'static str {
+    match kind {
+        FrontendKind::ClusterIp => "a ClusterIP",
+        FrontendKind::LoadBalancer => "a LoadBalancer IP",
+        FrontendKind::ExternalIp => "an externalIP",
+        FrontendKind::NodePort => "a NodePort",
+    }
+}
+
+/// Why the claim of another Service of kind `won`, created at
+/// `won_created`, ranks before one of kind `lost` created at `lost_created`.
+fn why_first(
+    won: FrontendKind,
+    won_created: Option<k8s_openapi::jiff::Timestamp>,
+    lost: FrontendKind,
+    lost_created: Option<k8s_openapi::jiff::Timestamp>,
+) -> String {
+    if lost == FrontendKind::NodePort && won != lost {
+        format!("kube-proxy matches {} before a NodePort", a_kind(won))
+    } else if won != lost {
+        format!(
+            "{} comes before {} (ClusterIP, LoadBalancer IP, externalIP)",
+            a_kind(won),
+            a_kind(lost)
+        )
+    } else if let (Some(t), true) = (won_created, won_created != lost_created) {
+        match lost_created {
+            Some(_) => format!("it is older (created {t})"),
+            None => format!("it has a creationTimestamp ({t}), this Service none"),
+        }
+    } else {
+        "it sorts first by namespace/name".to_owned()
     }
 }
 
@@ -532,7 +679,7 @@ fn translate_service(
         .copied()
         .filter(|a| families.contains(&Family::of(*a)))
         .collect();
-    let external_ips = external_ips(spec, &families, report);
+    let external_ips = external_ips(spec, &families, &opts.allowed_external_ips, report);
     let lb_ips = load_balancer_ips(svc, &families, report);
     // Which families `loadBalancerSourceRanges` restrict (malformed ranges
     // are reported by `northsouth::source_ranges`, which writes them).
@@ -703,7 +850,14 @@ fn of_service_families(
         .collect()
 }
 
-fn external_ips(spec: &ServiceSpec, families: &BTreeSet<Family>, report: &mut Report) -> Vec<Addr> {
+/// `spec.externalIPs` of the Service's families, without those outside
+/// `allowed` (when given).
+fn external_ips(
+    spec: &ServiceSpec,
+    families: &BTreeSet<Family>,
+    allowed: &[Cidr],
+    report: &mut Report,
+) -> Vec<Addr> {
     let parsed = spec
         .external_ips
         .iter()
@@ -711,7 +865,20 @@ fn external_ips(spec: &ServiceSpec, families: &BTreeSet<Family>, report: &mut Re
         .enumerate()
         .filter_map(|(i, raw)| parse_ip(raw, format!("spec.externalIPs[{i}]"), report))
         .collect();
-    of_service_families(parsed, families, report)
+    let mut ips = of_service_families(parsed, families, report);
+    if !allowed.is_empty() {
+        ips.retain(|(ip, field)| {
+            let ok = allowed.iter().any(|c| c.contains(*ip));
+            if !ok {
+                report.reject(
+                    field.clone(),
+                    format!("externalIP {ip} refused: outside --allowed-external-ip-cidrs"),
+                );
+            }
+            ok
+        });
+    }
+    ips
 }
 
 /// `status.loadBalancer.ingress[].ip` of VIP-mode entries: a `Proxy`-mode
@@ -1306,7 +1473,9 @@ mod tests {
         docs: &'a [&'a str],
         /// `None`: `node_a()`.
         node: Option<NodeInfo>,
-        default_algorithm: Algorithm,
+        /// `node_addresses` are 192.168.1.10 and fd00::10 unless a case
+        /// says otherwise.
+        opts: TranslateOptions,
         frontends: Vec<String>,
         /// `object field` of each rejection, in order.
         rejected: &'a [&'a str],
@@ -1321,7 +1490,13 @@ mod tests {
                 name,
                 docs,
                 node: None,
-                default_algorithm: Algorithm::Random,
+                opts: TranslateOptions {
+                    node_addresses: vec![
+                        "192.168.1.10".parse().unwrap(),
+                        "fd00::10".parse().unwrap(),
+                    ],
+                    ..Default::default()
+                },
                 frontends: frontends.iter().map(|f| f.as_ref().to_owned()).collect(),
                 rejected: &[],
             }
@@ -1340,11 +1515,15 @@ mod tests {
             }
         }
 
-        fn default_algorithm(self, default_algorithm: Algorithm) -> Self {
-            Case {
-                default_algorithm,
-                ..self
-            }
+        fn default_algorithm(mut self, default_algorithm: Algorithm) -> Self {
+            self.opts.default_algorithm = default_algorithm;
+            self
+        }
+
+        /// With `--allowed-external-ip-cidrs`.
+        fn allowed_external_ips(mut self, cidrs: &[&str]) -> Self {
+            self.opts.allowed_external_ips = cidrs.iter().map(|c| c.parse().unwrap()).collect();
+            self
         }
     }
 
@@ -1368,12 +1547,8 @@ mod tests {
 
     fn run(cases: Vec<Case<'_>>) {
         for case in cases {
-            let opts = TranslateOptions {
-                default_algorithm: case.default_algorithm,
-                node_addresses: vec!["192.168.1.10".parse().unwrap(), "fd00::10".parse().unwrap()],
-            };
             let node = case.node.clone().unwrap_or_else(node_a);
-            let (state, rejections) = translate(&store(case.docs), &node, &opts);
+            let (state, rejections) = translate(&store(case.docs), &node, &case.opts);
             assert_eq!(render(&state), case.frontends, "{}: frontends", case.name);
             let got: Vec<String> = rejections
                 .iter()
@@ -1564,7 +1739,7 @@ mod tests {
                 &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | Maglev"],
             ),
             Case::new(
-                "duplicate frontends: the first Service by namespace/name keeps them",
+                "duplicate frontends of one kind, no creationTimestamp: the first Service by namespace/name keeps them",
                 &[
                     "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}, {port: 81}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}], externalIPs: [203.0.113.5]}}",
@@ -1580,6 +1755,172 @@ mod tests {
             )
             .rejected(&["Service default/b spec.clusterIP", "Service default/c spec.externalIPs[0]"]),
         ]);
+    }
+
+    /// Services claiming one frontend (issue 11, item 8): see `Rank`.
+    #[test]
+    fn contested_frontends() {
+        const A_NODEPORT: &str = "{apiVersion: v1, kind: Service, metadata: {name: a-np}, \
+            spec: {type: NodePort, clusterIP: 10.96.0.30, ports: [{port: 80, nodePort: 30090}]}}";
+        const A_NODEPORT_CLUSTER_IP: &str = "int 10.96.0.30:80/TCP ClusterIp default/a-np => none";
+        const EXTERNAL_IP_ON_A_CLUSTER_IP: &[&str] = &[
+            "{apiVersion: v1, kind: Service, metadata: {name: a-ext}, \
+             spec: {clusterIP: 10.96.0.33, ports: [{port: 80}], externalIPs: [10.96.0.34]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: b-cip}, spec: {clusterIP: 10.96.0.34, ports: [{port: 80}]}}",
+        ];
+        run(vec![
+            Case::new(
+                "a NodePort yields to another Service's externalIP on the node address, both scopes",
+                &[
+                    A_NODEPORT,
+                    "{apiVersion: v1, kind: Service, metadata: {name: b-ext}, \
+                     spec: {clusterIP: 10.96.0.31, ports: [{port: 30090}], externalIPs: [192.168.1.10]}}",
+                ],
+                &[
+                    A_NODEPORT_CLUSTER_IP,
+                    "int 10.96.0.31:30090/TCP ClusterIp default/b-ext => none",
+                    "int 192.168.1.10:30090/TCP ExternalIp default/b-ext => none",
+                    "ext 192.168.1.10:30090/TCP ExternalIp default/b-ext => none | reject",
+                ],
+            )
+            .rejected(&["Service default/a-np spec.ports[0].nodePort"]),
+            Case::new(
+                "a NodePort yields to a LoadBalancer IP on the node address (k3s' ServiceLB), even an older NodePort",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a-np, creationTimestamp: '2020-01-01T00:00:00Z'}, \
+                     spec: {type: NodePort, clusterIP: 10.96.0.30, ports: [{port: 80, nodePort: 30090}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b-lb, creationTimestamp: '2024-01-01T00:00:00Z'}, \
+                     spec: {type: LoadBalancer, clusterIP: 10.96.0.32, ports: [{port: 30090, nodePort: 31000}]}, \
+                     status: {loadBalancer: {ingress: [{ip: 192.168.1.10}]}}}",
+                ],
+                &[
+                    A_NODEPORT_CLUSTER_IP,
+                    "int 10.96.0.32:30090/TCP ClusterIp default/b-lb => none",
+                    "int 192.168.1.10:30090/TCP LoadBalancer default/b-lb => none",
+                    "ext 192.168.1.10:30090/TCP LoadBalancer default/b-lb => none | reject",
+                    "int 192.168.1.10:31000/TCP NodePort default/b-lb => none",
+                    "ext 192.168.1.10:31000/TCP NodePort default/b-lb => none | reject",
+                ],
+            )
+            .rejected(&["Service default/a-np spec.ports[0].nodePort"]),
+            Case::new(
+                "a ClusterIP before an externalIP; the externalIP keeps the External scope, where the ClusterIP is not served",
+                EXTERNAL_IP_ON_A_CLUSTER_IP,
+                &[
+                    "int 10.96.0.33:80/TCP ClusterIp default/a-ext => none",
+                    "int 10.96.0.34:80/TCP ClusterIp default/b-cip => none",
+                    "ext 10.96.0.34:80/TCP ExternalIp default/a-ext => none | reject",
+                ],
+            )
+            .rejected(&["Service default/a-ext spec.externalIPs[0]"]),
+            Case::new(
+                "a LoadBalancer IP before an externalIP",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a-ext}, \
+                     spec: {clusterIP: 10.96.0.35, ports: [{port: 80}], externalIPs: [203.0.113.7]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b-lb}, \
+                     spec: {type: LoadBalancer, clusterIP: 10.96.0.36, ports: [{port: 80}]}, \
+                     status: {loadBalancer: {ingress: [{ip: 203.0.113.7}]}}}",
+                ],
+                &[
+                    "int 10.96.0.35:80/TCP ClusterIp default/a-ext => none",
+                    "int 10.96.0.36:80/TCP ClusterIp default/b-lb => none",
+                    "int 203.0.113.7:80/TCP LoadBalancer default/b-lb => none",
+                    "ext 203.0.113.7:80/TCP LoadBalancer default/b-lb => none | reject",
+                ],
+            )
+            .rejected(&["Service default/a-ext spec.externalIPs[0]"]),
+            Case::new(
+                "one kind: the older Service keeps it, one without creationTimestamp comes last",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a-new, creationTimestamp: '2024-02-01T00:00:00Z'}, \
+                     spec: {clusterIP: 10.96.0.37, ports: [{port: 80}], externalIPs: [203.0.113.8]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b-old, creationTimestamp: '2024-01-01T00:00:00Z'}, \
+                     spec: {clusterIP: 10.96.0.38, ports: [{port: 80}], externalIPs: [203.0.113.8]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: a-none, namespace: a}, \
+                     spec: {clusterIP: 10.96.0.39, ports: [{port: 80}], externalIPs: [203.0.113.8]}}",
+                ],
+                &[
+                    "int 10.96.0.37:80/TCP ClusterIp default/a-new => none",
+                    "int 10.96.0.38:80/TCP ClusterIp default/b-old => none",
+                    "int 10.96.0.39:80/TCP ClusterIp a/a-none => none",
+                    "int 203.0.113.8:80/TCP ExternalIp default/b-old => none",
+                    "ext 203.0.113.8:80/TCP ExternalIp default/b-old => none | reject",
+                ],
+            )
+            .rejected(&["Service a/a-none spec.externalIPs[0]", "Service default/a-new spec.externalIPs[0]"]),
+            Case::new(
+                "within one Service its first claim",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIP: 10.96.0.40, ports: [{port: 80}], externalIPs: [203.0.113.9, 203.0.113.9]}}"],
+                &[
+                    "int 10.96.0.40:80/TCP ClusterIp default/web => none",
+                    "int 203.0.113.9:80/TCP ExternalIp default/web => none",
+                    "ext 203.0.113.9:80/TCP ExternalIp default/web => none | reject",
+                ],
+            )
+            .rejected(&["Service default/web spec.externalIPs[1]"]),
+            Case::new(
+                "an externalIP refused by --allowed-external-ip-cidrs claims nothing: the NodePort serves",
+                &[
+                    A_NODEPORT,
+                    "{apiVersion: v1, kind: Service, metadata: {name: b-ext}, \
+                     spec: {clusterIP: 10.96.0.31, ports: [{port: 30090}], externalIPs: [192.168.1.10, 203.0.113.10]}}",
+                ],
+                &[
+                    A_NODEPORT_CLUSTER_IP,
+                    "int 10.96.0.31:30090/TCP ClusterIp default/b-ext => none",
+                    "int 192.168.1.10:30090/TCP NodePort default/a-np => none",
+                    "ext 192.168.1.10:30090/TCP NodePort default/a-np => none | reject",
+                    "int 203.0.113.10:30090/TCP ExternalIp default/b-ext => none",
+                    "ext 203.0.113.10:30090/TCP ExternalIp default/b-ext => none | reject",
+                ],
+            )
+            .rejected(&["Service default/b-ext spec.externalIPs[0]"])
+            .allowed_external_ips(&["203.0.113.0/24"]),
+        ]);
+    }
+
+    /// A lost claim names the address, both Services and why.
+    #[test]
+    fn contested_frontends_say_who_keeps_them_and_why() {
+        let docs = [
+            "{apiVersion: v1, kind: Service, metadata: {name: a-np}, \
+             spec: {type: NodePort, clusterIP: 10.96.0.30, ports: [{port: 80, nodePort: 30090}]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: b-ext, namespace: shop}, \
+             spec: {clusterIP: 10.96.0.31, ports: [{port: 30090}], externalIPs: [192.168.1.10]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: c-old, creationTimestamp: '2024-01-01T00:00:00Z'}, \
+             spec: {clusterIP: 10.96.0.32, ports: [{port: 81}], externalIPs: [203.0.113.5, 203.0.113.6]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: d-new, creationTimestamp: '2024-03-01T00:00:00Z'}, \
+             spec: {clusterIP: 10.96.0.33, ports: [{port: 81}], externalIPs: [203.0.113.5]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: e-none}, \
+             spec: {clusterIP: 10.96.0.34, ports: [{port: 81}], externalIPs: [203.0.113.6]}}",
+            "{apiVersion: v1, kind: Service, metadata: {name: a-lb}, \
+             spec: {type: LoadBalancer, clusterIP: 10.96.0.35, ports: [{port: 80, nodePort: 31000}]}, \
+             status: {loadBalancer: {ingress: [{ip: 10.96.0.30}]}}}",
+        ];
+        let opts = TranslateOptions {
+            node_addresses: vec!["192.168.1.10".parse().unwrap()],
+            ..Default::default()
+        };
+        let (_, rejections) = translate(&store(&docs), &node_a(), &opts);
+        let got: Vec<String> = rejections.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            got,
+            [
+                "translate: Service default/a-lb: status.loadBalancer.ingress[0].ip: frontend 10.96.0.30:80/TCP is also \
+                 claimed by Service default/a-np (spec.clusterIP), which keeps it: a ClusterIP comes before a \
+                 LoadBalancer IP (ClusterIP, LoadBalancer IP, externalIP); ignored",
+                "translate: Service default/a-np: spec.ports[0].nodePort: frontend 192.168.1.10:30090/TCP is also \
+                 claimed by Service shop/b-ext (spec.externalIPs[0]), which keeps it: kube-proxy matches an \
+                 externalIP before a NodePort; ignored",
+                "translate: Service default/d-new: spec.externalIPs[0]: frontend 203.0.113.5:81/TCP is also claimed by \
+                 Service default/c-old (spec.externalIPs[0]), which keeps it: it is older (created 2024-01-01T00:00:00Z); ignored",
+                "translate: Service default/e-none: spec.externalIPs[0]: frontend 203.0.113.6:81/TCP is also claimed by \
+                 Service default/c-old (spec.externalIPs[1]), which keeps it: it has a creationTimestamp \
+                 (2024-01-01T00:00:00Z), this Service none; ignored",
+            ]
+        );
     }
 
     #[test]
@@ -1739,8 +2080,8 @@ mod tests {
     /// frontends without affinity left out.
     fn affinity_groups(docs: &[&str]) -> Vec<String> {
         let opts = TranslateOptions {
-            default_algorithm: Algorithm::Random,
             node_addresses: vec!["192.168.1.10".parse().unwrap(), "fd00::10".parse().unwrap()],
+            ..Default::default()
         };
         let (state, _) = translate(&store(docs), &node_a(), &opts);
         let mut groups: BTreeMap<crate::semantics::model::AffinityGroup, Vec<String>> =
@@ -2298,11 +2639,14 @@ mod tests {
                     "",
                     ", type: NodePort",
                     ", externalIPs: [192.0.2.1]",
+                    // Contested with another's ClusterIP or NodePort.
+                    ", externalIPs: [10.96.0.2]",
+                    ", externalIPs: [192.168.1.10]",
                     ", internalTrafficPolicy: Local",
                     ", sessionAffinity: ClientIP",
                 ]);
                 let node_port = if extra.contains("NodePort") {
-                    ", nodePort: 30080"
+                    rng.pick(&[", nodePort: 30080", ", nodePort: 80"])
                 } else {
                     ""
                 };
@@ -2310,8 +2654,13 @@ mod tests {
                     "",
                     ", labels: {service.kubernetes.io/service-proxy-name: other}",
                 ]);
+                let created = rng.pick(&[
+                    "",
+                    ", creationTimestamp: '2024-01-01T00:00:00Z'",
+                    ", creationTimestamp: '2024-01-02T00:00:00Z'",
+                ]);
                 format!(
-                    "{{apiVersion: v1, kind: Service, metadata: {{name: {name}, namespace: {ns}{labels}}}, \
+                    "{{apiVersion: v1, kind: Service, metadata: {{name: {name}, namespace: {ns}{labels}{created}}}, \
                      spec: {{clusterIP: '{ip}'{extra}, ports: [{{name: p, port: {port}, protocol: {proto}{node_port}}}]}}}}"
                 )
             }
@@ -2378,8 +2727,8 @@ mod tests {
     #[test]
     fn incremental_equals_full() {
         let opts = TranslateOptions {
-            default_algorithm: Algorithm::Random,
             node_addresses: vec!["192.168.1.10".parse().unwrap()],
+            ..Default::default()
         };
         let (mut partial, mut conflicts) = (0, 0);
         for seed in 1..=40u64 {
@@ -2431,7 +2780,7 @@ mod tests {
                 assert_eq!(translator.rejections(), want_rejections, "{at}: rejections");
                 if want_rejections
                     .iter()
-                    .any(|r| r.reason.contains("already served"))
+                    .any(|r| r.reason.contains("claimed by"))
                 {
                     conflicts += 1;
                 }
