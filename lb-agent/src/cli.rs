@@ -113,6 +113,12 @@ pub struct NorthSouthArgs {
     /// are refused, with a warning naming the Service.
     #[arg(long, value_delimiter = ',')]
     pub allowed_external_ip_cidrs: Vec<crate::semantics::model::Cidr>,
+    /// Serve ClusterIPs to clients outside the node too (a Service CIDR
+    /// routed or advertised to the nodes), as kube-proxy does; off by
+    /// default, as Cilium's --bpf-lb-external-clusterip. Off, such packets
+    /// pass the tc programs untouched.
+    #[arg(long)]
+    pub external_clusterip: bool,
     /// Idle lifetime of a TCP flow in the tc path's conntrack.
     #[arg(long, default_value = "6h", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_timeout: Duration,

@@ -225,6 +225,7 @@ impl Syncer {
                     default_algorithm: algorithm,
                     node_addresses: net.node_addresses.clone(),
                     allowed_external_ips: ns.allowed_external_ip_cidrs.clone(),
+                    external_cluster_ip: ns.external_clusterip,
                 };
                 let update = match changes {
                     Some(changes) if !full => translator.update(store, &changes, &node, &opts),

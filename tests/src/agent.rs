@@ -358,6 +358,12 @@ impl Agent {
         self.args.extend(args.iter().map(OsString::from));
     }
 
+    /// Drops every argument equal to `arg` for the next
+    /// [`restart`](Self::restart) (a flag turned off again).
+    pub fn remove_arg(&mut self, arg: &str) {
+        self.args.retain(|a| a != arg);
+    }
+
     /// Like [`restart`](Self::restart), without waiting for `/readyz`; the
     /// command line.
     pub fn respawn(&mut self) -> Result<String> {

@@ -1266,3 +1266,127 @@ fn an_external_ip_on_a_node_address_beats_the_node_port() {
         "names the winner and the address: {line}"
     );
 }
+
+/// `--external-clusterip` (issue 11, item 12). The external client routes
+/// the Service CIDR via n1, as a router would with a routed or
+/// BGP-advertised Service range. Without the flag the tc path leaves such
+/// packets alone (n1 has no route for them: nothing answers, no flow, no
+/// backend gets them); with it (a restart that adopts the pinned state),
+/// `web` is served from every endpoint, masqueraded towards n2's, and
+/// `local` (`internalTrafficPolicy: Local`, its endpoint on n2) is dropped
+/// on n1; restarted without the flag again, the adopted External frontends
+/// are gone and nothing is served.
+#[test]
+fn cluster_ips_from_outside_only_with_external_clusterip() {
+    require_root!();
+    const WEB: &str = "10.96.0.50:80";
+    const LOCAL: &str = "10.96.0.51:80";
+    let mut c = Cluster::new("extcip", &[1, 1]).expect("topology");
+    c.serve_all().unwrap();
+    let (n1p0, n2p0) = (c.pod("n1p0").clone(), c.pod("n2p0").clone());
+    let cluster_ip = |name: &str, ip: &str, extra: Value| {
+        let mut spec = json!({"type": "ClusterIP",
+            "ports": [{"name": "http", "port": 80, "targetPort": 8080}]});
+        for (k, v) in extra.as_object().unwrap() {
+            spec[k] = v.clone();
+        }
+        service(name, &[ip], spec, json!({}))
+    };
+    let mut docs = c.node_objects();
+    docs.extend([
+        cluster_ip("web", "10.96.0.50", json!({})),
+        c.slice("web", &[&n1p0, &n2p0], false, "TCP"),
+        cluster_ip(
+            "local",
+            "10.96.0.51",
+            json!({"internalTrafficPolicy": "Local"}),
+        ),
+        c.slice("local", &[&n2p0], false, "TCP"),
+    ]);
+    c.manifests.write("extcip.yaml", &docs).unwrap();
+    c.route_via(&c.client_netns, "10.96.0.0/16", 1).unwrap();
+    // Closed flows go within a second or two, so that "no flow" below
+    // speaks of the attempts just made.
+    c.start_agents(&[
+        "--conntrack-tcp-close-timeout",
+        "1s",
+        "--sweep-interval",
+        "1s",
+    ])
+    .unwrap();
+    let external_frontends = |c: &Cluster| -> Vec<String> {
+        let v = c.agents[0].inspect_services().unwrap();
+        v.as_array()
+            .unwrap()
+            .iter()
+            .filter(|f| {
+                f["scope"] == "External" && f["addr"].as_str().unwrap().starts_with("10.96.")
+            })
+            .map(|f| format!("{}:{}", f["addr"].as_str().unwrap(), f["port"]))
+            .collect()
+    };
+    let not_served = |c: &Cluster, when: &str| {
+        assert!(
+            Cluster::eventually(Duration::from_secs(10), || c.agents[0]
+                .inspect_conntrack()
+                .unwrap()
+                .is_empty()),
+            "{when}: old flows linger: {:?}",
+            c.agents[0].inspect_conntrack()
+        );
+        assert_eq!(external_frontends(c), Vec::<String>::new(), "{when}");
+        for target in [WEB, LOCAL] {
+            let a = c.from_client("tcp", target, 3);
+            assert_eq!(ok_count(&a), 0, "{when}: {target}: {}", show(&a));
+            // The node's own answer: no route (rate-limited, then silence).
+            assert!(
+                a.iter()
+                    .all(|a| matches!(a.error.as_deref(), Some("ENETUNREACH" | "ETIMEDOUT"))),
+                "{when}: {}",
+                show(&a)
+            );
+        }
+        let flows = c.agents[0].inspect_conntrack().unwrap();
+        assert!(flows.is_empty(), "{when}: not translated: {flows:?}");
+    };
+    not_served(&c, "without the flag");
+
+    c.agents[0].stop().unwrap();
+    c.agents[0].add_args(&["--external-clusterip"]);
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    assert_eq!(
+        external_frontends(&c),
+        ["10.96.0.50:80", "10.96.0.51:80"],
+        "{}",
+        c.agents[0].log()
+    );
+    let a = c.from_client("tcp", WEB, 40);
+    assert_eq!(ok_count(&a), 40, "{}\n{}", show(&a), c.agent_logs());
+    assert_eq!(
+        backends(&a),
+        BTreeSet::from(["n1p0".to_string(), "n2p0".to_string()]),
+        "{}",
+        show(&a)
+    );
+    for at in &a {
+        let want = if at.backend.as_deref() == Some("n1p0") {
+            "192.168.77.100"
+        } else {
+            "192.168.77.1"
+        };
+        assert_eq!(at.seen_from.as_deref(), Some(want), "{}", show(&a));
+        assert_eq!(at.peer.as_deref(), Some(WEB));
+    }
+    let a = c.from_client("tcp", LOCAL, 3);
+    assert_eq!(ok_count(&a), 0, "no endpoint on n1: {}", show(&a));
+    assert!(
+        a.iter().all(|a| a.error.as_deref() == Some("ETIMEDOUT")),
+        "dropped: {}",
+        show(&a)
+    );
+
+    c.agents[0].stop().unwrap();
+    c.agents[0].remove_arg("--external-clusterip");
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    not_served(&c, "restarted without the flag");
+}

@@ -48,6 +48,9 @@ pub struct TranslateOptions {
     /// claim nothing (kube-proxy filters them out of the Service before it
     /// writes a rule).
     pub allowed_external_ips: Vec<Cidr>,
+    /// `--external-clusterip`: ClusterIPs are `External` frontends too, for
+    /// clients outside the node (a routed Service CIDR).
+    pub external_cluster_ip: bool,
 }
 
 /// Translates every Service of `store` as seen from `node`.
@@ -734,16 +737,28 @@ fn translate_service(
             out.claims.push((frontend, state, field));
         };
 
+        // A ClusterIP follows internalTrafficPolicy whoever the client:
+        // kube-proxy sends all ClusterIP traffic through the internal
+        // policy chain and masquerades the sources from outside the cluster
+        // ("you can establish a static route for your Service range,
+        // routing to any node", `pkg/proxy/nftables/proxier.go`). The tc
+        // path masquerades towards other nodes only, as for NodePorts.
+        let cluster_scopes: &[Scope] = if opts.external_cluster_ip {
+            &[Scope::Internal, Scope::External]
+        } else {
+            &[Scope::Internal]
+        };
         for (ip, field) in &cluster_ips {
-            let policy = settings.internal_policy;
-            emit(
-                *ip,
-                port.port,
-                FrontendKind::ClusterIp,
-                Scope::Internal,
-                policy,
-                field.clone(),
-            );
+            for scope in cluster_scopes {
+                emit(
+                    *ip,
+                    port.port,
+                    FrontendKind::ClusterIp,
+                    *scope,
+                    settings.internal_policy,
+                    field.clone(),
+                );
+            }
         }
         // North-south frontends exist twice: the External one (tc path)
         // follows externalTrafficPolicy; the Internal one serves pods that
@@ -1525,6 +1540,12 @@ mod tests {
             self.opts.allowed_external_ips = cidrs.iter().map(|c| c.parse().unwrap()).collect();
             self
         }
+
+        /// With `--external-clusterip`.
+        fn external_cluster_ip(mut self) -> Self {
+            self.opts.external_cluster_ip = true;
+            self
+        }
     }
 
     const WEB: &str =
@@ -1757,6 +1778,62 @@ mod tests {
         ]);
     }
 
+    /// `--external-clusterip` (issue 11, item 12): the ClusterIP gets an
+    /// `External` copy with the backends of `internalTrafficPolicy`.
+    #[test]
+    fn external_cluster_ips() {
+        let local_web = "{apiVersion: v1, kind: Service, metadata: {name: web}, \
+            spec: {type: NodePort, clusterIP: 10.96.0.10, internalTrafficPolicy: Local, externalTrafficPolicy: Cluster, \
+            ports: [{name: http, port: 80, nodePort: 30080}]}}";
+        let elsewhere = web_slice("[{addresses: [10.1.0.2], nodeName: node-b}]");
+        run(vec![
+            Case::new("off: only the Internal frontend", &[WEB, WEB_SLICE], &[WEB_FRONTEND]),
+            Case::new(
+                "on: an External copy, every endpoint (internalTrafficPolicy Cluster)",
+                &[WEB, WEB_SLICE],
+                &[
+                    WEB_FRONTEND,
+                    "ext 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                ],
+            )
+            .external_cluster_ip(),
+            Case::new(
+                "internalTrafficPolicy Local: the External copy too, whatever externalTrafficPolicy says",
+                &[local_web, WEB_SLICE],
+                &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)",
+                    "ext 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local)",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080",
+                ],
+            )
+            .external_cluster_ip(),
+            Case::new(
+                "internalTrafficPolicy Local, endpoints elsewhere only: dropped, not rejected",
+                &[local_web, &elsewhere],
+                &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => none",
+                    "ext 10.96.0.10:80/TCP ClusterIp default/web:http => none",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.2:8080",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.2:8080",
+                ],
+            )
+            .external_cluster_ip(),
+            Case::new(
+                "no endpoints: rejected from outside too; both families",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIPs: [10.96.0.10, \"fd00:96::10\"], ports: [{name: http, port: 80}]}}"],
+                &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => none",
+                    "ext 10.96.0.10:80/TCP ClusterIp default/web:http => none | reject",
+                    "int [fd00:96::10]:80/TCP ClusterIp default/web:http => none",
+                    "ext [fd00:96::10]:80/TCP ClusterIp default/web:http => none | reject",
+                ],
+            )
+            .external_cluster_ip(),
+        ]);
+    }
+
     /// Services claiming one frontend (issue 11, item 8): see `Rank`.
     #[test]
     fn contested_frontends() {
@@ -1813,6 +1890,18 @@ mod tests {
                 ],
             )
             .rejected(&["Service default/a-ext spec.externalIPs[0]"]),
+            Case::new(
+                "with --external-clusterip the ClusterIP wins both scopes",
+                EXTERNAL_IP_ON_A_CLUSTER_IP,
+                &[
+                    "int 10.96.0.33:80/TCP ClusterIp default/a-ext => none",
+                    "ext 10.96.0.33:80/TCP ClusterIp default/a-ext => none | reject",
+                    "int 10.96.0.34:80/TCP ClusterIp default/b-cip => none",
+                    "ext 10.96.0.34:80/TCP ClusterIp default/b-cip => none | reject",
+                ],
+            )
+            .rejected(&["Service default/a-ext spec.externalIPs[0]"])
+            .external_cluster_ip(),
             Case::new(
                 "a LoadBalancer IP before an externalIP",
                 &[
