@@ -718,14 +718,22 @@ fn source_ranges_bind_pods_and_host_processes() {
     assert_eq!(ok_count(&a), 5, "{}", show(&a));
     let a = c.from_pod(1, &n1p0, "tcp", &format!("{EXTERNAL_IP}:80"), 5);
     assert_eq!(ok_count(&a), 5, "{}", show(&a));
-    // Dropped packets are counted (at least one per TCP attempt above).
-    let (_, m) = c.agents[0].metrics().unwrap();
-    let dropped = m
-        .lines()
-        .find_map(|l| l.strip_prefix("lb_datapath_events_total{event=\"sock_drop_source_range\"} "))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .unwrap_or(0);
-    assert!(dropped >= 8, "sock_drop_source_range {dropped}:\n{m}");
+    // Dropped packets are counted (at least one per TCP attempt above);
+    // `/metrics` takes the kernel's counters at each sweep.
+    let mut m = String::new();
+    let dropped = |m: &str| {
+        m.lines()
+            .find_map(|l| {
+                l.strip_prefix("lb_datapath_events_total{event=\"sock_drop_source_range\"} ")
+            })
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    let counted = Cluster::eventually(Duration::from_secs(15), || {
+        m = c.agents[0].metrics().unwrap().1;
+        dropped(&m) >= 8
+    });
+    assert!(counted, "sock_drop_source_range {}:\n{m}", dropped(&m));
 }
 
 /// Standalone mode without a Node object: the node addresses come from
