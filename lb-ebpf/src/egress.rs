@@ -16,11 +16,11 @@ use aya_ebpf::{
     programs::SkBuffContext,
 };
 use lb_common::{
-    ipv4_mapped, proto, source_check, source_range, stat, ReverseSockKey, SockPeer,
-    SockSourceCheck, SourceRangeData,
+    ipv4_mapped, proto, source_check, source_range, stat, SockPeer, SockSourceCheck,
+    SourceRangeData,
 };
 
-use crate::maps::{count, LB_REV_SOCK, LB_SOCK_CHECK, LB_SOCK_PEER, LB_SOURCE_RANGES};
+use crate::maps::{count, LB_SOCK_CHECK, LB_SOCK_PEER, LB_SOURCE_RANGES};
 
 const PASS: i32 = 1;
 const DROP: i32 = 0;
@@ -116,16 +116,7 @@ fn frontend(ctx: &SkBuffContext, sk: *mut bpf_sock, p: &Packet) -> Option<([u8; 
     }
     // SAFETY: helper on the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };
-    let key = ReverseSockKey {
-        cookie,
-        addr: p.dst,
-        port: p.dport,
-        _pad: [0; 6],
-    };
-    let rev = LB_REV_SOCK.get_ptr(&key)?;
-    // SAFETY: copied out at once.
-    let rev = unsafe { ptr::read(rev) };
-    Some((rev.addr, rev.port))
+    crate::sock::frontend_of_datagram_peer(cookie, p.dst, p.dport)
 }
 
 /// Addresses, protocol and destination port; cgroup skb programs see the

@@ -326,10 +326,21 @@ fn tcp_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)
 fn datagram_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)> {
     // SAFETY: plain helper call on the program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    frontend_of_datagram_peer(cookie, src.addr, src.port)
+}
+
+/// The frontend a UDP socket (`cookie`) addressed when its datagrams went
+/// to `backend:port`, from `LB_REV_SOCK`.
+#[inline(always)]
+pub fn frontend_of_datagram_peer(
+    cookie: u64,
+    backend: [u8; 16],
+    port: u16,
+) -> Option<([u8; 16], u16)> {
     let key = ReverseSockKey {
         cookie,
-        addr: src.addr,
-        port: src.port,
+        addr: backend,
+        port,
         _pad: [0; 6],
     };
     let rev = LB_REV_SOCK.get_ptr(&key)?;
