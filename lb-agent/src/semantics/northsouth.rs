@@ -108,12 +108,10 @@ pub fn source_ranges(
                 }
             }
         }
-        // Only malformed entries: nothing is allowed rather than everything.
-        let listed = spec
-            .load_balancer_source_ranges
-            .as_ref()
-            .is_some_and(|r| !r.is_empty());
-        if listed {
+        // Malformed entries restrict nothing (each is rejected above; the API
+        // server refuses them anyway): a frontend without a range of its
+        // family is open, as `translate` flags it.
+        if !ranges.is_empty() {
             ranges.sort();
             ranges.dedup();
             out.insert(*f, ranges);
