@@ -221,8 +221,9 @@ fn a_frontend_that_does_not_fit_keeps_its_previous_state() {
     assert_eq!(b["unprogrammed"]["service"], "demo/b", "{b:#}");
     assert_eq!(b["unprogrammed"]["reason"], "slots_full", "{b:#}");
     let text = agent.inspect_services_raw(false).unwrap();
+    eprintln!("inspect services:\n{text}");
     assert!(
-        text.contains("NOT PROGRAMMED as Service demo/b port http wants: LB_SLOTS is full"),
+        text.contains("NOT PROGRAMMED for Service demo/b port http: LB_SLOTS is full"),
         "{text}"
     );
     let log = agent.log();

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use aya::{
-    maps::{HashMap, IterableMap as _, Map, MapData, MapError, MapInfo},
+    maps::{HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
         CgroupAttachMode, CgroupSockAddr,
@@ -17,12 +17,12 @@ use aya::{
 };
 use lb_common::{
     map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    ServiceKey, ServiceValue,
+    ServiceKey, ServiceValue, Unprogrammed,
 };
 
 use crate::{
     datapath::affinity::{self, AffinityPolicy, Stale, SweepReport},
-    datapath::reconcile::MapOps,
+    datapath::reconcile::{MaglevWriteError, MapOps},
 };
 
 /// Map sizes; the defaults are `lb_common::capacity`.
@@ -36,6 +36,11 @@ pub struct Capacity {
     /// set and its replacement.
     #[arg(long, default_value_t = lb_common::capacity::SLOTS)]
     pub max_slots: u32,
+    /// Maglev tables over all Services (`LB_MAGLEV` entries): one per
+    /// Maglev frontend, each an array of `--maglev-table-size` positions
+    /// of its own; a table and its replacement coexist briefly.
+    #[arg(long, default_value_t = lb_common::capacity::MAGLEV)]
+    pub max_maglev_tables: u32,
     #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
     pub max_reverse_sockets: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
@@ -56,6 +61,7 @@ impl Default for Capacity {
             max_services: lb_common::capacity::SERVICES,
             max_backends: lb_common::capacity::BACKENDS,
             max_slots: lb_common::capacity::SLOTS,
+            max_maglev_tables: lb_common::capacity::MAGLEV,
             max_reverse_sockets: lb_common::capacity::REV_SOCK,
             max_affinity: lb_common::capacity::AFFINITY,
             max_conntrack: lb_common::capacity::CONNTRACK,
@@ -146,6 +152,9 @@ pub struct PinnedMaps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     pub backends: HashMap<MapData, BackendId, Backend>,
+    /// Maglev tables by backend set (see `new_maglev_table`).
+    pub maglev: HashOfMaps<MapData, u32>,
+    pub unprogrammed: HashMap<MapData, ServiceKey, Unprogrammed>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
     pub rev_sock: HashMap<MapData, lb_common::ReverseSockKey, lb_common::ReverseSockValue>,
 }
@@ -163,9 +172,52 @@ impl PinnedMaps {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
             slots: HashMap::try_from(open(map_names::SLOTS)?)?,
             backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
+            maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
+            unprogrammed: HashMap::try_from(open(map_names::UNPROGRAMMED)?)?,
             affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(open(map_names::REV_SOCK)?)?,
         })
+    }
+
+    /// The Maglev table of backend set `set`, read whole.
+    pub fn maglev_table(&self, set: u32) -> std::io::Result<Vec<u32>> {
+        use std::os::fd::AsFd as _;
+        let table: MapData = self.maglev.get(&set, 0).map_err(io)?;
+        let len = table.info().map_err(io)?.max_entries();
+        crate::datapath::batch::lookup_array(table.fd().as_fd(), len)
+    }
+
+    /// Makes `LB_UNPROGRAMMED` hold exactly `want`, writing only what
+    /// differs from what it holds; the errors, naming the frontend.
+    pub fn sync_unprogrammed(
+        &mut self,
+        want: &std::collections::BTreeMap<ServiceKey, Unprogrammed>,
+    ) -> Vec<String> {
+        let have: std::collections::BTreeMap<ServiceKey, Unprogrammed> =
+            self.unprogrammed.iter().filter_map(Result::ok).collect();
+        let mut errors = Vec::new();
+        let name = |k: &ServiceKey| {
+            let addr = crate::base::addr::ip_from_bytes(&k.addr);
+            format!(
+                "{} of {addr}:{}/{}",
+                map_names::UNPROGRAMMED,
+                k.port,
+                k.proto
+            )
+        };
+        for key in have.keys().filter(|k| !want.contains_key(k)) {
+            if let Err(e) = self.unprogrammed.remove(key) {
+                errors.push(format!("removing {}: {e}", name(key)));
+            }
+        }
+        for (key, value) in want {
+            if have.get(key) != Some(value) {
+                if let Err(e) = self.unprogrammed.insert(key, value, 0) {
+                    errors.push(format!("writing {}: {e}", name(key)));
+                }
+            }
+        }
+        errors
     }
 
     /// The service id a socket addressed when it was sent to `dst`.
@@ -224,7 +276,32 @@ mod map_type {
     pub const PERCPU_ARRAY: u32 = 6;
     pub const LRU_HASH: u32 = 9;
     pub const LPM_TRIE: u32 = 11;
+    pub const HASH_OF_MAPS: u32 = 13;
     pub const SK_STORAGE: u32 = 24;
+}
+
+/// `BPF_F_INNER_MAP`: an inner map of this flag may have a length of its
+/// own, whatever its outer map's template has (Linux 5.10).
+const BPF_F_INNER_MAP: u32 = 1 << 12;
+
+/// A new Maglev table holding `table`: an array of its own, of
+/// `table.len()` positions, flagged like `LB_MAGLEV`'s template
+/// (`lb-ebpf`'s `MaglevTable`) so that the kernel takes it as an inner map.
+/// Not pinned: `LB_MAGLEV` holds it, and it is freed once taken out and no
+/// program holds it any more.
+pub fn new_maglev_table(table: &[u32]) -> std::io::Result<MapData> {
+    use std::os::fd::AsFd as _;
+    let def = aya_obj::Map::new_from_params(
+        map_type::ARRAY,
+        std::mem::size_of::<u32>() as u32,
+        std::mem::size_of::<u32>() as u32,
+        table.len() as u32,
+        BPF_F_INNER_MAP,
+    );
+    let map = MapData::create(def, map_names::MAGLEV_TABLE, None).map_err(io)?;
+    let positions: Vec<u32> = (0..table.len() as u32).collect();
+    crate::datapath::batch::update(map.fd().as_fd(), &positions, table).map_err(|e| e.error)?;
+    Ok(map)
 }
 
 /// What a pinned map must look like to be adopted.
@@ -246,7 +323,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 14] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -259,6 +336,13 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
         layout::<ServiceKey, ServiceValue>(map_names::SERVICES, HASH, c.max_services),
         layout::<BackendSlotKey, BackendSlot>(map_names::SLOTS, HASH, c.max_slots),
         layout::<BackendId, Backend>(map_names::BACKENDS, HASH, c.max_backends),
+        // The value of a map of maps is the inner map's id (u32).
+        layout::<u32, u32>(map_names::MAGLEV, HASH_OF_MAPS, c.max_maglev_tables),
+        layout::<ServiceKey, Unprogrammed>(
+            map_names::UNPROGRAMMED,
+            HASH,
+            lb_common::capacity::UNPROGRAMMED,
+        ),
         layout::<ReverseSockKey, ReverseSockValue>(
             map_names::REV_SOCK,
             LRU_HASH,
@@ -284,11 +368,23 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 12] {
 }
 
 /// Removes pinned maps whose layout or size differs from this version's, so
-/// the loader recreates them. The three service maps refer to each other by
+/// the loader recreates them. The four service maps refer to each other by
 /// id and go together, and `LB_AFFINITY` with them: its entries name
 /// affinity ids and backend ids of the maps being replaced, which the new
 /// ones hand out afresh. Returns what was recreated, for the log.
+///
+/// A pin directory of a version without `LB_MAGLEV` (whose Maglev tables
+/// lived in `LB_SLOTS`) is adopted as it is: `LB_MAGLEV` is created empty,
+/// the programs choose at random for a frontend whose table is missing, and
+/// the first sync rewrites those frontends and retires their old slots
+/// (see `Reconciler::adopt`).
 fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
+    const CORE: [&str; 4] = [
+        map_names::SERVICES,
+        map_names::SLOTS,
+        map_names::BACKENDS,
+        map_names::MAGLEV,
+    ];
     let mut recreated = Vec::new();
     let mut core_changed = false;
     for Layout {
@@ -320,17 +416,11 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
         if let Some(why) = why {
             fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
             recreated.push(format!("{name}: {why}"));
-            core_changed |=
-                [map_names::SERVICES, map_names::SLOTS, map_names::BACKENDS].contains(&name);
+            core_changed |= CORE.contains(&name);
         }
     }
     if core_changed {
-        for name in [
-            map_names::SERVICES,
-            map_names::SLOTS,
-            map_names::BACKENDS,
-            map_names::AFFINITY,
-        ] {
+        for name in CORE.into_iter().chain([map_names::AFFINITY]) {
             let path = pin_dir.join(name);
             if path.exists() {
                 fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
@@ -345,8 +435,12 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
 ///
 /// A restarted agent never assumes a map empty: whatever keeps a record of
 /// what it wrote starts from what is pinned. Per map:
-/// - `LB_SERVICES` (frontends and VIP markers), `LB_SLOTS`, `LB_BACKENDS`:
-///   read here, rebuilt into the reconciler's record (`Reconciler::adopt`);
+/// - `LB_SERVICES` (frontends and VIP markers), `LB_SLOTS`, `LB_BACKENDS`,
+///   the keys of `LB_MAGLEV`: read here, rebuilt into the reconciler's
+///   record (`Reconciler::adopt`); a Maglev table itself is read when the
+///   reconciler first compares it with the one wanted;
+/// - `LB_UNPROGRAMMED`: rewritten whole by every process's first sync, from
+///   what that sync could not program (read back to delete the rest);
 /// - `LB_SOURCE_RANGES`: read back when the tc maps are opened
 ///   (`tc::SourceRangeWriter::adopt`);
 /// - `LB_TC_CONFIG`: one element, written whole by every process's first
@@ -361,6 +455,8 @@ pub struct Adopted {
     pub services: Vec<(ServiceKey, ServiceValue)>,
     pub slots: Vec<(BackendSlotKey, BackendSlot)>,
     pub backends: Vec<(BackendId, Backend)>,
+    /// The backend sets that have a Maglev table.
+    pub maglev: Vec<u32>,
     /// Maps recreated because their layout changed.
     pub recreated: Vec<String>,
     /// Program links of the earlier run that were replaced.
@@ -438,6 +534,7 @@ impl Datapath {
         loader
             .map_max_entries(map_names::SERVICES, capacity.max_services)
             .map_max_entries(map_names::SLOTS, capacity.max_slots)
+            .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
             .map_max_entries(map_names::BACKENDS, capacity.max_backends)
             .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
             .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
@@ -467,12 +564,15 @@ impl Datapath {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
+            maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
+            unprogrammed: HashMap::try_from(take(&mut ebpf, map_names::UNPROGRAMMED)?)?,
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
         };
         adopted.services = maps.services.iter().filter_map(Result::ok).collect();
         adopted.slots = maps.slots.iter().filter_map(Result::ok).collect();
         adopted.backends = maps.backends.iter().filter_map(Result::ok).collect();
+        adopted.maglev = maps.maglev.keys().filter_map(Result::ok).collect();
         Ok((
             Self {
                 _ebpf: ebpf,
@@ -627,6 +727,7 @@ fn io(e: MapError) -> std::io::Error {
     match e {
         MapError::SyscallError(s) => s.io_error,
         MapError::IoError(e) => e,
+        MapError::CreateError { io_error, .. } => io_error,
         MapError::KeyNotFound | MapError::ElementNotFound => {
             std::io::Error::from(std::io::ErrorKind::NotFound)
         }
@@ -652,6 +753,18 @@ impl MapOps for PinnedMaps {
     }
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
         self.backends.remove(&id).map_err(io)
+    }
+    fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
+        let table = new_maglev_table(table).map_err(MaglevWriteError::Table)?;
+        self.maglev
+            .insert(set, &table, 0)
+            .map_err(|e| MaglevWriteError::Insert(io(e)))
+    }
+    fn del_maglev(&mut self, set: u32) -> std::io::Result<()> {
+        self.maglev.remove(&set).map_err(io)
+    }
+    fn get_maglev(&mut self, set: u32) -> std::io::Result<Vec<u32>> {
+        self.maglev_table(set)
     }
     // Bulk writes: one bpf(2) call per few thousand elements (see `batch`).
     fn put_backends(
@@ -728,6 +841,7 @@ mod tests {
             max_services: 64,
             max_backends: 64,
             max_slots: 128,
+            max_maglev_tables: 16,
             max_reverse_sockets: 64,
             max_affinity: 64,
             max_conntrack: 64,
@@ -774,9 +888,9 @@ mod tests {
         };
         let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         assert!(adopted.services.is_empty());
-        // The three service maps and the affinity map, whose entries name
+        // The four service maps and the affinity map, whose entries name
         // their ids.
-        assert_eq!(adopted.recreated.len(), 4, "{:?}", adopted.recreated);
+        assert_eq!(adopted.recreated.len(), 5, "{:?}", adopted.recreated);
         drop(dp);
         // An upgrade from the 20-byte ServiceValue (before `affinity_id`):
         // recreated cleanly, affinity entries of the old ids with it.
