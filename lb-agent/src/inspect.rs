@@ -100,7 +100,8 @@ pub struct FrontendView {
 
 #[derive(Debug, Serialize)]
 pub struct MaglevView {
-    /// Positions in the table (0: the table is missing).
+    /// Positions in the table (0: the table is missing, or not of the
+    /// frontend's `maglev_size`).
     pub size: u32,
     /// How many positions each backend holds, by backend id.
     pub positions: BTreeMap<u32, u32>,
@@ -192,7 +193,7 @@ impl Subject for Services {
                 });
             }
             let maglev = (value.flags & service_flags::MAGLEV != 0 && value.maglev_size > 0)
-                .then(|| maglev_view(&maps, value.backend_set, &known));
+                .then(|| maglev_view(&maps, value.backend_set, value.maglev_size, &known));
             let view = FrontendView {
                 addr: ip_from_bytes(&key.addr),
                 port: key.port,
@@ -311,8 +312,13 @@ impl Subject for Services {
 
 /// The table of a Maglev frontend whose set is `set`, summed by backend;
 /// `known`: the ids in `LB_BACKENDS`.
-fn maglev_view(maps: &PinnedMaps, set: u32, known: &std::collections::BTreeSet<u32>) -> MaglevView {
-    let table = maps.maglev_table(set).unwrap_or_default();
+fn maglev_view(
+    maps: &PinnedMaps,
+    set: u32,
+    size: u16,
+    known: &std::collections::BTreeSet<u32>,
+) -> MaglevView {
+    let table = maps.maglev_table(set, size).unwrap_or_default();
     let mut positions = BTreeMap::new();
     let mut unknown_positions = 0;
     for id in &table {

@@ -161,6 +161,29 @@ pub struct BackendSlot {
     pub backend_id: u32,
 }
 
+/// Positions of a Maglev table per array element (`MaglevEntry`).
+pub const MAGLEV_POSITIONS: usize = 64;
+
+/// One element of a Maglev table: the backend ids of `MAGLEV_POSITIONS`
+/// consecutive positions, position `p` being `backend_ids[p % 64]` of
+/// element `p / 64`. Value of each table in `LB_MAGLEV` (an array; the last
+/// element is padded with 0, which names no backend). The kernel rounds an
+/// array element up to 8 bytes: 64 positions an element keep a table at 4
+/// bytes a position, and 64 times fewer elements to write.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MaglevEntry {
+    pub backend_ids: [u32; MAGLEV_POSITIONS],
+}
+
+impl Default for MaglevEntry {
+    fn default() -> Self {
+        Self {
+            backend_ids: [0; MAGLEV_POSITIONS],
+        }
+    }
+}
+
 /// A frontend the agent could not program as desired at its last sync
 /// (a map full, a table that could not be made): value of
 /// `LB_UNPROGRAMMED`, keyed by the frontend's `ServiceKey` (a VIP marker's
@@ -749,6 +772,8 @@ const _: () = {
     assert!(core::mem::size_of::<FragKey>() == 40);
     assert!(core::mem::size_of::<FragEntry>() == 40);
     assert!(core::mem::size_of::<Unprogrammed>() == 152);
+    assert!(core::mem::size_of::<MaglevEntry>() == 256);
+    assert!(MAGLEV_POSITIONS.is_power_of_two());
 };
 
 #[cfg(feature = "user")]
@@ -774,6 +799,7 @@ mod pod {
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for FragEntry {}
     unsafe impl aya::Pod for Unprogrammed {}
+    unsafe impl aya::Pod for MaglevEntry {}
 }
 
 /// Backend selection shared by every hook, kept free of helpers so that host
@@ -793,6 +819,13 @@ pub mod select {
     #[inline(always)]
     pub fn maglev_position(svc: &ServiceValue, flow_hash: u32) -> u32 {
         flow_hash % svc.maglev_size as u32
+    }
+
+    /// Where a table position lives: its `MaglevEntry` and the index in it.
+    #[inline(always)]
+    pub fn maglev_entry(position: u32) -> (u32, usize) {
+        let per = crate::MAGLEV_POSITIONS as u32;
+        (position / per, (position & (per - 1)) as usize)
     }
 
     /// Whether an affinity entry still binds its client at `now_ns`: used

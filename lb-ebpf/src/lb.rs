@@ -41,10 +41,12 @@ fn slot_backend(svc: &ServiceValue, slot: u32) -> Option<u32> {
 #[inline(always)]
 fn table_backend(svc: &ServiceValue, position: u32) -> Option<u32> {
     let set = svc.backend_set;
-    // SAFETY: copied out at once; a published table is never written
-    // again (a new one replaces it), and one taken out of `LB_MAGLEV` is
-    // freed only once no program can hold it.
-    unsafe { LB_MAGLEV.get_value(&set, &position) }.copied()
+    let (entry, index) = select::maglev_entry(position);
+    // SAFETY: read at once; a published table is never written again (a
+    // new one replaces it), and one taken out of `LB_MAGLEV` is freed only
+    // once no program can hold it.
+    let entry = unsafe { LB_MAGLEV.get_value(&set, &entry) }?;
+    Some(entry.backend_ids[index])
 }
 
 /// A backend for a new flow: through the Maglev table (with the flow hash

@@ -7,8 +7,8 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, FragEntry, FragKey, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue,
-    SockPeer, SourceRangeData, TcConfig, Unprogrammed,
+    CtEntry, CtKey, FragEntry, FragKey, MaglevEntry, ReverseSockKey, ReverseSockValue, ServiceKey,
+    ServiceValue, SockPeer, SourceRangeData, TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -19,10 +19,11 @@ pub static LB_SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES a
 pub static LB_SLOTS: HashMap<BackendSlotKey, BackendSlot, { capacity::SLOTS as usize }> =
     HashMap::new();
 
-/// One Maglev table: position -> backend id. The agent creates one per
-/// Maglev frontend, of the frontend's `maglev_size`; `BPF_F_INNER_MAP`
-/// lets each have its own length (this template's is never used).
-pub type MaglevTable = Array<u32, 1, { BPF_F_INNER_MAP as usize }>;
+/// One Maglev table: 64 positions an element (see `MaglevEntry`). The
+/// agent creates one per Maglev frontend, as long as its `maglev_size`
+/// needs; `BPF_F_INNER_MAP` lets each have its own length (this template's
+/// is never used).
+pub type MaglevTable = Array<MaglevEntry, 1, { BPF_F_INNER_MAP as usize }>;
 
 /// The Maglev tables by `ServiceValue::backend_set`.
 #[btf_map]

@@ -17,7 +17,7 @@ use aya::{
 };
 use lb_common::{
     map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    ServiceKey, ServiceValue, Unprogrammed,
+    MaglevEntry, ServiceKey, ServiceValue, Unprogrammed, MAGLEV_POSITIONS,
 };
 
 use crate::{
@@ -154,6 +154,9 @@ pub struct PinnedMaps {
     pub backends: HashMap<MapData, BackendId, Backend>,
     /// Maglev tables by backend set (see `new_maglev_table`).
     pub maglev: HashOfMaps<MapData, u32>,
+    /// `maglev` again, for the batch writes aya's `HashOfMaps` does not
+    /// offer.
+    maglev_batch: MapData,
     pub unprogrammed: HashMap<MapData, ServiceKey, Unprogrammed>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
     pub rev_sock: HashMap<MapData, lb_common::ReverseSockKey, lb_common::ReverseSockValue>,
@@ -173,18 +176,33 @@ impl PinnedMaps {
             slots: HashMap::try_from(open(map_names::SLOTS)?)?,
             backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
             maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
+            maglev_batch: MapData::from_pin(dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(open(map_names::UNPROGRAMMED)?)?,
             affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(open(map_names::REV_SOCK)?)?,
         })
     }
 
-    /// The Maglev table of backend set `set`, read whole.
-    pub fn maglev_table(&self, set: u32) -> std::io::Result<Vec<u32>> {
+    /// The Maglev table of backend set `set`, read whole: its `size`
+    /// positions. An error if it is not a table of that size (another
+    /// length, or padding that is not zero).
+    pub fn maglev_table(&self, set: u32, size: u16) -> std::io::Result<Vec<u32>> {
         use std::os::fd::AsFd as _;
         let table: MapData = self.maglev.get(&set, 0).map_err(io)?;
         let len = table.info().map_err(io)?.max_entries();
-        crate::datapath::batch::lookup_array(table.fd().as_fd(), len)
+        let entries: Vec<MaglevEntry> =
+            crate::datapath::batch::lookup_array(table.fd().as_fd(), len)?;
+        let mut positions: Vec<u32> = entries.iter().flat_map(|e| e.backend_ids).collect();
+        let size = size as usize;
+        if entries.len() != size.div_ceil(MAGLEV_POSITIONS)
+            || positions[size..].iter().any(|id| *id != 0)
+        {
+            return Err(std::io::Error::other(format!(
+                "the Maglev table of backend set {set} has {len} entries, not a table of {size} positions"
+            )));
+        }
+        positions.truncate(size);
+        Ok(positions)
     }
 
     /// Makes `LB_UNPROGRAMMED` hold exactly `want`, writing only what
@@ -291,16 +309,24 @@ const BPF_F_INNER_MAP: u32 = 1 << 12;
 /// program holds it any more.
 pub fn new_maglev_table(table: &[u32]) -> std::io::Result<MapData> {
     use std::os::fd::AsFd as _;
+    let entries: Vec<MaglevEntry> = table
+        .chunks(MAGLEV_POSITIONS)
+        .map(|chunk| {
+            let mut e = MaglevEntry::default();
+            e.backend_ids[..chunk.len()].copy_from_slice(chunk);
+            e
+        })
+        .collect();
     let def = aya_obj::Map::new_from_params(
         map_type::ARRAY,
         std::mem::size_of::<u32>() as u32,
-        std::mem::size_of::<u32>() as u32,
-        table.len() as u32,
+        std::mem::size_of::<MaglevEntry>() as u32,
+        entries.len() as u32,
         BPF_F_INNER_MAP,
     );
     let map = MapData::create(def, map_names::MAGLEV_TABLE, None).map_err(io)?;
-    let positions: Vec<u32> = (0..table.len() as u32).collect();
-    crate::datapath::batch::update(map.fd().as_fd(), &positions, table).map_err(|e| e.error)?;
+    let keys: Vec<u32> = (0..entries.len() as u32).collect();
+    crate::datapath::batch::update(map.fd().as_fd(), &keys, &entries).map_err(|e| e.error)?;
     Ok(map)
 }
 
@@ -409,8 +435,16 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
                     info.max_entries(),
                 );
                 let want = (map_type, key, value, max);
-                (got != want)
-                    .then(|| format!("type/key/value/entries {got:?}, this version needs {want:?}"))
+                if got != want {
+                    Some(format!(
+                        "type/key/value/entries {got:?}, this version needs {want:?}"
+                    ))
+                } else if name == map_names::MAGLEV {
+                    maglev_tables_incompatible(&path)
+                        .unwrap_or_else(|e| Some(format!("unreadable ({e:#})")))
+                } else {
+                    None
+                }
             }
         };
         if let Some(why) = why {
@@ -429,6 +463,39 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
         }
     }
     Ok(recreated)
+}
+
+/// Whether the tables of the pinned `LB_MAGLEV` at `path` are of another
+/// kind than this version's (an array of `MaglevEntry`, `BPF_F_INNER_MAP`):
+/// a map of maps takes only inner maps like its template, which is fixed
+/// when it is created and which no map info shows. One with tables is
+/// judged by its first table; an empty one is removed (nothing is lost)
+/// and made anew with this version's template, without being reported.
+fn maglev_tables_incompatible(path: &Path) -> anyhow::Result<Option<String>> {
+    let outer = MapData::from_pin(path).with_context(|| format!("opening {}", path.display()))?;
+    let outer: HashOfMaps<MapData, u32> = HashOfMaps::try_from(Map::HashOfMaps(outer))?;
+    let Some(first) = outer.keys().next() else {
+        drop(outer);
+        fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+        tracing::debug!("{}: empty, made anew", map_names::MAGLEV);
+        return Ok(None);
+    };
+    let table: MapData = first
+        .and_then(|set| outer.get(&set, 0))
+        .with_context(|| format!("reading a table of {}", path.display()))?;
+    let info = table.info()?;
+    let got = (
+        info.map_type().map(|t| t as u32).unwrap_or(u32::MAX),
+        info.value_size() as usize,
+        info.map_flags(),
+    );
+    let want = (
+        map_type::ARRAY,
+        std::mem::size_of::<MaglevEntry>(),
+        BPF_F_INNER_MAP,
+    );
+    Ok((got != want)
+        .then(|| format!("tables of type/value/flags {got:?}, this version needs {want:?}")))
 }
 
 /// What was found pinned by an earlier run.
@@ -565,6 +632,7 @@ impl Datapath {
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
             maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
+            maglev_batch: MapData::from_pin(pin_dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(take(&mut ebpf, map_names::UNPROGRAMMED)?)?,
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
@@ -763,8 +831,64 @@ impl MapOps for PinnedMaps {
     fn del_maglev(&mut self, set: u32) -> std::io::Result<()> {
         self.maglev.remove(&set).map_err(io)
     }
-    fn get_maglev(&mut self, set: u32) -> std::io::Result<Vec<u32>> {
-        self.maglev_table(set)
+    fn get_maglev(&mut self, set: u32, size: u16) -> std::io::Result<Vec<u32>> {
+        self.maglev_table(set, size)
+    }
+    fn put_maglevs(&mut self, tables: &[(u32, Vec<u32>)]) -> Vec<Result<(), MaglevWriteError>> {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        let mut results: Vec<Result<(), MaglevWriteError>> = Vec::with_capacity(tables.len());
+        // Each table made, then all put in with one batch; each kept open
+        // until then.
+        let mut made: Vec<(usize, u32, MapData)> = Vec::new();
+        for (i, (set, table)) in tables.iter().enumerate() {
+            match new_maglev_table(table) {
+                Ok(map) => {
+                    made.push((i, *set, map));
+                    results.push(Ok(()));
+                }
+                Err(e) => results.push(Err(MaglevWriteError::Table(e))),
+            }
+        }
+        let outer = self.maglev_batch.fd().as_fd();
+        let mut rest = &made[..];
+        while !rest.is_empty() {
+            let sets: Vec<u32> = rest.iter().map(|(_, set, _)| *set).collect();
+            let fds: Vec<u32> = rest
+                .iter()
+                .map(|(_, _, map)| map.fd().as_fd().as_raw_fd() as u32)
+                .collect();
+            let Err(e) = crate::datapath::batch::update(outer, &sets, &fds) else {
+                break;
+            };
+            let full = e.error.raw_os_error() == Some(libc::E2BIG);
+            // Full: so is it for the rest; else the rest go on.
+            let failed = if full {
+                &rest[e.done..]
+            } else {
+                &rest[e.done..=e.done]
+            };
+            for (i, _, _) in failed {
+                let error =
+                    std::io::Error::from_raw_os_error(e.error.raw_os_error().unwrap_or(libc::EIO));
+                results[*i] = Err(MaglevWriteError::Insert(error));
+            }
+            rest = &rest[e.done + failed.len()..];
+        }
+        results
+    }
+    fn del_maglevs(&mut self, sets: &[u32]) -> Vec<(u32, std::io::Error)> {
+        use std::os::fd::AsFd as _;
+        let fd = self.maglev_batch.fd().as_fd();
+        let mut failed = Vec::new();
+        let mut rest = sets;
+        // A missing table stops a batch: skip it and go on with the rest.
+        while let Err(e) = crate::datapath::batch::delete(fd, rest) {
+            if e.error.raw_os_error() != Some(libc::ENOENT) {
+                failed.push((rest[e.done], e.error));
+            }
+            rest = &rest[(e.done + 1).min(rest.len())..];
+        }
+        failed
     }
     // Bulk writes: one bpf(2) call per few thousand elements (see `batch`).
     fn put_backends(
@@ -864,9 +988,29 @@ mod tests {
             affinity_id: 0,
         };
         dp.maps().put_service(key, value).unwrap();
-        // A second reader through the pins sees the write.
+        // A Maglev table: made, put in LB_MAGLEV, read back whole.
+        let table: Vec<u32> = (0..251).map(|p| p % 3 + 1).collect();
+        dp.maps().put_maglev(7, &table).unwrap();
+        assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
+        assert!(dp.maps().get_maglev(7, 509).is_err(), "not a table of 509");
+        let info = dp.maps().maglev.get(&7, 0).unwrap().info().unwrap();
+        assert_eq!(info.name_as_str(), Some(map_names::MAGLEV_TABLE));
+        assert_eq!(info.max_entries(), 4, "251 positions, 64 an entry");
+        // Many at once, one batch: LB_MAGLEV holds 16, one is in.
+        let many: Vec<(u32, Vec<u32>)> = (100..120).map(|set| (set, table.clone())).collect();
+        let results = dp.maps().put_maglevs(&many);
+        let full = |r: &Result<(), MaglevWriteError>| matches!(r, Err(MaglevWriteError::Insert(e)) if e.raw_os_error() == Some(libc::E2BIG));
+        assert!(results[..15].iter().all(Result::is_ok), "{results:?}");
+        assert!(results[15..].iter().all(full), "{results:?}");
+        assert_eq!(dp.maps().get_maglev(114, 251).unwrap(), table);
+        // Deleting them, the 5 that are not in included.
+        let sets: Vec<u32> = (100..120).collect();
+        assert!(dp.maps().del_maglevs(&sets).is_empty());
+        assert_eq!(dp.maps().maglev.keys().count(), 1);
+        // A second reader through the pins sees the writes.
         let reader = PinnedMaps::open(&scratch.pins).unwrap();
         assert_eq!(reader.services.get(&key, 0).unwrap(), value);
+        assert_eq!(reader.maglev_table(7, 251).unwrap(), table);
         drop(reader);
         assert_eq!(
             dp.maps()
@@ -877,9 +1021,12 @@ mod tests {
         );
         drop(dp);
         // A second load adopts the pinned maps and replaces the links.
-        let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
         assert_eq!(adopted.services, vec![(key, value)]);
+        assert_eq!(adopted.maglev, vec![7]);
+        assert!(adopted.recreated.is_empty(), "{:?}", adopted.recreated);
         assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len());
+        assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
         drop(dp);
         // Other capacities: the service maps are recreated, and reported.
         let bigger = Capacity {
@@ -918,6 +1065,40 @@ mod tests {
             );
             drop(dp);
         }
+        // An LB_MAGLEV whose tables are of another kind (arrays of u32, as
+        // a template of another version would take): recreated with the
+        // service maps.
+        let maglev = scratch.pins.join(map_names::MAGLEV);
+        let inner = scratch.pins.join("inner");
+        fs::remove_file(&maglev).unwrap();
+        let bpftool = |args: String| {
+            std::process::Command::new("bpftool")
+                .args(args.split_whitespace())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let (i, m) = (inner.display(), maglev.display());
+        if bpftool(format!(
+            "map create {i} type array key 4 value 4 entries 4 name old_table flags 4096"
+        )) && bpftool(format!(
+            "map create {m} type hash_of_maps key 4 value 4 entries 16 name {} inner_map pinned {i}",
+            map_names::MAGLEV
+        )) && bpftool(format!(
+            "map update pinned {m} key 1 0 0 0 value pinned {i}"
+        )) {
+            let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+            let r = &adopted.recreated;
+            assert!(
+                r.iter()
+                    .any(|m| m.starts_with("LB_MAGLEV: tables of type/value/flags (2, 4, 4096)")),
+                "{r:?}"
+            );
+            assert!(r.iter().any(|m| m.starts_with("LB_SERVICES")), "{r:?}");
+            drop(dp);
+        } else {
+            eprintln!("bpftool could not make an LB_MAGLEV of another kind: not checked");
+        }
+        let _ = fs::remove_file(&inner);
         let (dp, _) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         dp.unload().unwrap();
         assert!(!scratch.pins.exists());

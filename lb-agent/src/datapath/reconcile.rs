@@ -82,8 +82,33 @@ pub trait MapOps {
     /// Takes the table under `set` out of `LB_MAGLEV`; the kernel frees it
     /// once no program holds it.
     fn del_maglev(&mut self, set: u32) -> std::io::Result<()>;
-    /// The table under `set` as it is (adopted tables are checked).
-    fn get_maglev(&mut self, set: u32) -> std::io::Result<Vec<u32>>;
+    /// The table under `set`, of `size` positions (adopted tables are
+    /// checked): an error if it is not a table of that size.
+    fn get_maglev(&mut self, set: u32, size: u16) -> std::io::Result<Vec<u32>>;
+
+    /// [`put_maglev`](Self::put_maglev) for each of `tables` (set, table),
+    /// with each one's result, in order. Over the real maps it is one
+    /// write to `LB_MAGLEV` for all: the kernel makes every write to a map
+    /// of maps wait until no program can still hold what it replaced (an
+    /// RCU grace period, ~10 ms), once per call. The default is the
+    /// per-table loop, which the unit tests observe write by write.
+    fn put_maglevs(&mut self, tables: &[(u32, Vec<u32>)]) -> Vec<Result<(), MaglevWriteError>> {
+        tables
+            .iter()
+            .map(|(set, table)| self.put_maglev(*set, table))
+            .collect()
+    }
+    /// [`del_maglev`](Self::del_maglev) for each of `sets` (one write over
+    /// the real maps, as [`put_maglevs`](Self::put_maglevs)); a table
+    /// already gone is what we want. The sets that could not be deleted.
+    fn del_maglevs(&mut self, sets: &[u32]) -> Vec<(u32, std::io::Error)> {
+        sets.iter()
+            .filter_map(|set| match self.del_maglev(*set) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Some((*set, e)),
+                _ => None,
+            })
+            .collect()
+    }
 
     /// Writes `items` in order (one `BPF_MAP_UPDATE_BATCH` over the real
     /// maps); on failure, how many were written before the one that failed.
@@ -362,6 +387,10 @@ struct ProgrammedBackend {
     id: u32,
     value: Backend,
 }
+
+/// Maglev tables built and written at a time (see `MapOps::put_maglevs`):
+/// bounds the memory of tables being written and the files they hold open.
+const MAGLEV_CHUNK: usize = 256;
 
 /// What a failed plan left of its new set (see `Reconciler::undo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -981,20 +1010,30 @@ impl Reconciler {
             }
             with_slots.push(plan);
         }
-        let mut ready = Vec::with_capacity(with_slots.len());
-        for plan in with_slots {
-            if plan.fresh_set && plan.has_table() {
-                if let Err(e) = ops.put_maglev(plan.set, &plan.table()) {
-                    let (map, e) = match e {
-                        MaglevWriteError::Table(e) => (unprogrammed_map::MAGLEV_TABLE, e),
-                        MaglevWriteError::Insert(e) => (unprogrammed_map::MAGLEV, e),
-                    };
-                    self.undo(&plan, Written::Slots);
-                    self.fail(plan.failure(map, &e), &mut report);
-                    continue;
+        let (mut ready, tabled): (Vec<Plan>, Vec<Plan>) = with_slots
+            .into_iter()
+            .partition(|p| !(p.fresh_set && p.has_table()));
+        // Built and written a chunk at a time: a table is 4 bytes a
+        // position here too, and each is an open file until it is in.
+        let mut tabled = tabled.into_iter().peekable();
+        while tabled.peek().is_some() {
+            let chunk: Vec<Plan> = tabled.by_ref().take(MAGLEV_CHUNK).collect();
+            let tables: Vec<(u32, Vec<u32>)> = chunk.iter().map(|p| (p.set, p.table())).collect();
+            let written = ops.put_maglevs(&tables);
+            drop(tables);
+            for (plan, written) in chunk.into_iter().zip(written) {
+                match written {
+                    Ok(()) => ready.push(plan),
+                    Err(e) => {
+                        let (map, e) = match e {
+                            MaglevWriteError::Table(e) => (unprogrammed_map::MAGLEV_TABLE, e),
+                            MaglevWriteError::Insert(e) => (unprogrammed_map::MAGLEV, e),
+                        };
+                        self.undo(&plan, Written::Slots);
+                        self.fail(plan.failure(map, &e), &mut report);
+                    }
                 }
             }
-            ready.push(plan);
         }
         let service_items: Vec<(ServiceKey, ServiceValue)> = ready
             .iter()
@@ -1034,17 +1073,19 @@ impl Reconciler {
         // "unknown" while its ports change. A marker without a programmed
         // frontend of its own would make a Service that did not fit refuse
         // on every port: it waits until one of its frontends is in.
-        let (new_vips, held): (Vec<(IpAddr, Scope)>, Vec<(IpAddr, Scope)>) = desired
-            .vips
-            .difference(&self.vips)
-            .partition(|(addr, scope)| {
-                frontends_at(&desired.frontends, *addr, *scope)
-                    .next()
-                    .is_none()
-                    || frontends_at(&self.frontends, *addr, *scope)
+        type Vips = Vec<(IpAddr, Scope)>;
+        let (new_vips, held): (Vips, Vips) =
+            desired
+                .vips
+                .difference(&self.vips)
+                .partition(|(addr, scope)| {
+                    frontends_at(&desired.frontends, *addr, *scope)
                         .next()
-                        .is_some()
-            });
+                        .is_none()
+                        || frontends_at(&self.frontends, *addr, *scope)
+                            .next()
+                            .is_some()
+                });
         // Not wanted yet, so not failed either.
         for (addr, scope) in held {
             self.unprogrammed.remove(&Target::Vip(addr, scope));
@@ -1251,9 +1292,11 @@ impl Reconciler {
                 && (maglev_size == 0
                     || p.value.active as usize == state.active.len()
                         && (p.state.is_some()
-                            || ops.get_maglev(p.backend_set).is_ok_and(|table| {
-                                table == maglev_table(state, &slots, maglev_size)
-                            })))
+                            || ops
+                                .get_maglev(p.backend_set, maglev_size)
+                                .is_ok_and(|table| {
+                                    table == maglev_table(state, &slots, maglev_size)
+                                })))
         });
         let (id, fresh_id, set, fresh_set) = match (reuse, &previous) {
             (Some(p), _) => (p.id, false, p.backend_set, false),
@@ -1440,19 +1483,17 @@ impl Reconciler {
             .collect();
         // A slot already gone is what we want.
         ops.del_slots(&keys);
-        for r in &retiring {
-            if r.table {
-                match ops.del_maglev(r.set) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => errors.push(
-                        MapWriteError {
-                            what: format!("Maglev table of backend set {}", r.set),
-                            source: e,
-                        }
-                        .to_string(),
-                    ),
-                    _ => {}
+        let tables: Vec<u32> = retiring.iter().filter(|r| r.table).map(|r| r.set).collect();
+        for (set, source) in ops.del_maglevs(&tables) {
+            errors.push(
+                MapWriteError {
+                    what: format!("Maglev table of backend set {set}"),
+                    source,
                 }
-            }
+                .to_string(),
+            );
+        }
+        for r in &retiring {
             self.used_sets.remove(&r.set);
         }
         self.room_made |= retiring.iter().any(|r| r.published);
@@ -1663,7 +1704,7 @@ mod tests {
             }
             self.write(|m| m.maglev.remove(&set))
         }
-        fn get_maglev(&mut self, set: u32) -> std::io::Result<Vec<u32>> {
+        fn get_maglev(&mut self, set: u32, _size: u16) -> std::io::Result<Vec<u32>> {
             self.maglev
                 .get(&set)
                 .cloned()
@@ -2273,8 +2314,8 @@ mod tests {
         fn del_maglev(&mut self, set: u32) -> std::io::Result<()> {
             self.inner.del_maglev(set)
         }
-        fn get_maglev(&mut self, set: u32) -> std::io::Result<Vec<u32>> {
-            self.inner.get_maglev(set)
+        fn get_maglev(&mut self, set: u32, size: u16) -> std::io::Result<Vec<u32>> {
+            self.inner.get_maglev(set, size)
         }
         fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> BatchResult {
             self.batch(items, FakeMaps::put_backend)
