@@ -42,18 +42,6 @@ fn frontends_with_tables(agent: &Agent, size: u64) -> usize {
         .count()
 }
 
-/// The first "synced" line of `log`'s `written=` and `adopted=`.
-fn synced(log: &str) -> Option<(usize, usize)> {
-    let line = log.lines().find(|l| l.contains(" synced"))?;
-    let field = |k: &str| -> Option<usize> {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{k}=")))?
-            .parse()
-            .ok()
-    };
-    Some((field("written")?, field("adopted")?))
-}
-
 /// `n` ClusterIP Services `demo/mNNN`, each with port `http` 80/TCP on
 /// b1..b3, under `--algorithm maglev` at the default sizes, with the
 /// agent started (`ready`: how long it may take); the VIP of each.
@@ -127,7 +115,7 @@ fn every_maglev_service_is_served_at_default_sizes() {
     let offset = agent.log().len();
     agent.restart(Duration::from_secs(30)).unwrap();
     let log = agent.log_since(offset);
-    assert_eq!(synced(&log), Some((0, N)), "{log}");
+    assert_eq!(synced_counts(&log), Some((0, N, 0)), "{log}");
     assert_eq!(maglev_tables(agent), N);
 
     // Another table size: every table differs, and is replaced.
@@ -136,7 +124,7 @@ fn every_maglev_service_is_served_at_default_sizes() {
     agent.add_args(&["--maglev-table-size", "251"]);
     agent.restart(Duration::from_secs(30)).unwrap();
     let log = agent.log_since(offset);
-    assert_eq!(synced(&log), Some((N, 0)), "{log}");
+    assert_eq!(synced_counts(&log), Some((N, 0, 0)), "{log}");
     let agent = env.agent();
     assert!(
         wait_until(Duration::from_secs(5), Duration::from_millis(50), || {

@@ -18,6 +18,25 @@ pub const DEFAULT_TABLE_SIZE: u16 = 16381;
 const SEED_OFFSET: u64 = 0x6c62_2d6d_6167_6c76; // "lb-maglv"
 const SEED_SKIP: u64 = 0x6c62_2d73_6b69_7021; // "lb-skip!"
 
+/// The backends' indexes sorted by identity, and each one's permutation of
+/// the `m` positions in that order: (offset, skip). Sorting makes the
+/// result independent of input order, so every node builds the same table
+/// from the same endpoints.
+fn permutations(backends: &[String], m: u64) -> (Vec<usize>, Vec<(u64, u64)>) {
+    let mut order: Vec<usize> = (0..backends.len()).collect();
+    order.sort_by(|&a, &b| backends[a].cmp(&backends[b]));
+    let perms = order
+        .iter()
+        .map(|&i| {
+            let name = backends[i].as_bytes();
+            let offset = xxh64(name, SEED_OFFSET) % m;
+            let skip = xxh64(name, SEED_SKIP) % (m - 1) + 1;
+            (offset, skip)
+        })
+        .collect();
+    (order, perms)
+}
+
 /// Builds the table: for each of `size` positions, the index into `backends`
 /// of the backend that owns it. `backends` are stable identities (the
 /// agent uses "addr:port"); their order does not matter. Empty input gives an
@@ -27,19 +46,7 @@ pub fn build(backends: &[String], size: u16) -> Vec<u32> {
     if backends.is_empty() || m == 0 {
         return Vec::new();
     }
-    // Sorting by identity makes the result independent of input order, so
-    // every node builds the same table from the same endpoints.
-    let mut order: Vec<usize> = (0..backends.len()).collect();
-    order.sort_by(|&a, &b| backends[a].cmp(&backends[b]));
-    let perms: Vec<(u64, u64)> = order
-        .iter()
-        .map(|&i| {
-            let name = backends[i].as_bytes();
-            let offset = xxh64(name, SEED_OFFSET) % m;
-            let skip = xxh64(name, SEED_SKIP) % (m - 1) + 1;
-            (offset, skip)
-        })
-        .collect();
+    let (order, perms) = permutations(backends, m);
     // Each backend's next preferred position, `offset + j * skip` mod m for
     // its j-th turn, kept by addition: the walk past taken positions is
     // M ln M steps in all, and a division per step cost most of a sync of
@@ -112,22 +119,11 @@ mod tests {
             .collect()
     }
 
-    /// The table as the paper writes it, a modulo per probe: `build` must
-    /// give exactly this (every node and agent version builds alike).
+    /// The table's walk as the paper writes it, a modulo per probe: `build`
+    /// must give exactly this (every node and agent version builds alike).
     fn textbook(backends: &[String], size: u16) -> Vec<u32> {
         let m = size as u64;
-        let mut order: Vec<usize> = (0..backends.len()).collect();
-        order.sort_by(|&a, &b| backends[a].cmp(&backends[b]));
-        let perms: Vec<(u64, u64)> = order
-            .iter()
-            .map(|&i| {
-                let name = backends[i].as_bytes();
-                (
-                    xxh64(name, SEED_OFFSET) % m,
-                    xxh64(name, SEED_SKIP) % (m - 1) + 1,
-                )
-            })
-            .collect();
+        let (order, perms) = permutations(backends, m);
         let mut next = vec![0u64; order.len()];
         let mut table = vec![u32::MAX; size as usize];
         let mut filled = 0;
