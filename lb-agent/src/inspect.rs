@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use aya::maps::{HashMap, MapData};
 use lb_common::{
     affinity_client, backend_flags, clock, ct_flags, ct_state, map_names, proto, service_flags,
-    BackendId, BackendSlotKey, CtEntry, CtKey,
+    BackendId, BackendSlotKey, CtEntry, CtKey, ServiceKey,
 };
 use serde::Serialize;
 
@@ -92,6 +92,51 @@ pub struct FrontendView {
     pub backends: Vec<BackendView>,
     /// Slots that point nowhere; non-empty only if something is broken.
     pub missing_slots: Vec<u32>,
+    /// A Maglev frontend's table (`LB_MAGLEV`).
+    pub maglev: Option<MaglevView>,
+    /// The agent's last sync could not program this frontend as desired
+    /// (`LB_UNPROGRAMMED`). With `service_id` 0 and no backends nothing of
+    /// it is in the datapath; otherwise what is shown is its previous
+    /// state, kept.
+    pub unprogrammed: Option<UnprogrammedView>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct MaglevView {
+    /// Positions in the table (0: the table is missing, or not of the
+    /// frontend's `maglev_size`).
+    pub size: u32,
+    /// How many positions each backend holds, by backend id.
+    pub positions: BTreeMap<u32, u32>,
+    /// Positions whose backend id names no backend; non-empty only if
+    /// something is broken.
+    pub unknown_positions: u32,
+}
+
+#[derive(Debug, Serialize)]
+pub struct UnprogrammedView {
+    /// `namespace/name`.
+    pub service: String,
+    pub port_name: String,
+    /// As `/metrics` labels it: `slots_full`, `maglev_table_error`, ...
+    pub reason: String,
+    /// The map whose write failed and the error.
+    pub error: String,
+}
+
+impl UnprogrammedView {
+    fn of(u: &lb_common::Unprogrammed) -> Self {
+        let text = |b: &[u8]| {
+            let end = b.iter().position(|c| *c == 0).unwrap_or(b.len());
+            String::from_utf8_lossy(&b[..end]).into_owned()
+        };
+        Self {
+            service: text(&u.service),
+            port_name: text(&u.port_name),
+            reason: crate::datapath::reconcile::reason_label(u.map, u.errno),
+            error: crate::datapath::reconcile::failure_text(u.map, u.errno),
+        }
+    }
 }
 
 impl Subject for Services {
@@ -99,6 +144,17 @@ impl Subject for Services {
 
     fn read(dir: &Path) -> anyhow::Result<Vec<FrontendView>> {
         let maps = PinnedMaps::open(dir)?;
+        let mut unprogrammed: BTreeMap<ServiceKey, lb_common::Unprogrammed> = BTreeMap::new();
+        for entry in maps.unprogrammed.iter() {
+            let (key, value) = entry.context("reading LB_UNPROGRAMMED")?;
+            unprogrammed.insert(key, value);
+        }
+        let known: std::collections::BTreeSet<u32> = maps
+            .backends
+            .keys()
+            .filter_map(Result::ok)
+            .map(|b| b.id)
+            .collect();
         let mut out = BTreeMap::new();
         for entry in maps.services.iter() {
             let (key, value) = entry.context("reading LB_SERVICES")?;
@@ -139,6 +195,8 @@ impl Subject for Services {
                     local: b.flags & backend_flags::LOCAL != 0,
                 });
             }
+            let maglev = (value.flags & service_flags::MAGLEV != 0 && value.maglev_size > 0)
+                .then(|| maglev_view(&maps, value.backend_set, value.maglev_size, &known));
             let view = FrontendView {
                 addr: ip_from_bytes(&key.addr),
                 port: key.port,
@@ -153,6 +211,31 @@ impl Subject for Services {
                     .then_some(value.affinity_id),
                 backends,
                 missing_slots,
+                maglev,
+                unprogrammed: unprogrammed.remove(&key).as_ref().map(UnprogrammedView::of),
+            };
+            out.insert((key.scope, key.addr, key.port, key.proto), view);
+        }
+        // Not in the datapath at all: new frontends that did not fit.
+        for (key, u) in unprogrammed {
+            let view = FrontendView {
+                addr: ip_from_bytes(&key.addr),
+                port: key.port,
+                protocol: Protocol::from_number(key.proto),
+                scope: Scope::from_number(key.scope),
+                service_id: 0,
+                backend_set: 0,
+                flags: if key.port == 0 && key.proto == 0 {
+                    vec!["vip"]
+                } else {
+                    Vec::new()
+                },
+                affinity_timeout: None,
+                affinity_id: None,
+                backends: Vec::new(),
+                missing_slots: Vec::new(),
+                maglev: None,
+                unprogrammed: Some(UnprogrammedView::of(&u)),
             };
             out.insert((key.scope, key.addr, key.port, key.proto), view);
         }
@@ -176,8 +259,46 @@ impl Subject for Services {
             };
             let flags = flags_column(&v.flags);
             COLUMNS.row(&mut s, &[&scope, &frontend, &v.service_id, &flags]);
+            if let Some(u) = &v.unprogrammed {
+                let port = if u.port_name.is_empty() {
+                    String::new()
+                } else {
+                    format!(" port {}", u.port_name)
+                };
+                let held = if v.service_id == 0 {
+                    "nothing of it is in the datapath"
+                } else {
+                    "its previous state, below, still serves"
+                };
+                let _ = writeln!(
+                    s,
+                    "{:>66}NOT PROGRAMMED for Service {}{port}: {} [{}]; {held}",
+                    "! ", u.service, u.error, u.reason
+                );
+                if v.service_id == 0 {
+                    continue;
+                }
+            }
             if v.backends.is_empty() && !v.flags.contains(&"vip") {
                 let _ = writeln!(s, "{:>66}", "(no backends: connects are refused)");
+            }
+            if let Some(m) = &v.maglev {
+                if m.size == 0 {
+                    let _ = writeln!(s, "{:>66}maglev table MISSING (chosen at random)", "");
+                } else {
+                    let shares: Vec<String> = m
+                        .positions
+                        .iter()
+                        .map(|(id, n)| format!("#{id} {n}"))
+                        .collect();
+                    let _ = writeln!(
+                        s,
+                        "{:>66}maglev table: {} positions ({})",
+                        "",
+                        m.size,
+                        shares.join(", ")
+                    );
+                }
             }
             for b in &v.backends {
                 let addr = SocketAddr::new(b.addr, b.port);
@@ -189,6 +310,31 @@ impl Subject for Services {
             }
         }
         s
+    }
+}
+
+/// The table of a Maglev frontend whose set is `set`, summed by backend;
+/// `known`: the ids in `LB_BACKENDS`.
+fn maglev_view(
+    maps: &PinnedMaps,
+    set: u32,
+    size: u16,
+    known: &std::collections::BTreeSet<u32>,
+) -> MaglevView {
+    let table = maps.maglev_table(set, size).unwrap_or_default();
+    let mut positions = BTreeMap::new();
+    let mut unknown_positions = 0;
+    for id in &table {
+        if known.contains(id) {
+            *positions.entry(*id).or_default() += 1;
+        } else {
+            unknown_positions += 1;
+        }
+    }
+    MaglevView {
+        size: table.len() as u32,
+        positions,
+        unknown_positions,
     }
 }
 

@@ -13,7 +13,7 @@ use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
 use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 
 use crate::{
-    base::metrics::{MapLabel, Metrics, RejectLabel},
+    base::metrics::{MapLabel, Metrics, ReasonLabel, RejectLabel},
     cli::{NorthSouthArgs, RunArgs},
     datapath::loader::Capacity,
     datapath::loader::{self, Datapath},
@@ -271,6 +271,7 @@ impl Syncer {
         for e in &report.errors {
             tracing::error!("map write failed, will retry on the next sync: {e}");
         }
+        self.record_unprogrammed();
         self.problems
             .update(rejections.iter().map(ToString::to_string).collect());
         // Before the old sets retire: a client, or an unconnected socket's
@@ -347,21 +348,30 @@ impl Syncer {
                 .unwrap_or_default();
             m.last_sync.set(now.as_secs_f64());
         }
-        let (frontends, vips, backends, slots) = self.reconciler.usage();
-        m.frontends.set(frontends as i64);
-        m.backends.set(backends as i64);
+        let usage = self.reconciler.usage();
+        m.frontends.set(usage.frontends as i64);
+        m.backends.set(usage.backends as i64);
         for (map, used, cap) in [
             (
                 lb_common::map_names::SERVICES,
-                frontends + vips,
+                usage.frontends + usage.vips,
                 self.capacity.max_services,
             ),
             (
                 lb_common::map_names::BACKENDS,
-                backends,
+                usage.backends,
                 self.capacity.max_backends,
             ),
-            (lb_common::map_names::SLOTS, slots, self.capacity.max_slots),
+            (
+                lb_common::map_names::SLOTS,
+                usage.slots,
+                self.capacity.max_slots,
+            ),
+            (
+                lb_common::map_names::MAGLEV,
+                usage.maglev_tables,
+                self.capacity.max_maglev_tables,
+            ),
         ] {
             m.map_fill
                 .get_or_create(&MapLabel {
@@ -372,6 +382,25 @@ impl Syncer {
         m.rejected.clear();
         for r in rejections {
             m.rejected.get_or_create(&RejectLabel::of(&r.field)).inc();
+        }
+    }
+
+    /// What the reconciler could not program: into `LB_UNPROGRAMMED` (for
+    /// `inspect`) and `/metrics`, by reason.
+    fn record_unprogrammed(&mut self) {
+        let mut want = std::collections::BTreeMap::new();
+        let mut by_reason: std::collections::BTreeMap<String, i64> = Default::default();
+        for u in self.reconciler.unprogrammed() {
+            want.insert(u.target.key(), unprogrammed_entry(u));
+            *by_reason.entry(u.reason()).or_default() += 1;
+        }
+        for e in self.datapath.maps().sync_unprogrammed(&want) {
+            tracing::warn!("{e}");
+        }
+        let m = &self.metrics.unprogrammed;
+        m.clear();
+        for (reason, n) in by_reason {
+            m.get_or_create(&ReasonLabel { reason }).set(n);
         }
     }
 
@@ -572,6 +601,24 @@ fn record_sweep(
     }
 }
 
+/// `u` as `LB_UNPROGRAMMED` stores it (names cut to their fields' size:
+/// Kubernetes names fit, a namespace and a Service name being 63 bytes at
+/// most).
+fn unprogrammed_entry(u: &crate::datapath::reconcile::Unprogrammed) -> lb_common::Unprogrammed {
+    fn bytes<const N: usize>(s: &str) -> [u8; N] {
+        let mut out = [0u8; N];
+        let n = s.len().min(N);
+        out[..n].copy_from_slice(&s.as_bytes()[..n]);
+        out
+    }
+    lb_common::Unprogrammed {
+        service: bytes(&u.service.to_string()),
+        port_name: bytes(&u.port_name),
+        errno: u.errno,
+        map: u.map,
+    }
+}
+
 /// Wakes `tx` on changes in `dir`, marking an update pending.
 fn watch_dir(
     dir: &std::path::Path,
@@ -695,6 +742,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         adopted.services,
         adopted.slots,
         adopted.backends,
+        adopted.maglev,
     );
     let mut syncer = Syncer {
         source,
@@ -777,10 +825,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 syncer.record_datapath_events();
                 None
             }
+            // Retired sets free entries: frontends that did not fit may
+            // now, so they are tried again at once.
             _ = retire_sleep => {
                 syncer.retire();
                 retire_at = None;
-                None
+                syncer.reconciler.room_made().then_some(false)
             }
         };
         if let Some(full) = sync_now.filter(|_| syncer.source.complete()) {

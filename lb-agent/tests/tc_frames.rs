@@ -5,7 +5,7 @@
 use std::net::IpAddr;
 
 use aya::{
-    maps::{Array, HashMap, MapData, PerCpuArray},
+    maps::{Array, HashMap, HashOfMaps, MapData, PerCpuArray},
     programs::{SchedClassifier, TestRun, TestRunOptions},
     Ebpf, EbpfLoader,
 };
@@ -1236,7 +1236,10 @@ fn affinity_by_source_address() {
 
 /// Maglev on the tc path: a flow's backend follows from its 5-tuple, so the
 /// same tuple lands on the same backend even after its conntrack entries
-/// are gone (another node, or an LRU eviction, picks the same).
+/// are gone (another node, or an LRU eviction, picks the same): the one at
+/// the tuple's position of the frontend's table in `LB_MAGLEV`. Without a
+/// table (maps of a version that kept tables in `LB_SLOTS`, until the
+/// agent's first sync) the flow still gets an active backend.
 #[test]
 fn maglev_selection_is_a_function_of_the_tuple() {
     if skip() {
@@ -1257,32 +1260,49 @@ fn maglev_selection_is_a_function_of_the_tuple() {
         scope: scope::EXTERNAL,
     };
     let mut v = fx.services.get(&key, 0).unwrap();
-    for (pos, b) in table.iter().enumerate() {
-        fx.slots
-            .insert(
-                BackendSlotKey {
-                    backend_set: v.backend_set,
-                    slot: 3 + pos as u32,
-                },
-                BackendSlot { backend_id: b + 1 },
-                0,
-            )
-            .unwrap();
-    }
     v.flags |= lb_common::service_flags::MAGLEV;
     v.maglev_size = size;
     fx.services.insert(key, v, 0).unwrap();
-    let mut spread = std::collections::BTreeMap::new();
-    for sport in 40000..40060 {
-        let syn = Frame::tcp("192.168.77.100", sport, NODE4, 30080, TCP_SYN);
-        let (_, out) = fx.run("tc_ingress", &syn);
-        let first = parse(&out).dst;
-        // Forget the flow: the same tuple chooses the same backend.
+    let forget = |fx: &mut Fixture| {
         let keys: Vec<CtKey> = fx.conntrack.keys().filter_map(Result::ok).collect();
         for k in keys {
             fx.conntrack.remove(&k).unwrap();
         }
-        let (_, out) = fx.run("tc_ingress", &syn);
+    };
+    let syn = |sport| Frame::tcp("192.168.77.100", sport, NODE4, 30080, TCP_SYN);
+    let (_, out) = fx.run("tc_ingress", &syn(39999));
+    assert!(
+        names.contains(&parse(&out).dst.to_string()),
+        "no table: {:?}",
+        parse(&out).dst
+    );
+    forget(&mut fx);
+
+    let ids: Vec<u32> = table.iter().map(|b| b + 1).collect();
+    let mut tables: HashOfMaps<MapData, u32> =
+        HashOfMaps::try_from(fx.ebpf.take_map(map_names::MAGLEV).unwrap()).unwrap();
+    let inner = loader::new_maglev_table(&ids).unwrap();
+    tables.insert(v.backend_set, &inner, 0).unwrap();
+    let mut spread = std::collections::BTreeMap::new();
+    for sport in 40000..40060 {
+        let (_, out) = fx.run("tc_ingress", &syn(sport));
+        let first = parse(&out).dst;
+        let hash = lb_common::select::tuple_hash(
+            &addr_bytes(ip("192.168.77.100")),
+            &addr_bytes(ip(NODE4)),
+            sport,
+            30080,
+            proto::TCP,
+        );
+        let position = lb_common::select::maglev_position(&v, hash);
+        assert_eq!(
+            first.to_string(),
+            names[table[position as usize] as usize],
+            "port {sport}: not the table's backend"
+        );
+        // Forget the flow: the same tuple chooses the same backend.
+        forget(&mut fx);
+        let (_, out) = fx.run("tc_ingress", &syn(sport));
         assert_eq!(parse(&out).dst, first, "port {sport}");
         *spread.entry(first).or_insert(0) += 1;
     }

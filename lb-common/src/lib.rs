@@ -117,10 +117,11 @@ impl ServiceKey {
 /// The backends of a frontend live in `LB_SLOTS` under `backend_set`: slots
 /// `0..active` hold the active backends, slots `active..active + terminating`
 /// the serving-but-terminating ones, chosen only while `active` is 0. A Maglev
-/// frontend's lookup table follows them: `maglev_size` slots, each holding
-/// the backend for that table position.
-/// A new backend set is written under a fresh `backend_set` id and published
-/// by rewriting this one value, so no lookup ever sees a half-written set.
+/// frontend's lookup table is an array of its own, `LB_MAGLEV[backend_set]`:
+/// `maglev_size` positions, each holding the backend id for that position.
+/// A new backend set (and table) is written under a fresh `backend_set` id
+/// and published by rewriting this one value, so no lookup ever sees a
+/// half-written set or table.
 ///
 /// | offset | field              | meaning                                     |
 /// |--------|--------------------|---------------------------------------------|
@@ -129,7 +130,7 @@ impl ServiceKey {
 /// | 8      | `active`           | number of active slots                      |
 /// | 10     | `terminating`      | number of terminating slots after them      |
 /// | 12     | `flags`            | `service_flags::*`                          |
-/// | 14     | `maglev_size`      | Maglev table length M, with `MAGLEV`        |
+/// | 14     | `maglev_size`      | length M of `LB_MAGLEV[backend_set]`, with `MAGLEV` |
 /// | 16     | `affinity_timeout` | seconds, with `service_flags::AFFINITY`     |
 /// | 20     | `affinity_id`      | `AffinityKey::affinity_id`, with `AFFINITY`; 0 without |
 ///
@@ -165,6 +166,71 @@ pub struct BackendSlotKey {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackendSlot {
     pub backend_id: u32,
+}
+
+/// Positions of a Maglev table per array element (`MaglevEntry`).
+pub const MAGLEV_POSITIONS: usize = 64;
+
+/// One element of a Maglev table: the backend ids of `MAGLEV_POSITIONS`
+/// consecutive positions, position `p` being `backend_ids[p % 64]` of
+/// element `p / 64`. Value of each table in `LB_MAGLEV` (an array; the last
+/// element is padded with 0, which names no backend). The kernel rounds an
+/// array element up to 8 bytes: 64 positions an element keep a table at 4
+/// bytes a position, and 64 times fewer elements to write.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct MaglevEntry {
+    pub backend_ids: [u32; MAGLEV_POSITIONS],
+}
+
+impl Default for MaglevEntry {
+    fn default() -> Self {
+        Self {
+            backend_ids: [0; MAGLEV_POSITIONS],
+        }
+    }
+}
+
+/// A frontend the agent could not program as desired at its last sync
+/// (a map full, a table that could not be made): value of
+/// `LB_UNPROGRAMMED`, keyed by the frontend's `ServiceKey` (a VIP marker's
+/// for a marker). Written by the agent alone, for `lb-agent inspect`; no
+/// program reads it. Whether the frontend's previous state is still
+/// programmed shows in `LB_SERVICES`: a frontend that was never programmed
+/// has no entry there, nor a VIP marker of its own.
+///
+/// | offset | field       | meaning                                          |
+/// |--------|-------------|--------------------------------------------------|
+/// | 0      | `service`   | `namespace/name` of the Service, NUL-padded       |
+/// | 128    | `port_name` | the Service port's name, NUL-padded ("" unnamed) |
+/// | 144    | `errno`     | the error of the write that failed               |
+/// | 148    | `map`       | `unprogrammed_map::*`: where it failed           |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Unprogrammed {
+    pub service: [u8; 128],
+    pub port_name: [u8; 16],
+    pub errno: i32,
+    pub map: u32,
+}
+
+/// `Unprogrammed::map`: which write failed.
+pub mod unprogrammed_map {
+    pub const SERVICES: u32 = 0;
+    pub const SLOTS: u32 = 1;
+    pub const BACKENDS: u32 = 2;
+    /// The table's entry in `LB_MAGLEV`.
+    pub const MAGLEV: u32 = 3;
+    /// Creating or filling the table itself (an array of its own).
+    pub const MAGLEV_TABLE: u32 = 4;
+    /// Each one's name, as logs, `/metrics` and `inspect` show it.
+    pub const NAMES: [&str; 5] = [
+        "LB_SERVICES",
+        "LB_SLOTS",
+        "LB_BACKENDS",
+        "LB_MAGLEV",
+        "LB_MAGLEV_TABLE",
+    ];
 }
 
 /// Key of `LB_BACKENDS`: one id per distinct (address, port, protocol).
@@ -729,7 +795,12 @@ pub mod map_names {
     pub const FRAGMENTS: &str = "LB_FRAGMENTS";
     pub const SOCK_CHECK: &str = "LB_SOCK_CHECK";
     pub const DGRAM_FLOWS: &str = "LB_DGRAM_FLOWS";
-    pub const ALL: [&str; 14] = [
+    pub const MAGLEV: &str = "LB_MAGLEV";
+    pub const UNPROGRAMMED: &str = "LB_UNPROGRAMMED";
+    /// The name each Maglev table (an inner map of `LB_MAGLEV`) is created
+    /// under; not pinned, reached through `LB_MAGLEV`.
+    pub const MAGLEV_TABLE: &str = "LB_MAGLEV_TABLE";
+    pub const ALL: [&str; 16] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -744,6 +815,8 @@ pub mod map_names {
         FRAGMENTS,
         SOCK_CHECK,
         DGRAM_FLOWS,
+        MAGLEV,
+        UNPROGRAMMED,
     ];
 }
 
@@ -767,6 +840,12 @@ pub mod capacity {
     pub const SOURCE_RANGES: u32 = 16_384;
     /// Fragmented datagrams in flight (Cilium's default is 8 192).
     pub const FRAGMENTS: u32 = 8_192;
+    /// Maglev tables, one per Maglev frontend (each an array of its own, so
+    /// kernel memory follows the frontends present: 4 bytes a position); as
+    /// many as `SERVICES`, since a table and its replacement coexist briefly.
+    pub const MAGLEV: u32 = 65_536;
+    /// Frontends `LB_UNPROGRAMMED` can list; allocated per entry.
+    pub const UNPROGRAMMED: u32 = 65_536;
 }
 
 const _: () = {
@@ -796,6 +875,9 @@ const _: () = {
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
     assert!(core::mem::size_of::<FragKey>() == 40);
     assert!(core::mem::size_of::<FragEntry>() == 40);
+    assert!(core::mem::size_of::<Unprogrammed>() == 152);
+    assert!(core::mem::size_of::<MaglevEntry>() == 256);
+    assert!(MAGLEV_POSITIONS.is_power_of_two());
 };
 
 #[cfg(feature = "user")]
@@ -823,6 +905,8 @@ mod pod {
     unsafe impl aya::Pod for SourceRangeData {}
     unsafe impl aya::Pod for FragKey {}
     unsafe impl aya::Pod for FragEntry {}
+    unsafe impl aya::Pod for Unprogrammed {}
+    unsafe impl aya::Pod for MaglevEntry {}
 }
 
 /// Backend selection shared by every hook, kept free of helpers so that host
@@ -837,10 +921,18 @@ pub mod select {
         svc.flags & service_flags::MAGLEV != 0 && svc.maglev_size > 0 && svc.active > 0
     }
 
-    /// The Maglev table slot for a flow hash (see `uses_maglev`).
+    /// The position in the frontend's Maglev table for a flow hash (see
+    /// `uses_maglev`).
     #[inline(always)]
-    pub fn maglev_slot(svc: &ServiceValue, flow_hash: u32) -> u32 {
-        svc.active as u32 + svc.terminating as u32 + flow_hash % svc.maglev_size as u32
+    pub fn maglev_position(svc: &ServiceValue, flow_hash: u32) -> u32 {
+        flow_hash % svc.maglev_size as u32
+    }
+
+    /// Where a table position lives: its `MaglevEntry` and the index in it.
+    #[inline(always)]
+    pub fn maglev_entry(position: u32) -> (u32, usize) {
+        let per = crate::MAGLEV_POSITIONS as u32;
+        (position / per, (position & (per - 1)) as usize)
     }
 
     /// Whether an affinity entry still binds its client at `now_ns`: used
@@ -948,15 +1040,16 @@ pub mod select {
         }
 
         #[test]
-        fn maglev_slots_follow_the_backend_slots() {
+        fn maglev_positions_cover_the_table() {
             let mut s = svc(3, 1);
             s.flags = service_flags::MAGLEV;
             s.maglev_size = 7;
             assert!(uses_maglev(&s));
+            let mut seen = [false; 7];
             for h in 0..50 {
-                let slot = maglev_slot(&s, h);
-                assert!((4..11).contains(&slot), "{slot}");
+                seen[maglev_position(&s, h) as usize] = true;
             }
+            assert_eq!(seen, [true; 7]);
             // No active backend: the terminating fallback is random.
             assert!(!uses_maglev(&svc(0, 1)));
         }

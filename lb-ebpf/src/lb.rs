@@ -11,7 +11,7 @@ use lb_common::{
 };
 
 use crate::maps::{
-    count, LB_AFFINITY, LB_BACKENDS, LB_DGRAM_FLOWS, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
+    count, LB_AFFINITY, LB_BACKENDS, LB_DGRAM_FLOWS, LB_MAGLEV, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
 };
 
 #[inline(always)]
@@ -31,28 +31,47 @@ pub fn backend_by_id(id: u32) -> Option<Backend> {
         .map(|p| unsafe { core::ptr::read(p) })
 }
 
+/// The backend id in `slot` of the frontend's set.
 #[inline(always)]
-pub fn backend_of(svc: &ServiceValue, slot: u32) -> Option<(u32, Backend)> {
+fn slot_backend(svc: &ServiceValue, slot: u32) -> Option<u32> {
     let key = BackendSlotKey {
         backend_set: svc.backend_set,
         slot,
     };
     // SAFETY: copied out at once, as in `lookup_service`.
-    let id = unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id;
-    Some((id, backend_by_id(id)?))
+    Some(unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id)
+}
+
+/// The backend id at `position` of the frontend's Maglev table.
+#[inline(always)]
+fn table_backend(svc: &ServiceValue, position: u32) -> Option<u32> {
+    let set = svc.backend_set;
+    let (entry, index) = select::maglev_entry(position);
+    // SAFETY: read at once; a published table is never written again (a
+    // new one replaces it), and one taken out of `LB_MAGLEV` is freed only
+    // once no program can hold it.
+    let entry = unsafe { LB_MAGLEV.get_value(&set, &entry) }?;
+    Some(entry.backend_ids[index])
 }
 
 /// A backend for a new flow: through the Maglev table (with the flow hash
 /// the hook computes, only when it is needed) or uniformly at random.
 #[inline(always)]
 pub fn choose(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<(u32, Backend)> {
-    let slot = if select::uses_maglev(svc) {
-        select::maglev_slot(svc, flow_hash())
+    let from_table = if select::uses_maglev(svc) {
+        table_backend(svc, select::maglev_position(svc, flow_hash()))
     } else {
-        // SAFETY: plain helper call.
-        select::slot(svc, unsafe { bpf_get_prandom_u32() })?
+        None
     };
-    backend_of(svc, slot)
+    let id = match from_table {
+        Some(id) => id,
+        // Not Maglev, or no table: maps of an agent version that kept the
+        // tables in `LB_SLOTS`, until its first sync rewrites them; the
+        // active backends are all there to choose from.
+        // SAFETY: plain helper call.
+        None => slot_backend(svc, select::slot(svc, unsafe { bpf_get_prandom_u32() })?)?,
+    };
+    Some((id, backend_by_id(id)?))
 }
 
 /// sessionAffinity ClientIP: the client under `key` keeps its backend while

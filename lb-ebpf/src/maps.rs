@@ -1,14 +1,15 @@
 //! The maps every hook shares. Layouts live in `lb-common`; the capacities
 //! here are defaults the agent overrides at load time.
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
+    bindings::{BPF_F_INNER_MAP, BPF_F_NO_PREALLOC},
+    btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, ReverseSockKey,
+    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, MaglevEntry, ReverseSockKey,
     ReverseSockValue, ServiceKey, ServiceValue, SockPeer, SockSourceCheck, SourceRangeData,
-    TcConfig,
+    TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -18,6 +19,28 @@ pub static LB_SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES a
 #[btf_map]
 pub static LB_SLOTS: HashMap<BackendSlotKey, BackendSlot, { capacity::SLOTS as usize }> =
     HashMap::new();
+
+/// One Maglev table: 64 positions an element (see `MaglevEntry`). The
+/// agent creates one per Maglev frontend, as long as its `maglev_size`
+/// needs; `BPF_F_INNER_MAP` lets each have its own length (this template's
+/// is never used).
+pub type MaglevTable = Array<MaglevEntry, 1, { BPF_F_INNER_MAP as usize }>;
+
+/// The Maglev tables by `ServiceValue::backend_set`.
+#[btf_map]
+pub static LB_MAGLEV: HashOfMaps<u32, MaglevTable, { capacity::MAGLEV as usize }> =
+    HashOfMaps::new();
+
+/// Frontends the agent could not program, for `lb-agent inspect`; no
+/// program reads it. Declared here so that it is created, sized and pinned
+/// with the others, with BTF for `bpftool map dump`.
+#[btf_map]
+pub static LB_UNPROGRAMMED: HashMap<
+    ServiceKey,
+    Unprogrammed,
+    { capacity::UNPROGRAMMED as usize },
+    { BPF_F_NO_PREALLOC as usize },
+> = HashMap::new();
 
 #[btf_map]
 pub static LB_BACKENDS: HashMap<BackendId, Backend, { capacity::BACKENDS as usize }> =

@@ -35,18 +35,6 @@ fn web_cluster(tag: &str, backends: u8, hosts: &[&str]) -> (ApiServer, Env) {
     (api, env)
 }
 
-/// The `key=N` fields of the first "synced" line in `log`.
-fn synced_counts(log: &str) -> Option<(usize, usize, usize)> {
-    let line = log.lines().find(|l| l.contains(" synced"))?;
-    let field = |k: &str| -> Option<usize> {
-        line.split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{k}=")))?
-            .parse()
-            .ok()
-    };
-    Some((field("written")?, field("adopted")?, field("removed")?))
-}
-
 #[test]
 fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     require_root!();

@@ -28,6 +28,13 @@ pub struct MapLabel {
     pub map: String,
 }
 
+/// Why a frontend is not programmed (`reconcile::reason_label`): the map
+/// whose write failed and whether it was full, e.g. `slots_full`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
 /// The field a rejected object was rejected for, indices removed
 /// (`spec.ports[1].port` → `spec.ports.port`) to keep cardinality bounded.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -67,6 +74,7 @@ pub struct Metrics {
     pub watch_restarts: Family<KindLabel, Counter>,
     pub watch_errors: Family<KindLabel, Counter>,
     pub rejected: Family<RejectLabel, Gauge>,
+    pub unprogrammed: Family<ReasonLabel, Gauge>,
     pub affinity_entries: Gauge,
     pub affinity_expired: Counter,
     pub affinity_swept: Counter,
@@ -104,6 +112,7 @@ impl Metrics {
             watch_restarts: Family::default(),
             watch_errors: Family::default(),
             rejected: Family::default(),
+            unprogrammed: Family::default(),
             affinity_entries: Gauge::default(),
             affinity_expired: Counter::default(),
             affinity_swept: Counter::default(),
@@ -162,6 +171,12 @@ impl Metrics {
             "objects_rejected",
             "Objects (or parts) skipped in the last sync, by the field at fault",
             m.rejected.clone(),
+        );
+        registry.register(
+            "frontends_unprogrammed",
+            "Desired frontends (and VIP markers) the last sync could not program as desired, by why; \
+             each keeps its previous state if it had one, and is retried at every sync",
+            m.unprogrammed.clone(),
         );
         registry.register(
             "affinity_entries",

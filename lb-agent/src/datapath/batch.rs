@@ -1,5 +1,6 @@
 //! Batched map writes: `BPF_MAP_UPDATE_BATCH` / `BPF_MAP_DELETE_BATCH`
-//! (Linux 5.6+ for hash maps), which aya 0.14 does not wrap.
+//! (Linux 5.6+ for hash maps), which aya 0.14 does not wrap; and reading a
+//! whole array with `BPF_MAP_LOOKUP_BATCH`.
 //!
 //! One `bpf(2)` call writes many elements, instead of one call each. When
 //! the kernel does not know the command or the map type does not support it
@@ -17,8 +18,10 @@ use std::{
 };
 
 /// `enum bpf_cmd` numbers (include/uapi/linux/bpf.h).
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 /// The kernel-internal "not supported" errno that leaks to userspace.
@@ -198,6 +201,69 @@ fn chunked<K: Copy, V: Copy>(
     Ok(())
 }
 
+/// Every element of an array map of `len` elements of `V`, in index
+/// order: [`CHUNK`] at a time with `BPF_MAP_LOOKUP_BATCH`, or one by one
+/// where the kernel refuses it.
+pub fn lookup_array<V: Copy + Default>(map: BorrowedFd<'_>, len: u32) -> io::Result<Vec<V>> {
+    let len = len as usize;
+    let mut values = vec![V::default(); len];
+    let mut keys = vec![0u32; len];
+    let mut done = 0;
+    // The last index read, where the next call goes on.
+    let (mut after, mut last) = (0u32, 0u32);
+    while done < len && batch_supported() {
+        let count = CHUNK.min(len - done);
+        let mut attr = BatchAttr {
+            in_batch: if done == 0 {
+                0
+            } else {
+                &after as *const u32 as u64
+            },
+            out_batch: &mut last as *mut u32 as u64,
+            keys: keys[done..].as_mut_ptr() as u64,
+            values: values[done..].as_mut_ptr() as u64,
+            count: count as u32,
+            map_fd: map.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        match sys_bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+            Ok(()) => {}
+            // The end of the map: `count` says how many this call read.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                done += (attr.count as usize).min(count);
+                break;
+            }
+            Err(e) if done == 0 && unsupported(&e) => {
+                BATCH_UNSUPPORTED.store(true, Ordering::Relaxed);
+                break;
+            }
+            Err(e) => return Err(e),
+        }
+        done += (attr.count as usize).min(count);
+        after = last;
+    }
+    if done < len && !batch_supported() {
+        for (i, (value, key)) in values.iter_mut().zip(&mut keys).enumerate().skip(done) {
+            let index = i as u32;
+            *key = index;
+            let mut attr = ElemAttr {
+                map_fd: map.as_raw_fd() as u32,
+                key: &index as *const u32 as u64,
+                value: value as *mut V as u64,
+                ..Default::default()
+            };
+            sys_bpf(BPF_MAP_LOOKUP_ELEM, &mut attr)?;
+        }
+        done = len;
+    }
+    if done < len || keys.iter().enumerate().any(|(i, k)| *k as usize != i) {
+        return Err(io::Error::other(format!(
+            "read {done} of {len} elements of an array, or out of order"
+        )));
+    }
+    Ok(values)
+}
+
 /// The per-element fallback of [`update`].
 pub fn update_each<K: Copy, V: Copy>(
     map: BorrowedFd<'_>,
@@ -319,6 +385,28 @@ mod tests {
             (1, Some(libc::ENOENT))
         );
         assert_eq!(lookup(map.as_fd(), n + 1), None);
+    }
+
+    #[test]
+    fn whole_arrays_are_read_back() {
+        if lacks_root("create BPF maps") {
+            return;
+        }
+        for n in [1, 7, CHUNK as u32, CHUNK as u32 * 2 + 3] {
+            let map = create_map(2, n); // BPF_MAP_TYPE_ARRAY
+            let keys: Vec<u32> = (0..n).collect();
+            let values: Vec<u64> = keys.iter().map(|k| u64::from(*k) * 5 + 2).collect();
+            update(map.as_fd(), &keys, &values).unwrap();
+            assert_eq!(lookup_array::<u64>(map.as_fd(), n).unwrap(), values, "{n}");
+        }
+        // One by one, as where the kernel refuses batches.
+        let map = create_map(2, 10);
+        let values: Vec<u64> = (0..10).map(|v| v + 40).collect();
+        update(map.as_fd(), &(0..10).collect::<Vec<u32>>(), &values).unwrap();
+        BATCH_UNSUPPORTED.store(true, Ordering::Relaxed);
+        let read = lookup_array::<u64>(map.as_fd(), 10);
+        BATCH_UNSUPPORTED.store(false, Ordering::Relaxed);
+        assert_eq!(read.unwrap(), values);
     }
 
     #[test]

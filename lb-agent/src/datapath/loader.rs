@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use aya::{
-    maps::{HashMap, IterableMap as _, Map, MapData, MapError, MapInfo},
+    maps::{HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
         CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr,
@@ -18,14 +18,15 @@ use aya::{
 };
 use lb_common::{
     map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    DatagramFlow, DatagramFlowKey, ServiceKey, ServiceValue,
+    DatagramFlow, DatagramFlowKey, MaglevEntry, ServiceKey, ServiceValue, Unprogrammed,
+    MAGLEV_POSITIONS,
 };
 
 use crate::{
     base::clock::monotonic_now_ns,
     datapath::affinity::{self, AffinityPolicy},
     datapath::datagram_flows::{self, DatagramPolicy, FlowFrontend},
-    datapath::reconcile::MapOps,
+    datapath::reconcile::{MaglevWriteError, MapOps},
     datapath::sweep::{self, SweepReport},
 };
 
@@ -40,6 +41,11 @@ pub struct Capacity {
     /// set and its replacement.
     #[arg(long, default_value_t = lb_common::capacity::SLOTS)]
     pub max_slots: u32,
+    /// Maglev tables over all Services (`LB_MAGLEV` entries): one per
+    /// Maglev frontend, each an array of `--maglev-table-size` positions
+    /// of its own; a table and its replacement coexist briefly.
+    #[arg(long, default_value_t = lb_common::capacity::MAGLEV)]
+    pub max_maglev_tables: u32,
     #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
     pub max_reverse_sockets: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
@@ -64,6 +70,7 @@ impl Default for Capacity {
             max_services: lb_common::capacity::SERVICES,
             max_backends: lb_common::capacity::BACKENDS,
             max_slots: lb_common::capacity::SLOTS,
+            max_maglev_tables: lb_common::capacity::MAGLEV,
             max_reverse_sockets: lb_common::capacity::REV_SOCK,
             max_affinity: lb_common::capacity::AFFINITY,
             max_datagram_flows: lb_common::capacity::DGRAM_FLOWS,
@@ -159,6 +166,12 @@ pub struct PinnedMaps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
     pub backends: HashMap<MapData, BackendId, Backend>,
+    /// Maglev tables by backend set (see `new_maglev_table`).
+    pub maglev: HashOfMaps<MapData, u32>,
+    /// `maglev` again, for the batch writes aya's `HashOfMaps` does not
+    /// offer.
+    maglev_batch: MapData,
+    pub unprogrammed: HashMap<MapData, ServiceKey, Unprogrammed>,
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
     pub rev_sock: HashMap<MapData, lb_common::ReverseSockKey, lb_common::ReverseSockValue>,
     pub datagram_flows: HashMap<MapData, DatagramFlowKey, DatagramFlow>,
@@ -177,10 +190,68 @@ impl PinnedMaps {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
             slots: HashMap::try_from(open(map_names::SLOTS)?)?,
             backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
+            maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
+            maglev_batch: MapData::from_pin(dir.join(map_names::MAGLEV))?,
+            unprogrammed: HashMap::try_from(open(map_names::UNPROGRAMMED)?)?,
             affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(open(map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(open(map_names::DGRAM_FLOWS)?)?,
         })
+    }
+
+    /// The Maglev table of backend set `set`, read whole: its `size`
+    /// positions. An error if it is not a table of that size (another
+    /// length, or padding that is not zero).
+    pub fn maglev_table(&self, set: u32, size: u16) -> std::io::Result<Vec<u32>> {
+        use std::os::fd::AsFd as _;
+        let table: MapData = self.maglev.get(&set, 0).map_err(io)?;
+        let len = table.info().map_err(io)?.max_entries();
+        let entries: Vec<MaglevEntry> =
+            crate::datapath::batch::lookup_array(table.fd().as_fd(), len)?;
+        let mut positions: Vec<u32> = entries.iter().flat_map(|e| e.backend_ids).collect();
+        let size = size as usize;
+        if entries.len() != size.div_ceil(MAGLEV_POSITIONS)
+            || positions[size..].iter().any(|id| *id != 0)
+        {
+            return Err(std::io::Error::other(format!(
+                "the Maglev table of backend set {set} has {len} entries, not a table of {size} positions"
+            )));
+        }
+        positions.truncate(size);
+        Ok(positions)
+    }
+
+    /// Makes `LB_UNPROGRAMMED` hold exactly `want`, writing only what
+    /// differs from what it holds; the errors, naming the frontend.
+    pub fn sync_unprogrammed(
+        &mut self,
+        want: &std::collections::BTreeMap<ServiceKey, Unprogrammed>,
+    ) -> Vec<String> {
+        let have: std::collections::BTreeMap<ServiceKey, Unprogrammed> =
+            self.unprogrammed.iter().filter_map(Result::ok).collect();
+        let mut errors = Vec::new();
+        let name = |k: &ServiceKey| {
+            let addr = crate::base::addr::ip_from_bytes(&k.addr);
+            format!(
+                "{} of {addr}:{}/{}",
+                map_names::UNPROGRAMMED,
+                k.port,
+                k.proto
+            )
+        };
+        for key in have.keys().filter(|k| !want.contains_key(k)) {
+            if let Err(e) = self.unprogrammed.remove(key) {
+                errors.push(format!("removing {}: {e}", name(key)));
+            }
+        }
+        for (key, value) in want {
+            if have.get(key) != Some(value) {
+                if let Err(e) = self.unprogrammed.insert(key, value, 0) {
+                    errors.push(format!("writing {}: {e}", name(key)));
+                }
+            }
+        }
+        errors
     }
 
     /// The service id a socket addressed when it was sent to `dst`.
@@ -225,7 +296,40 @@ mod map_type {
     pub const PERCPU_ARRAY: u32 = 6;
     pub const LRU_HASH: u32 = 9;
     pub const LPM_TRIE: u32 = 11;
+    pub const HASH_OF_MAPS: u32 = 13;
     pub const SK_STORAGE: u32 = 24;
+}
+
+/// `BPF_F_INNER_MAP`: an inner map of this flag may have a length of its
+/// own, whatever its outer map's template has (Linux 5.10).
+const BPF_F_INNER_MAP: u32 = 1 << 12;
+
+/// A new Maglev table holding `table`: an array of its own, of
+/// `table.len()` positions, flagged like `LB_MAGLEV`'s template
+/// (`lb-ebpf`'s `MaglevTable`) so that the kernel takes it as an inner map.
+/// Not pinned: `LB_MAGLEV` holds it, and it is freed once taken out and no
+/// program holds it any more.
+pub fn new_maglev_table(table: &[u32]) -> std::io::Result<MapData> {
+    use std::os::fd::AsFd as _;
+    let entries: Vec<MaglevEntry> = table
+        .chunks(MAGLEV_POSITIONS)
+        .map(|chunk| {
+            let mut e = MaglevEntry::default();
+            e.backend_ids[..chunk.len()].copy_from_slice(chunk);
+            e
+        })
+        .collect();
+    let def = aya_obj::Map::new_from_params(
+        map_type::ARRAY,
+        std::mem::size_of::<u32>() as u32,
+        std::mem::size_of::<MaglevEntry>() as u32,
+        entries.len() as u32,
+        BPF_F_INNER_MAP,
+    );
+    let map = MapData::create(def, map_names::MAGLEV_TABLE, None).map_err(io)?;
+    let keys: Vec<u32> = (0..entries.len() as u32).collect();
+    crate::datapath::batch::update(map.fd().as_fd(), &keys, &entries).map_err(|e| e.error)?;
+    Ok(map)
 }
 
 /// What a pinned map must look like to be adopted.
@@ -247,7 +351,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 14] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 16] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -260,6 +364,13 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 14] {
         layout::<ServiceKey, ServiceValue>(map_names::SERVICES, HASH, c.max_services),
         layout::<BackendSlotKey, BackendSlot>(map_names::SLOTS, HASH, c.max_slots),
         layout::<BackendId, Backend>(map_names::BACKENDS, HASH, c.max_backends),
+        // The value of a map of maps is the inner map's id (u32).
+        layout::<u32, u32>(map_names::MAGLEV, HASH_OF_MAPS, c.max_maglev_tables),
+        layout::<ServiceKey, Unprogrammed>(
+            map_names::UNPROGRAMMED,
+            HASH,
+            lb_common::capacity::UNPROGRAMMED,
+        ),
         layout::<ReverseSockKey, ReverseSockValue>(
             map_names::REV_SOCK,
             LRU_HASH,
@@ -291,12 +402,24 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 14] {
 }
 
 /// Removes pinned maps whose layout or size differs from this version's, so
-/// the loader recreates them. The three service maps refer to each other by
+/// the loader recreates them. The four service maps refer to each other by
 /// id and go together, and `LB_AFFINITY` and `LB_DGRAM_FLOWS` with them:
 /// their entries name affinity, service and backend ids of the maps being
 /// replaced, which the new ones hand out afresh. Returns what was
 /// recreated, for the log.
+///
+/// A pin directory of a version without `LB_MAGLEV` (whose Maglev tables
+/// lived in `LB_SLOTS`) is adopted as it is: `LB_MAGLEV` is created empty,
+/// the programs choose at random for a frontend whose table is missing, and
+/// the first sync rewrites those frontends and retires their old slots
+/// (see `Reconciler::adopt`).
 fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
+    const CORE: [&str; 4] = [
+        map_names::SERVICES,
+        map_names::SLOTS,
+        map_names::BACKENDS,
+        map_names::MAGLEV,
+    ];
     let mut recreated = Vec::new();
     let mut core_changed = false;
     for Layout {
@@ -321,25 +444,29 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
                     info.max_entries(),
                 );
                 let want = (map_type, key, value, max);
-                (got != want)
-                    .then(|| format!("type/key/value/entries {got:?}, this version needs {want:?}"))
+                if got != want {
+                    Some(format!(
+                        "type/key/value/entries {got:?}, this version needs {want:?}"
+                    ))
+                } else if name == map_names::MAGLEV {
+                    maglev_tables_incompatible(&path)
+                        .unwrap_or_else(|e| Some(format!("unreadable ({e:#})")))
+                } else {
+                    None
+                }
             }
         };
         if let Some(why) = why {
             fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
             recreated.push(format!("{name}: {why}"));
-            core_changed |=
-                [map_names::SERVICES, map_names::SLOTS, map_names::BACKENDS].contains(&name);
+            core_changed |= CORE.contains(&name);
         }
     }
     if core_changed {
-        for name in [
-            map_names::SERVICES,
-            map_names::SLOTS,
-            map_names::BACKENDS,
-            map_names::AFFINITY,
-            map_names::DGRAM_FLOWS,
-        ] {
+        for name in CORE
+            .into_iter()
+            .chain([map_names::AFFINITY, map_names::DGRAM_FLOWS])
+        {
             let path = pin_dir.join(name);
             if path.exists() {
                 fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
@@ -350,12 +477,49 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
     Ok(recreated)
 }
 
+/// Whether the tables of the pinned `LB_MAGLEV` at `path` are of another
+/// kind than this version's (an array of `MaglevEntry`, `BPF_F_INNER_MAP`):
+/// a map of maps takes only inner maps like its template, which is fixed
+/// when it is created and which no map info shows. One with tables is
+/// judged by its first table; an empty one is removed (nothing is lost)
+/// and made anew with this version's template, without being reported.
+fn maglev_tables_incompatible(path: &Path) -> anyhow::Result<Option<String>> {
+    let outer = MapData::from_pin(path).with_context(|| format!("opening {}", path.display()))?;
+    let outer: HashOfMaps<MapData, u32> = HashOfMaps::try_from(Map::HashOfMaps(outer))?;
+    let Some(first) = outer.keys().next() else {
+        drop(outer);
+        fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+        tracing::debug!("{}: empty, made anew", map_names::MAGLEV);
+        return Ok(None);
+    };
+    let table: MapData = first
+        .and_then(|set| outer.get(&set, 0))
+        .with_context(|| format!("reading a table of {}", path.display()))?;
+    let info = table.info()?;
+    let got = (
+        info.map_type().map(|t| t as u32).unwrap_or(u32::MAX),
+        info.value_size() as usize,
+        info.map_flags(),
+    );
+    let want = (
+        map_type::ARRAY,
+        std::mem::size_of::<MaglevEntry>(),
+        BPF_F_INNER_MAP,
+    );
+    Ok((got != want)
+        .then(|| format!("tables of type/value/flags {got:?}, this version needs {want:?}")))
+}
+
 /// What was found pinned by an earlier run.
 ///
 /// A restarted agent never assumes a map empty: whatever keeps a record of
 /// what it wrote starts from what is pinned. Per map:
-/// - `LB_SERVICES` (frontends and VIP markers), `LB_SLOTS`, `LB_BACKENDS`:
-///   read here, rebuilt into the reconciler's record (`Reconciler::adopt`);
+/// - `LB_SERVICES` (frontends and VIP markers), `LB_SLOTS`, `LB_BACKENDS`,
+///   the keys of `LB_MAGLEV`: read here, rebuilt into the reconciler's
+///   record (`Reconciler::adopt`); a Maglev table itself is read when the
+///   reconciler first compares it with the one wanted;
+/// - `LB_UNPROGRAMMED`: rewritten whole by every process's first sync, from
+///   what that sync could not program (read back to delete the rest);
 /// - `LB_SOURCE_RANGES`: read back when the tc maps are opened
 ///   (`tc::SourceRangeWriter::adopt`);
 /// - `LB_TC_CONFIG`: one element, written whole by every process's first
@@ -370,6 +534,8 @@ pub struct Adopted {
     pub services: Vec<(ServiceKey, ServiceValue)>,
     pub slots: Vec<(BackendSlotKey, BackendSlot)>,
     pub backends: Vec<(BackendId, Backend)>,
+    /// The backend sets that have a Maglev table.
+    pub maglev: Vec<u32>,
     /// Maps recreated because their layout changed.
     pub recreated: Vec<String>,
     /// Program links of the earlier run that were replaced.
@@ -454,6 +620,7 @@ impl Datapath {
         loader
             .map_max_entries(map_names::SERVICES, capacity.max_services)
             .map_max_entries(map_names::SLOTS, capacity.max_slots)
+            .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
             .map_max_entries(map_names::BACKENDS, capacity.max_backends)
             .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
             .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
@@ -486,6 +653,9 @@ impl Datapath {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
             backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
+            maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
+            maglev_batch: MapData::from_pin(pin_dir.join(map_names::MAGLEV))?,
+            unprogrammed: HashMap::try_from(take(&mut ebpf, map_names::UNPROGRAMMED)?)?,
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
@@ -493,6 +663,7 @@ impl Datapath {
         adopted.services = maps.services.iter().filter_map(Result::ok).collect();
         adopted.slots = maps.slots.iter().filter_map(Result::ok).collect();
         adopted.backends = maps.backends.iter().filter_map(Result::ok).collect();
+        adopted.maglev = maps.maglev.keys().filter_map(Result::ok).collect();
         Ok((
             Self {
                 _ebpf: ebpf,
@@ -663,6 +834,7 @@ fn io(e: MapError) -> std::io::Error {
     match e {
         MapError::SyscallError(s) => s.io_error,
         MapError::IoError(e) => e,
+        MapError::CreateError { io_error, .. } => io_error,
         MapError::KeyNotFound | MapError::ElementNotFound => {
             std::io::Error::from(std::io::ErrorKind::NotFound)
         }
@@ -688,6 +860,74 @@ impl MapOps for PinnedMaps {
     }
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
         self.backends.remove(&id).map_err(io)
+    }
+    fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
+        let table = new_maglev_table(table).map_err(MaglevWriteError::Table)?;
+        self.maglev
+            .insert(set, &table, 0)
+            .map_err(|e| MaglevWriteError::Insert(io(e)))
+    }
+    fn del_maglev(&mut self, set: u32) -> std::io::Result<()> {
+        self.maglev.remove(&set).map_err(io)
+    }
+    fn get_maglev(&mut self, set: u32, size: u16) -> std::io::Result<Vec<u32>> {
+        self.maglev_table(set, size)
+    }
+    fn put_maglevs(&mut self, tables: &[(u32, Vec<u32>)]) -> Vec<Result<(), MaglevWriteError>> {
+        use std::os::fd::{AsFd as _, AsRawFd as _};
+        let mut results: Vec<Result<(), MaglevWriteError>> = Vec::with_capacity(tables.len());
+        // Each table made, then all put in with one batch; each kept open
+        // until then.
+        let mut made: Vec<(usize, u32, MapData)> = Vec::new();
+        for (i, (set, table)) in tables.iter().enumerate() {
+            match new_maglev_table(table) {
+                Ok(map) => {
+                    made.push((i, *set, map));
+                    results.push(Ok(()));
+                }
+                Err(e) => results.push(Err(MaglevWriteError::Table(e))),
+            }
+        }
+        let outer = self.maglev_batch.fd().as_fd();
+        let mut rest = &made[..];
+        while !rest.is_empty() {
+            let sets: Vec<u32> = rest.iter().map(|(_, set, _)| *set).collect();
+            let fds: Vec<u32> = rest
+                .iter()
+                .map(|(_, _, map)| map.fd().as_fd().as_raw_fd() as u32)
+                .collect();
+            let Err(e) = crate::datapath::batch::update(outer, &sets, &fds) else {
+                break;
+            };
+            let full = e.error.raw_os_error() == Some(libc::E2BIG);
+            // Full: so is it for the rest; else the rest go on.
+            let failed = if full {
+                &rest[e.done..]
+            } else {
+                &rest[e.done..=e.done]
+            };
+            for (i, _, _) in failed {
+                let error =
+                    std::io::Error::from_raw_os_error(e.error.raw_os_error().unwrap_or(libc::EIO));
+                results[*i] = Err(MaglevWriteError::Insert(error));
+            }
+            rest = &rest[e.done + failed.len()..];
+        }
+        results
+    }
+    fn del_maglevs(&mut self, sets: &[u32]) -> Vec<(u32, std::io::Error)> {
+        use std::os::fd::AsFd as _;
+        let fd = self.maglev_batch.fd().as_fd();
+        let mut failed = Vec::new();
+        let mut rest = sets;
+        // A missing table stops a batch: skip it and go on with the rest.
+        while let Err(e) = crate::datapath::batch::delete(fd, rest) {
+            if e.error.raw_os_error() != Some(libc::ENOENT) {
+                failed.push((rest[e.done], e.error));
+            }
+            rest = &rest[(e.done + 1).min(rest.len())..];
+        }
+        failed
     }
     // Bulk writes: one bpf(2) call per few thousand elements (see `batch`).
     fn put_backends(
@@ -764,6 +1004,7 @@ mod tests {
             max_services: 64,
             max_backends: 64,
             max_slots: 128,
+            max_maglev_tables: 16,
             max_reverse_sockets: 64,
             max_affinity: 64,
             max_datagram_flows: 64,
@@ -787,9 +1028,29 @@ mod tests {
             affinity_id: 0,
         };
         dp.maps().put_service(key, value).unwrap();
-        // A second reader through the pins sees the write.
+        // A Maglev table: made, put in LB_MAGLEV, read back whole.
+        let table: Vec<u32> = (0..251).map(|p| p % 3 + 1).collect();
+        dp.maps().put_maglev(7, &table).unwrap();
+        assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
+        assert!(dp.maps().get_maglev(7, 509).is_err(), "not a table of 509");
+        let info = dp.maps().maglev.get(&7, 0).unwrap().info().unwrap();
+        assert_eq!(info.name_as_str(), Some(map_names::MAGLEV_TABLE));
+        assert_eq!(info.max_entries(), 4, "251 positions, 64 an entry");
+        // Many at once, one batch: LB_MAGLEV holds 16, one is in.
+        let many: Vec<(u32, Vec<u32>)> = (100..120).map(|set| (set, table.clone())).collect();
+        let results = dp.maps().put_maglevs(&many);
+        let full = |r: &Result<(), MaglevWriteError>| matches!(r, Err(MaglevWriteError::Insert(e)) if e.raw_os_error() == Some(libc::E2BIG));
+        assert!(results[..15].iter().all(Result::is_ok), "{results:?}");
+        assert!(results[15..].iter().all(full), "{results:?}");
+        assert_eq!(dp.maps().get_maglev(114, 251).unwrap(), table);
+        // Deleting them, the 5 that are not in included.
+        let sets: Vec<u32> = (100..120).collect();
+        assert!(dp.maps().del_maglevs(&sets).is_empty());
+        assert_eq!(dp.maps().maglev.keys().count(), 1);
+        // A second reader through the pins sees the writes.
         let reader = PinnedMaps::open(&scratch.pins).unwrap();
         assert_eq!(reader.services.get(&key, 0).unwrap(), value);
+        assert_eq!(reader.maglev_table(7, 251).unwrap(), table);
         drop(reader);
         assert_eq!(
             dp.maps()
@@ -800,9 +1061,12 @@ mod tests {
         );
         drop(dp);
         // A second load adopts the pinned maps and replaces the links.
-        let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
         assert_eq!(adopted.services, vec![(key, value)]);
+        assert_eq!(adopted.maglev, vec![7]);
+        assert!(adopted.recreated.is_empty(), "{:?}", adopted.recreated);
         assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 1);
+        assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
         drop(dp);
         // Other capacities: the service maps are recreated, and reported.
         let bigger = Capacity {
@@ -811,9 +1075,9 @@ mod tests {
         };
         let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         assert!(adopted.services.is_empty());
-        // The three service maps, and the affinity and datagram flow maps,
+        // The four service maps, and the affinity and datagram flow maps,
         // whose entries name their ids.
-        assert_eq!(adopted.recreated.len(), 5, "{:?}", adopted.recreated);
+        assert_eq!(adopted.recreated.len(), 6, "{:?}", adopted.recreated);
         drop(dp);
         // An upgrade from the 20-byte ServiceValue (before `affinity_id`):
         // recreated cleanly, affinity entries of the old ids with it.
@@ -842,6 +1106,40 @@ mod tests {
             );
             drop(dp);
         }
+        // An LB_MAGLEV whose tables are of another kind (arrays of u32, as
+        // a template of another version would take): recreated with the
+        // service maps.
+        let maglev = scratch.pins.join(map_names::MAGLEV);
+        let inner = scratch.pins.join("inner");
+        fs::remove_file(&maglev).unwrap();
+        let bpftool = |args: String| {
+            std::process::Command::new("bpftool")
+                .args(args.split_whitespace())
+                .status()
+                .is_ok_and(|s| s.success())
+        };
+        let (i, m) = (inner.display(), maglev.display());
+        if bpftool(format!(
+            "map create {i} type array key 4 value 4 entries 4 name old_table flags 4096"
+        )) && bpftool(format!(
+            "map create {m} type hash_of_maps key 4 value 4 entries 16 name {} inner_map pinned {i}",
+            map_names::MAGLEV
+        )) && bpftool(format!(
+            "map update pinned {m} key 1 0 0 0 value pinned {i}"
+        )) {
+            let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+            let r = &adopted.recreated;
+            assert!(
+                r.iter()
+                    .any(|m| m.starts_with("LB_MAGLEV: tables of type/value/flags (2, 4, 4096)")),
+                "{r:?}"
+            );
+            assert!(r.iter().any(|m| m.starts_with("LB_SERVICES")), "{r:?}");
+            drop(dp);
+        } else {
+            eprintln!("bpftool could not make an LB_MAGLEV of another kind: not checked");
+        }
+        let _ = fs::remove_file(&inner);
         let (dp, _) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
         dp.unload().unwrap();
         assert!(!scratch.pins.exists());

@@ -3,33 +3,47 @@
 //!
 //! Write order is what makes every change safe for a concurrent connect:
 //! 1. backends a frontend will use are written before any slot points at them;
-//! 2. a changed backend set is written under a fresh `backend_set` id, then
-//!    published by one update of the frontend's `ServiceValue`;
-//! 3. the old set's slots, and backends nothing points at any more, are
-//!    deleted only in `retire`, which the caller runs a little later, so a
-//!    program that read the old `ServiceValue` still finds its slots.
+//! 2. a changed backend set is written under a fresh `backend_set` id, and
+//!    a Maglev frontend's table made whole and put in `LB_MAGLEV` under
+//!    that id; then both are published by one update of the frontend's
+//!    `ServiceValue`;
+//! 3. the old set's slots and table, and backends nothing points at any
+//!    more, are deleted only in `retire`, which the caller runs a little
+//!    later, so a program that read the old `ServiceValue` still finds them.
+//!
+//! Each frontend is all or nothing. When one of its writes fails (a map is
+//! full, a table cannot be made), what was written for it is named by
+//! nothing and retired, and its previous state, if it had one, stays
+//! programmed; a new one gets no entry, and its VIP no marker while no
+//! frontend of that VIP is programmed. The failure is kept in
+//! [`Reconciler::unprogrammed`] (for the log, `/metrics` and `inspect`)
+//! until an apply programs the frontend; every apply after a failure
+//! compares everything, and [`Reconciler::room_made`] says when a retire
+//! freed entries that a retry may now use.
 //!
 //! Bulk writes go through the batch methods of `MapOps` (one
 //! `BPF_MAP_UPDATE_BATCH` per map over the real maps, see `batch`): every
-//! backend, then every slot of every new set, then every `ServiceValue`,
-//! each batch finished before the next starts, so the order above holds
-//! across all frontends of a sync. A batch that stops part-way is finished
-//! element by element, so each failure is still reported against its object.
+//! backend, then every slot of every new set, then every Maglev table,
+//! then every `ServiceValue`, each step finished before the next starts, so
+//! the order above holds across all frontends of a sync. A batch that stops
+//! part-way is finished element by element, so each failure is still
+//! reported against its object.
 use std::{
     collections::{BTreeMap, BTreeSet, HashMap},
+    fmt,
     net::IpAddr,
 };
 
 use lb_common::{
-    backend_flags, service_flags, Backend, BackendId, BackendSlot, BackendSlotKey, ServiceKey,
-    ServiceValue,
+    backend_flags, service_flags, unprogrammed_map, Backend, BackendId, BackendSlot,
+    BackendSlotKey, ServiceKey, ServiceValue,
 };
 
 use crate::{
     base::addr::addr_bytes,
     semantics::model::{
         AffinityGroup, Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState,
-        Protocol, Scope,
+        Protocol, Scope, ServiceName,
     },
     semantics::stale_udp::{self, StaleUdp},
 };
@@ -43,6 +57,15 @@ pub struct MapWriteError {
     pub source: std::io::Error,
 }
 
+/// Which step of [`MapOps::put_maglev`] failed.
+#[derive(Debug)]
+pub enum MaglevWriteError {
+    /// Creating or filling the table (`LB_MAGLEV_TABLE`).
+    Table(std::io::Error),
+    /// Putting it in `LB_MAGLEV`.
+    Insert(std::io::Error),
+}
+
 /// The writes the reconciler needs; implemented over the pinned BPF maps and,
 /// in tests, over plain collections.
 pub trait MapOps {
@@ -52,6 +75,41 @@ pub trait MapOps {
     fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()>;
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()>;
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()>;
+    /// Makes a Maglev table holding `table` (position -> backend id) and
+    /// puts it in `LB_MAGLEV` under `set`, which nothing names yet: the
+    /// frontend's value publishes it afterwards. On failure nothing of the
+    /// table is left.
+    fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError>;
+    /// Takes the table under `set` out of `LB_MAGLEV`; the kernel frees it
+    /// once no program holds it.
+    fn del_maglev(&mut self, set: u32) -> std::io::Result<()>;
+    /// The table under `set`, of `size` positions (adopted tables are
+    /// checked): an error if it is not a table of that size.
+    fn get_maglev(&mut self, set: u32, size: u16) -> std::io::Result<Vec<u32>>;
+
+    /// [`put_maglev`](Self::put_maglev) for each of `tables` (set, table),
+    /// with each one's result, in order. Over the real maps it is one
+    /// write to `LB_MAGLEV` for all: the kernel makes every write to a map
+    /// of maps wait until no program can still hold what it replaced (an
+    /// RCU grace period, ~10 ms), once per call. The default is the
+    /// per-table loop, which the unit tests observe write by write.
+    fn put_maglevs(&mut self, tables: &[(u32, Vec<u32>)]) -> Vec<Result<(), MaglevWriteError>> {
+        tables
+            .iter()
+            .map(|(set, table)| self.put_maglev(*set, table))
+            .collect()
+    }
+    /// [`del_maglev`](Self::del_maglev) for each of `sets` (one write over
+    /// the real maps, as [`put_maglevs`](Self::put_maglevs)); a table
+    /// already gone is what we want. The sets that could not be deleted.
+    fn del_maglevs(&mut self, sets: &[u32]) -> Vec<(u32, std::io::Error)> {
+        sets.iter()
+            .filter_map(|set| match self.del_maglev(*set) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Some((*set, e)),
+                _ => None,
+            })
+            .collect()
+    }
 
     /// Writes `items` in order (one `BPF_MAP_UPDATE_BATCH` over the real
     /// maps); on failure, how many were written before the one that failed.
@@ -124,6 +182,107 @@ fn vip_key(addr: IpAddr, scope: Scope) -> ServiceKey {
     ServiceKey::wildcard(addr_bytes(addr), scope.number())
 }
 
+/// What a failure is about: a frontend, or the VIP marker of an address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Target {
+    Frontend(Frontend),
+    Vip(IpAddr, Scope),
+}
+
+impl Target {
+    /// Its key in `LB_SERVICES` (and `LB_UNPROGRAMMED`).
+    pub fn key(&self) -> ServiceKey {
+        match self {
+            Target::Frontend(f) => service_key(f),
+            Target::Vip(addr, scope) => vip_key(*addr, *scope),
+        }
+    }
+}
+
+/// A frontend (or a VIP marker) that is not programmed as desired, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unprogrammed {
+    pub target: Target,
+    pub service: ServiceName,
+    /// The Service port's name ("" when unnamed, and for a VIP marker).
+    pub port_name: String,
+    /// `lb_common::unprogrammed_map::*`: the write that failed.
+    pub map: u32,
+    pub errno: i32,
+    /// Its previous state is still programmed (a change failed); otherwise
+    /// nothing of it is.
+    pub kept: bool,
+}
+
+impl Unprogrammed {
+    /// The `reason` label of `/metrics`: see [`reason_label`].
+    pub fn reason(&self) -> String {
+        reason_label(self.map, self.errno)
+    }
+}
+
+/// `<map>_full` when the write failed because the map is full (`E2BIG`),
+/// else `<map>_error`; `<map>` is `services`, `slots`, `backends`,
+/// `maglev` (`LB_MAGLEV`) or `maglev_table` (the table itself).
+pub fn reason_label(map: u32, errno: i32) -> String {
+    let name = match map {
+        unprogrammed_map::SERVICES => "services",
+        unprogrammed_map::SLOTS => "slots",
+        unprogrammed_map::BACKENDS => "backends",
+        unprogrammed_map::MAGLEV => "maglev",
+        unprogrammed_map::MAGLEV_TABLE => "maglev_table",
+        _ => "unknown",
+    };
+    let how = if errno == libc::E2BIG {
+        "full"
+    } else {
+        "error"
+    };
+    format!("{name}_{how}")
+}
+
+/// What failed, as the log and `inspect` say it: `LB_SLOTS is full
+/// (Argument list too long (os error 7))`.
+pub fn failure_text(map: u32, errno: i32) -> String {
+    let name = unprogrammed_map::NAMES
+        .get(map as usize)
+        .copied()
+        .unwrap_or("a map");
+    let error = std::io::Error::from_raw_os_error(errno);
+    if errno == libc::E2BIG && map != unprogrammed_map::MAGLEV_TABLE {
+        format!("{name} is full ({error})")
+    } else {
+        format!("writing {name} failed ({error})")
+    }
+}
+
+impl fmt::Display for Unprogrammed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Service {}", self.service)?;
+        if !self.port_name.is_empty() {
+            write!(f, " port {}", self.port_name)?;
+        }
+        let (what, scope) = match self.target {
+            Target::Frontend(fe) => (format!("frontend {fe}"), fe.scope),
+            Target::Vip(addr, scope) => (format!("VIP marker of {addr}"), scope),
+        };
+        let scope = match scope {
+            Scope::Internal => "internal",
+            Scope::External => "external",
+        };
+        write!(
+            f,
+            ", {what} ({scope}): not programmed: {}; {}",
+            failure_text(self.map, self.errno),
+            if self.kept {
+                "its previous state stays programmed"
+            } else {
+                "nothing of it is programmed"
+            }
+        )
+    }
+}
+
 /// A frontend as it is in the maps.
 #[derive(Debug, Clone)]
 struct Programmed {
@@ -133,12 +292,17 @@ struct Programmed {
     /// after a restart, until a desired state is found to match it.
     state: Option<FrontendState>,
     value: ServiceValue,
-    /// Backend ids in slot order (with the Maglev table, if any).
+    /// Backend ids in slot order: the active ones, then the terminating.
     slots: Vec<u32>,
     /// UDP backends that stopped serving while nothing served this
     /// frontend: their sockets are stale once something does
     /// (`stale_udp::frontend_change`).
     stopped: Vec<BackendAddr>,
+    /// How many `LB_SLOTS` keys its set spans: `slots.len()`, or more for
+    /// a set adopted from a version that kept Maglev tables there.
+    slot_span: u32,
+    /// `LB_MAGLEV` holds a table under its set.
+    has_table: bool,
 }
 
 /// How one frontend is to be written by `apply`.
@@ -149,9 +313,10 @@ struct Plan {
     /// The id was reserved for this plan (a new frontend).
     fresh_id: bool,
     set: u32,
-    /// The set is new: its slots must be written before the value.
+    /// The set is new: its slots (and table) must be written before the value.
     fresh_set: bool,
     slots: Vec<u32>,
+    /// Its `maglev_size` says whether it has a table, and how long.
     value: ServiceValue,
     previous: Option<Programmed>,
     /// Adopted from pinned maps exactly as wanted: nothing to write.
@@ -170,12 +335,89 @@ impl Plan {
             )
         })
     }
+
+    fn has_table(&self) -> bool {
+        self.value.maglev_size > 0
+    }
+
+    /// Its Maglev table (built on demand: one is 4 bytes a position, and a
+    /// sync may plan thousands).
+    fn table(&self) -> Vec<u32> {
+        maglev_table(&self.state, &self.slots, self.value.maglev_size)
+    }
+
+    /// The failure of one of its writes.
+    fn failure(&self, map: u32, error: &std::io::Error) -> Unprogrammed {
+        unprogrammed(
+            &self.frontend,
+            &self.state,
+            map,
+            error,
+            self.previous.is_some(),
+        )
+    }
+}
+
+fn unprogrammed(
+    frontend: &Frontend,
+    state: &FrontendState,
+    map: u32,
+    error: &std::io::Error,
+    kept: bool,
+) -> Unprogrammed {
+    Unprogrammed {
+        target: Target::Frontend(*frontend),
+        service: state.service.clone(),
+        port_name: state.port_name.clone(),
+        map,
+        errno: error.raw_os_error().unwrap_or(libc::EIO),
+        kept,
+    }
+}
+
+/// The Maglev table of a frontend in `state` whose slots hold `slots`
+/// (the active backends first): for each of `size` positions, the id of
+/// its backend (see `lb_common::ServiceValue`); it covers the active
+/// backends only.
+fn maglev_table(state: &FrontendState, slots: &[u32], size: u16) -> Vec<u32> {
+    let names: Vec<String> = state.active.iter().map(|r| r.backend.to_string()).collect();
+    crate::semantics::maglev::build(&names, size)
+        .into_iter()
+        .map(|i| slots[i as usize])
+        .collect()
 }
 
 #[derive(Debug, Clone)]
 struct ProgrammedBackend {
     id: u32,
     value: Backend,
+}
+
+/// Maglev tables built and written at a time (see `MapOps::put_maglevs`):
+/// bounds the memory of tables being written and the files they hold open.
+const MAGLEV_CHUNK: usize = 256;
+
+/// What a failed plan left of its new set (see `Reconciler::undo`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Written {
+    Nothing,
+    Slots,
+    /// Its slots and its table (`put_maglev` leaves nothing when it fails).
+    SlotsAndTable,
+}
+
+/// A set to delete in `retire`.
+#[derive(Debug, Clone, Copy)]
+struct Retired {
+    set: u32,
+    /// `LB_SLOTS` keys `0..slots` of the set.
+    slots: u32,
+    /// A table under the set in `LB_MAGLEV`.
+    table: bool,
+    /// A frontend's value named it (it was replaced or removed), as
+    /// opposed to what a failed write left: deleting it makes room that a
+    /// frontend which did not fit may now use.
+    published: bool,
 }
 
 /// Counts of one sync, for logs and metrics.
@@ -191,6 +433,18 @@ pub struct SyncReport {
     /// caller to find.
     pub stale_udp: StaleUdp,
     pub errors: Vec<String>,
+}
+
+/// Entries in use, per map.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    pub frontends: usize,
+    pub vips: usize,
+    pub backends: usize,
+    /// Live and retiring.
+    pub slots: usize,
+    /// Live and retiring (`LB_MAGLEV` entries).
+    pub maglev_tables: usize,
 }
 
 /// What is programmed, and the ids in use.
@@ -219,8 +473,8 @@ pub struct Reconciler {
     /// never inherits an id that entries of a group gone a moment ago may
     /// still carry in `LB_AFFINITY` (until the sweep deletes them).
     next_affinity: u32,
-    /// Sets replaced or removed by the last `apply`: (set id, slot count).
-    retiring: Vec<(u32, u32)>,
+    /// Sets replaced, removed or left over, for `retire`.
+    retiring: Vec<Retired>,
     /// How the desired frontends of the last `apply` use each backend,
     /// which decides its flags without looking at every frontend.
     uses: HashMap<BackendAddr, BackendUse>,
@@ -230,6 +484,10 @@ pub struct Reconciler {
     /// Backends may be left that no slot points at (adopted maps, a failed
     /// write) besides those of `retiring`'s sets: `retire` looks for them.
     stray_backends: bool,
+    /// Desired frontends and VIP markers not programmed as desired.
+    unprogrammed: BTreeMap<Target, Unprogrammed>,
+    /// A retire deleted published sets since the last apply.
+    room_made: bool,
 }
 
 /// How many frontends use a backend, as local and as terminating.
@@ -355,6 +613,22 @@ fn service_value(
     }
 }
 
+/// The entries of `map` whose frontend is on `addr` in `scope`.
+fn frontends_at<V>(
+    map: &BTreeMap<Frontend, V>,
+    addr: IpAddr,
+    scope: Scope,
+) -> impl Iterator<Item = (&Frontend, &V)> {
+    let at = |port, protocol, scope| Frontend {
+        addr,
+        port,
+        protocol,
+        scope,
+    };
+    map.range(at(0, Protocol::Tcp, Scope::Internal)..=at(u16::MAX, Protocol::Udp, Scope::External))
+        .filter(move |(f, _)| f.scope == scope)
+}
+
 impl Reconciler {
     pub fn new(maglev_size: u16) -> Self {
         Self {
@@ -374,26 +648,41 @@ impl Reconciler {
             uses: HashMap::new(),
             needs_full: true,
             stray_backends: false,
+            unprogrammed: BTreeMap::new(),
+            room_made: false,
         }
     }
 
     /// Rebuilds what is programmed from the pinned maps of an earlier run,
     /// so that the first `apply` writes only what differs. Entries that do
     /// not hold together (a slot or backend missing) are adopted with no
-    /// slots, which forces a rewrite; orphaned sets are retired.
+    /// slots, and those whose Maglev table is missing or where none belongs
+    /// (maps of a version that kept the tables in `LB_SLOTS`) as they are:
+    /// either way the first apply rewrites them. Orphaned sets and tables
+    /// are retired, every slot key of a set with it. `maglev_sets`: the keys of
+    /// `LB_MAGLEV` (an adopted table's content is checked when a desired
+    /// state is first compared with it).
     pub fn adopt(
         maglev_size: u16,
         services: impl IntoIterator<Item = (ServiceKey, ServiceValue)>,
         slots: impl IntoIterator<Item = (BackendSlotKey, BackendSlot)>,
         backends: impl IntoIterator<Item = (BackendId, Backend)>,
+        maglev_sets: impl IntoIterator<Item = u32>,
     ) -> Self {
         let mut r = Self::new(maglev_size);
         // Backends of an earlier run that nothing points at any more.
         r.stray_backends = true;
         let slots: BTreeMap<BackendSlotKey, u32> =
             slots.into_iter().map(|(k, v)| (k, v.backend_id)).collect();
+        let tables: BTreeSet<u32> = maglev_sets.into_iter().collect();
+        // How many slot keys each set spans, to delete them all in time.
+        let mut spans: BTreeMap<u32, u32> = BTreeMap::new();
+        for key in slots.keys() {
+            let span = spans.entry(key.backend_set).or_default();
+            *span = (*span).max(key.slot + 1);
+        }
         for (id, value) in backends {
-            let Some(protocol) = crate::semantics::model::Protocol::from_number(value.proto) else {
+            let Some(protocol) = Protocol::from_number(value.proto) else {
                 continue;
             };
             let addr = BackendAddr {
@@ -415,10 +704,10 @@ impl Reconciler {
                 r.vips.insert((addr, scope));
                 continue;
             }
-            let Some(protocol) = crate::semantics::model::Protocol::from_number(key.proto) else {
+            let Some(protocol) = Protocol::from_number(key.proto) else {
                 continue;
             };
-            let len = value.active as u32 + value.terminating as u32 + value.maglev_size as u32;
+            let len = value.active as u32 + value.terminating as u32;
             let found: Option<Vec<u32>> = (0..len)
                 .map(|slot| {
                     slots
@@ -430,6 +719,10 @@ impl Reconciler {
                         .filter(|id| backend_ids.contains(id))
                 })
                 .collect();
+            // A table missing where the value has one (maps of a version
+            // that kept tables in `LB_SLOTS`), or one where it has none, is
+            // never reused (see `plan_frontend`): the frontend is rewritten.
+            let has_table = tables.contains(&value.backend_set);
             let frontend = Frontend {
                 addr,
                 port: key.port,
@@ -452,36 +745,46 @@ impl Reconciler {
                     // Empty never equals a desired set, so a broken entry is rewritten.
                     slots: found.unwrap_or_default(),
                     stopped: Vec::new(),
+                    slot_span: spans.get(&value.backend_set).copied().unwrap_or(0),
+                    has_table,
                 },
             );
         }
         // Sets nothing points at: left by a crash between write and retire.
-        let mut orphans: BTreeMap<u32, u32> = BTreeMap::new();
-        for key in slots.keys() {
-            if !r.used_sets.contains(&key.backend_set) {
-                let len = orphans.entry(key.backend_set).or_default();
-                *len = (*len).max(key.slot + 1);
-            }
-        }
-        r.retiring.extend(orphans);
+        let orphans: BTreeSet<u32> = spans
+            .keys()
+            .chain(&tables)
+            .filter(|set| !r.used_sets.contains(set))
+            .copied()
+            .collect();
+        r.retiring.extend(orphans.into_iter().map(|set| Retired {
+            set,
+            slots: spans.get(&set).copied().unwrap_or(0),
+            table: tables.contains(&set),
+            published: false,
+        }));
         r.next_set = r
             .used_sets
             .iter()
-            .next_back()
+            .chain(r.retiring.iter().map(|x| &x.set))
+            .max()
             .map_or(1, |s| s.wrapping_add(1).max(1));
         r
     }
 
-    /// Entries in use: (frontends, VIP markers, backends, slots).
-    pub fn usage(&self) -> (usize, usize, usize, usize) {
-        let live: usize = self.frontends.values().map(|p| p.slots.len()).sum();
-        let retiring: usize = self.retiring.iter().map(|(_, n)| *n as usize).sum();
-        (
-            self.frontends.len(),
-            self.vips.len(),
-            self.backends.len(),
-            live + retiring,
-        )
+    /// Entries in use, per map.
+    pub fn usage(&self) -> Usage {
+        let live: usize = self.frontends.values().map(|p| p.slot_span as usize).sum();
+        let retiring: usize = self.retiring.iter().map(|r| r.slots as usize).sum();
+        let tables = self.frontends.values().filter(|p| p.has_table).count()
+            + self.retiring.iter().filter(|r| r.table).count();
+        Usage {
+            frontends: self.frontends.len(),
+            vips: self.vips.len(),
+            backends: self.backends.len(),
+            slots: live + retiring,
+            maglev_tables: tables,
+        }
     }
 
     pub fn frontend_count(&self) -> usize {
@@ -490,6 +793,18 @@ impl Reconciler {
 
     pub fn backend_count(&self) -> usize {
         self.backends.len()
+    }
+
+    /// Desired frontends and VIP markers that the last apply could not
+    /// program as desired.
+    pub fn unprogrammed(&self) -> impl Iterator<Item = &Unprogrammed> {
+        self.unprogrammed.values()
+    }
+
+    /// Whether a retire freed entries of published sets while frontends
+    /// wait for room: a sync now may program them. Reading it resets it.
+    pub fn room_made(&mut self) -> bool {
+        std::mem::take(&mut self.room_made) && !self.unprogrammed.is_empty()
     }
 
     fn alloc_set(&mut self) -> u32 {
@@ -533,6 +848,11 @@ impl Reconciler {
         ops: &mut impl MapOps,
     ) -> SyncReport {
         let mut report = SyncReport::default();
+        // Failures of what is no longer wanted are moot.
+        self.unprogrammed.retain(|target, _| match target {
+            Target::Frontend(f) => desired.frontends.contains_key(f),
+            Target::Vip(addr, scope) => desired.vips.contains(&(*addr, *scope)),
+        });
 
         // The flags each backend should carry, merged over every frontend
         // that uses it; with `touched`, only those whose use changed.
@@ -564,171 +884,8 @@ impl Reconciler {
             }
         };
 
-        // 1. Backends first, so that no slot ever points at a missing one.
-        // New ids are reserved now and given back if their write fails.
-        let mut pending: Vec<(BackendAddr, u32, Backend, bool)> = Vec::new();
-        for (addr, value) in wanted {
-            match self.backends.get(&addr) {
-                Some(b) if b.value == value => {}
-                Some(b) => pending.push((addr, b.id, value, false)),
-                None => {
-                    let id = self.used_backend_ids.lowest_free();
-                    self.used_backend_ids.insert(id);
-                    pending.push((addr, id, value, true));
-                }
-            }
-        }
-        let items: Vec<(BackendId, Backend)> = pending
-            .iter()
-            .map(|(_, id, v, _)| (BackendId { id: *id }, *v))
-            .collect();
-        let written = batch_then_each(ops, &items, MapOps::put_backends, MapOps::put_backend);
-        for ((addr, id, value, fresh), written) in pending.into_iter().zip(written) {
-            match written {
-                Ok(()) => {
-                    self.backends.insert(addr, ProgrammedBackend { id, value });
-                    report.backends_written += 1;
-                }
-                Err(source) => {
-                    if fresh {
-                        self.used_backend_ids.remove(&id);
-                    }
-                    report.errors.push(
-                        MapWriteError {
-                            what: format!("backend {addr}"),
-                            source,
-                        }
-                        .to_string(),
-                    );
-                }
-            }
-        }
-
-        // 2. Frontends whose backends or options changed: first every slot
-        // of every new backend set, then the ServiceValues that publish
-        // them, so that no ServiceValue ever names a set not fully written.
-        let mut plans = Vec::new();
-        let candidates: Box<dyn Iterator<Item = (&Frontend, &FrontendState)>> = match touched {
-            None => Box::new(desired.frontends.iter()),
-            Some(touched) => Box::new(
-                touched
-                    .iter()
-                    .filter_map(|f| desired.frontends.get_key_value(f)),
-            ),
-        };
-        for (frontend, state) in candidates {
-            if let Some(p) = self.frontends.get(frontend) {
-                if p.state.as_ref() == Some(state) {
-                    continue;
-                }
-            }
-            match self.plan_frontend(frontend, state) {
-                Ok(plan) => plans.push(plan),
-                Err(e) => report.errors.push(e.to_string()),
-            }
-        }
-        let slot_items: Vec<(BackendSlotKey, BackendSlot)> = plans
-            .iter()
-            .filter(|p| p.fresh_set)
-            .flat_map(|p| p.slot_items())
-            .collect();
-        let batched = match ops.put_slots(&slot_items) {
-            Ok(()) => slot_items.len(),
-            Err((written, _)) => written,
-        };
-        let mut offset = 0;
-        let mut ready = Vec::with_capacity(plans.len());
-        for plan in plans {
-            if plan.fresh_set {
-                let end = offset + plan.slots.len();
-                offset = end;
-                if end > batched {
-                    // Not all written by the batch: slot by slot.
-                    if let Err(e) = self.write_slots(&plan, ops) {
-                        self.abandon(&plan);
-                        report.errors.push(e.to_string());
-                        continue;
-                    }
-                }
-            }
-            ready.push(plan);
-        }
-        let service_items: Vec<(ServiceKey, ServiceValue)> = ready
-            .iter()
-            .filter(|p| !p.adopt_only)
-            .map(|p| (service_key(&p.frontend), p.value))
-            .collect();
-        let mut written = batch_then_each(
-            ops,
-            &service_items,
-            MapOps::put_services,
-            MapOps::put_service,
-        )
-        .into_iter();
-        for plan in ready {
-            if plan.adopt_only {
-                let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
-                adopted.stopped =
-                    self.note_udp_change(&plan.frontend, Some(&adopted), &plan.state, &mut report);
-                adopted.state = Some(plan.state.clone());
-                self.frontends.insert(plan.frontend, adopted);
-                report.frontends_adopted += 1;
-                continue;
-            }
-            let written = written.next().expect("one result per written plan");
-            if let Err(source) = written {
-                if plan.fresh_set {
-                    self.retiring.push((plan.set, plan.slots.len() as u32));
-                }
-                if plan.fresh_id {
-                    self.used_service_ids.remove(&plan.id);
-                }
-                report.errors.push(
-                    MapWriteError {
-                        what: format!("frontend {} ({})", plan.frontend, plan.state.service),
-                        source,
-                    }
-                    .to_string(),
-                );
-                continue;
-            }
-            self.commit(plan, &mut report);
-        }
-
-        // 3. VIP markers: add before removing frontends so a VIP never
-        // flickers to "unknown" while its ports change.
-        let new_vips: Vec<(IpAddr, Scope)> = desired.vips.difference(&self.vips).copied().collect();
-        let marker = ServiceValue {
-            id: 0,
-            backend_set: 0,
-            active: 0,
-            terminating: 0,
-            flags: service_flags::WILDCARD,
-            maglev_size: 0,
-            affinity_timeout: 0,
-            affinity_id: 0,
-        };
-        let vip_items: Vec<(ServiceKey, ServiceValue)> = new_vips
-            .iter()
-            .map(|(addr, scope)| (vip_key(*addr, *scope), marker))
-            .collect();
-        let written = batch_then_each(ops, &vip_items, MapOps::put_services, MapOps::put_service);
-        for ((addr, scope), written) in new_vips.into_iter().zip(written) {
-            match written {
-                Ok(()) => {
-                    self.vips.insert((addr, scope));
-                }
-                Err(source) => report.errors.push(
-                    MapWriteError {
-                        what: format!("VIP {addr}"),
-                        source,
-                    }
-                    .to_string(),
-                ),
-            }
-        }
-
-        // 4. Frontends no longer wanted.
+        // 1. Frontends no longer wanted go first: their entries make room
+        // for new ones within this apply (their sets retire later).
         let stale: Vec<Frontend> = match touched {
             None => self
                 .frontends
@@ -759,11 +916,236 @@ impl Reconciler {
                     let p = self.frontends.remove(&frontend).expect("listed above");
                     self.used_service_ids.remove(&p.id);
                     self.count_affinity(p.value.affinity_id, false);
-                    self.retiring.push((p.backend_set, p.slots.len() as u32));
+                    self.retire_set(&p);
                     report.frontends_removed += 1;
                 }
             }
         }
+
+        // 2. Backends, so that no slot ever points at a missing one.
+        // New ids are reserved now and given back if their write fails.
+        let mut pending: Vec<(BackendAddr, u32, Backend, bool)> = Vec::new();
+        for (addr, value) in wanted {
+            match self.backends.get(&addr) {
+                Some(b) if b.value == value => {}
+                Some(b) => pending.push((addr, b.id, value, false)),
+                None => {
+                    let id = self.used_backend_ids.lowest_free();
+                    self.used_backend_ids.insert(id);
+                    pending.push((addr, id, value, true));
+                }
+            }
+        }
+        let items: Vec<(BackendId, Backend)> = pending
+            .iter()
+            .map(|(_, id, v, _)| (BackendId { id: *id }, *v))
+            .collect();
+        let written = batch_then_each(ops, &items, MapOps::put_backends, MapOps::put_backend);
+        // Why each backend that could not be written failed, for the
+        // frontends that need it.
+        let mut backend_errors: HashMap<BackendAddr, i32> = HashMap::new();
+        for ((addr, id, value, fresh), written) in pending.into_iter().zip(written) {
+            match written {
+                Ok(()) => {
+                    self.backends.insert(addr, ProgrammedBackend { id, value });
+                    report.backends_written += 1;
+                }
+                Err(source) => {
+                    if fresh {
+                        self.used_backend_ids.remove(&id);
+                    }
+                    backend_errors.insert(addr, source.raw_os_error().unwrap_or(libc::EIO));
+                    report.errors.push(
+                        MapWriteError {
+                            what: format!("backend {addr}"),
+                            source,
+                        }
+                        .to_string(),
+                    );
+                }
+            }
+        }
+
+        // 3. Frontends whose backends or options changed: first every slot
+        // of every new backend set, then every new Maglev table, then the
+        // ServiceValues that publish them, so that no ServiceValue ever
+        // names a set or table not fully written.
+        let mut plans = Vec::new();
+        let candidates: Box<dyn Iterator<Item = (&Frontend, &FrontendState)>> = match touched {
+            None => Box::new(desired.frontends.iter()),
+            Some(touched) => Box::new(
+                touched
+                    .iter()
+                    .filter_map(|f| desired.frontends.get_key_value(f)),
+            ),
+        };
+        for (frontend, state) in candidates {
+            if let Some(p) = self.frontends.get(frontend) {
+                if p.state.as_ref() == Some(state) {
+                    // Programmed as desired: a change that failed was
+                    // taken back.
+                    if !self.unprogrammed.is_empty() {
+                        self.unprogrammed.remove(&Target::Frontend(*frontend));
+                    }
+                    continue;
+                }
+            }
+            match self.plan_frontend(frontend, state, &backend_errors, ops) {
+                Ok(plan) => plans.push(plan),
+                Err(failure) => self.fail(failure, &mut report),
+            }
+        }
+        let slot_items: Vec<(BackendSlotKey, BackendSlot)> = plans
+            .iter()
+            .filter(|p| p.fresh_set)
+            .flat_map(|p| p.slot_items())
+            .collect();
+        let batched = match ops.put_slots(&slot_items) {
+            Ok(()) => slot_items.len(),
+            Err((written, _)) => written,
+        };
+        let mut offset = 0;
+        let mut with_slots = Vec::with_capacity(plans.len());
+        for plan in plans {
+            if plan.fresh_set {
+                let end = offset + plan.slots.len();
+                offset = end;
+                if end > batched {
+                    // Not all written by the batch: slot by slot.
+                    if let Err(e) = Self::write_slots(&plan, ops) {
+                        self.undo(&plan, Written::Nothing);
+                        self.fail(plan.failure(unprogrammed_map::SLOTS, &e), &mut report);
+                        continue;
+                    }
+                }
+            }
+            with_slots.push(plan);
+        }
+        let (mut ready, tabled): (Vec<Plan>, Vec<Plan>) = with_slots
+            .into_iter()
+            .partition(|p| !(p.fresh_set && p.has_table()));
+        // Built and written a chunk at a time: a table is 4 bytes a
+        // position here too, and each is an open file until it is in.
+        let mut tabled = tabled.into_iter().peekable();
+        while tabled.peek().is_some() {
+            let chunk: Vec<Plan> = tabled.by_ref().take(MAGLEV_CHUNK).collect();
+            let tables: Vec<(u32, Vec<u32>)> = chunk.iter().map(|p| (p.set, p.table())).collect();
+            let written = ops.put_maglevs(&tables);
+            drop(tables);
+            for (plan, written) in chunk.into_iter().zip(written) {
+                match written {
+                    Ok(()) => ready.push(plan),
+                    Err(e) => {
+                        let (map, e) = match e {
+                            MaglevWriteError::Table(e) => (unprogrammed_map::MAGLEV_TABLE, e),
+                            MaglevWriteError::Insert(e) => (unprogrammed_map::MAGLEV, e),
+                        };
+                        self.undo(&plan, Written::Slots);
+                        self.fail(plan.failure(map, &e), &mut report);
+                    }
+                }
+            }
+        }
+        let service_items: Vec<(ServiceKey, ServiceValue)> = ready
+            .iter()
+            .filter(|p| !p.adopt_only)
+            .map(|p| (service_key(&p.frontend), p.value))
+            .collect();
+        let mut written = batch_then_each(
+            ops,
+            &service_items,
+            MapOps::put_services,
+            MapOps::put_service,
+        )
+        .into_iter();
+        for plan in ready {
+            if plan.adopt_only {
+                let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
+                adopted.stopped =
+                    self.note_udp_change(&plan.frontend, Some(&adopted), &plan.state, &mut report);
+                adopted.state = Some(plan.state.clone());
+                self.frontends.insert(plan.frontend, adopted);
+                report.frontends_adopted += 1;
+                continue;
+            }
+            let written = written.next().expect("one result per written plan");
+            if let Err(e) = written {
+                let left = if plan.has_table() {
+                    Written::SlotsAndTable
+                } else {
+                    Written::Slots
+                };
+                self.undo(&plan, left);
+                self.fail(plan.failure(unprogrammed_map::SERVICES, &e), &mut report);
+                continue;
+            }
+            self.commit(plan, &mut report);
+        }
+
+        // 4. VIP markers, before stale ones go, so a VIP never flickers to
+        // "unknown" while its ports change. A marker without a programmed
+        // frontend of its own would make a Service that did not fit refuse
+        // on every port: it waits until one of its frontends is in.
+        type Vips = Vec<(IpAddr, Scope)>;
+        let (new_vips, held): (Vips, Vips) =
+            desired
+                .vips
+                .difference(&self.vips)
+                .partition(|(addr, scope)| {
+                    frontends_at(&desired.frontends, *addr, *scope)
+                        .next()
+                        .is_none()
+                        || frontends_at(&self.frontends, *addr, *scope)
+                            .next()
+                            .is_some()
+                });
+        // Not wanted yet, so not failed either.
+        for (addr, scope) in held {
+            self.unprogrammed.remove(&Target::Vip(addr, scope));
+        }
+        let marker = ServiceValue {
+            id: 0,
+            backend_set: 0,
+            active: 0,
+            terminating: 0,
+            flags: service_flags::WILDCARD,
+            maglev_size: 0,
+            affinity_timeout: 0,
+            affinity_id: 0,
+        };
+        let vip_items: Vec<(ServiceKey, ServiceValue)> = new_vips
+            .iter()
+            .map(|(addr, scope)| (vip_key(*addr, *scope), marker))
+            .collect();
+        let written = batch_then_each(ops, &vip_items, MapOps::put_services, MapOps::put_service);
+        for ((addr, scope), written) in new_vips.into_iter().zip(written) {
+            match written {
+                Ok(()) => {
+                    self.vips.insert((addr, scope));
+                    self.unprogrammed.remove(&Target::Vip(addr, scope));
+                }
+                Err(source) => {
+                    let service = frontends_at(&desired.frontends, addr, scope)
+                        .next()
+                        .map(|(_, s)| s.service.clone())
+                        .unwrap_or_else(|| ServiceName {
+                            namespace: String::new(),
+                            name: String::new(),
+                        });
+                    let failure = Unprogrammed {
+                        target: Target::Vip(addr, scope),
+                        service,
+                        port_name: String::new(),
+                        map: unprogrammed_map::SERVICES,
+                        errno: source.raw_os_error().unwrap_or(libc::EIO),
+                        kept: false,
+                    };
+                    self.fail(failure, &mut report);
+                }
+            }
+        }
+
+        // 5. VIP markers no longer wanted.
         let stale_vips: Vec<(IpAddr, Scope)> =
             self.vips.difference(&desired.vips).copied().collect();
         for (addr, scope) in stale_vips {
@@ -772,9 +1154,16 @@ impl Reconciler {
             self.vips.remove(&(addr, scope));
         }
         self.release_affinity_groups();
-        self.needs_full = !report.errors.is_empty();
+        self.needs_full = !report.errors.is_empty() || !self.unprogrammed.is_empty();
         self.stray_backends |= self.needs_full;
         report
+    }
+
+    /// Records a failure: in the report, and as unprogrammed until an apply
+    /// programs its frontend.
+    fn fail(&mut self, failure: Unprogrammed, report: &mut SyncReport) {
+        report.errors.push(failure.to_string());
+        self.unprogrammed.insert(failure.target, failure);
     }
 
     /// One more (`add`) or one fewer programmed frontend carries `id`.
@@ -878,44 +1267,56 @@ impl Reconciler {
     }
 
     /// Works out how `frontend` is to be programmed, reserving a service id
-    /// and a backend set when it needs new ones; nothing is written.
+    /// and a backend set when it needs new ones; nothing is written (an
+    /// adopted Maglev table is read, to check it). `backend_errors`: why
+    /// the backends that could not be written failed.
     fn plan_frontend(
         &mut self,
         frontend: &Frontend,
         state: &FrontendState,
-    ) -> Result<Plan, MapWriteError> {
+        backend_errors: &HashMap<BackendAddr, i32>,
+        ops: &mut impl MapOps,
+    ) -> Result<Plan, Unprogrammed> {
+        let previous = self.frontends.get(frontend).cloned();
         let mut slots = Vec::with_capacity(state.active.len() + state.terminating.len());
         for r in state.active.iter().chain(&state.terminating) {
             match self.backends.get(&r.backend) {
                 Some(b) => slots.push(b.id),
                 None => {
-                    return Err(MapWriteError {
-                        what: format!("frontend {frontend} ({})", state.service),
-                        source: std::io::Error::other(format!(
-                            "backend {} could not be written",
-                            r.backend
-                        )),
-                    })
+                    let errno = backend_errors.get(&r.backend).copied().unwrap_or(libc::EIO);
+                    return Err(unprogrammed(
+                        frontend,
+                        state,
+                        unprogrammed_map::BACKENDS,
+                        &std::io::Error::from_raw_os_error(errno),
+                        previous.is_some(),
+                    ));
                 }
             }
         }
-        // A Maglev frontend's table follows its backend slots (see
-        // `lb_common::ServiceValue`); it covers the active backends only.
+        // A Maglev frontend's table covers its active backends (see
+        // `lb_common::ServiceValue`).
         let maglev_size = if state.algorithm == Algorithm::Maglev && !state.active.is_empty() {
-            let names: Vec<String> = state.active.iter().map(|r| r.backend.to_string()).collect();
-            let active_ids = slots[..state.active.len()].to_vec();
-            slots.extend(
-                crate::semantics::maglev::build(&names, self.maglev_size)
-                    .into_iter()
-                    .map(|i| active_ids[i as usize]),
-            );
             self.maglev_size
         } else {
             0
         };
-        let previous = self.frontends.get(frontend).cloned();
-        // Options alone changed: the set can stay.
-        let reuse = previous.as_ref().filter(|p| p.slots == slots);
+        // Options alone changed: the set (and table) can stay. A table is
+        // a function of the active backends and its size, so one this
+        // process wrote is known; an adopted one is read and compared.
+        let reuse = previous.as_ref().filter(|p| {
+            p.slots == slots
+                && p.value.maglev_size == maglev_size
+                && p.has_table == (maglev_size > 0)
+                && (maglev_size == 0
+                    || p.value.active as usize == state.active.len()
+                        && (p.state.is_some()
+                            || ops
+                                .get_maglev(p.backend_set, maglev_size)
+                                .is_ok_and(|table| {
+                                    table == maglev_table(state, &slots, maglev_size)
+                                })))
+        });
         let (id, fresh_id, set, fresh_set) = match (reuse, &previous) {
             (Some(p), _) => (p.id, false, p.backend_set, false),
             (None, Some(prev)) => (prev.id, false, self.alloc_set(), true),
@@ -949,41 +1350,56 @@ impl Reconciler {
     }
 
     /// The per-element path for one plan's slots, undoing them on failure.
-    fn write_slots(&mut self, plan: &Plan, ops: &mut impl MapOps) -> Result<(), MapWriteError> {
+    fn write_slots(plan: &Plan, ops: &mut impl MapOps) -> std::io::Result<()> {
         let items: Vec<(BackendSlotKey, BackendSlot)> = plan.slot_items().collect();
         for (slot, (key, value)) in items.iter().enumerate() {
-            if let Err(source) = ops.put_slot(*key, *value) {
+            if let Err(e) = ops.put_slot(*key, *value) {
                 for (undo, _) in &items[..slot] {
                     let _ = ops.del_slot(*undo);
                 }
-                return Err(MapWriteError {
-                    what: format!(
-                        "frontend {} ({}) slot {slot}",
-                        plan.frontend, plan.state.service
-                    ),
-                    source,
-                });
+                return Err(e);
             }
         }
         Ok(())
     }
 
-    /// Gives back what `plan_frontend` reserved for a plan that failed
-    /// before any ServiceValue named its set.
-    fn abandon(&mut self, plan: &Plan) {
+    /// Gives back what `plan_frontend` reserved for a plan whose value was
+    /// not written; what was written for its new set is retired, since
+    /// nothing names it.
+    fn undo(&mut self, plan: &Plan, written: Written) {
         if plan.fresh_set {
-            self.used_sets.remove(&plan.set);
+            match written {
+                Written::Nothing => {
+                    self.used_sets.remove(&plan.set);
+                }
+                Written::Slots | Written::SlotsAndTable => self.retiring.push(Retired {
+                    set: plan.set,
+                    slots: plan.slots.len() as u32,
+                    table: written == Written::SlotsAndTable,
+                    published: false,
+                }),
+            }
         }
         if plan.fresh_id {
             self.used_service_ids.remove(&plan.id);
         }
     }
 
+    /// Queues the set of a frontend that was replaced or removed for retire.
+    fn retire_set(&mut self, p: &Programmed) {
+        self.retiring.push(Retired {
+            set: p.backend_set,
+            slots: p.slot_span,
+            table: p.has_table,
+            published: true,
+        });
+    }
+
     /// Records a plan whose ServiceValue was written.
     fn commit(&mut self, plan: Plan, report: &mut SyncReport) {
         if let Some(p) = &plan.previous {
             if p.backend_set != plan.set {
-                self.retiring.push((p.backend_set, p.slots.len() as u32));
+                self.retire_set(p);
             }
         }
         self.used_service_ids.insert(plan.id);
@@ -993,6 +1409,13 @@ impl Reconciler {
         self.count_affinity(plan.value.affinity_id, true);
         let stopped =
             self.note_udp_change(&plan.frontend, plan.previous.as_ref(), &plan.state, report);
+        self.unprogrammed.remove(&Target::Frontend(plan.frontend));
+        let has_table = plan.has_table();
+        let slot_span = match &plan.previous {
+            // The set stayed: as many keys as it had.
+            Some(p) if p.backend_set == plan.set => p.slot_span,
+            _ => plan.slots.len() as u32,
+        };
         self.frontends.insert(
             plan.frontend,
             Programmed {
@@ -1002,6 +1425,8 @@ impl Reconciler {
                 value: plan.value,
                 slots: plan.slots,
                 stopped,
+                slot_span,
+                has_table,
             },
         );
         report.frontends_written += 1;
@@ -1091,25 +1516,37 @@ impl Reconciler {
             .collect()
     }
 
-    /// Deletes replaced sets and unreferenced backends. Run it a moment after
-    /// `apply`, once no program can still hold the old `ServiceValue`.
+    /// Deletes replaced sets (their slots and tables) and unreferenced
+    /// backends. Run it a moment after `apply`, once no program can still
+    /// hold the old `ServiceValue`.
     pub fn retire(&mut self, ops: &mut impl MapOps) -> Vec<String> {
         let mut errors = Vec::new();
         let retiring = std::mem::take(&mut self.retiring);
         let keys: Vec<BackendSlotKey> = retiring
             .iter()
-            .flat_map(|&(set, len)| {
-                (0..len).map(move |slot| BackendSlotKey {
-                    backend_set: set,
+            .flat_map(|r| {
+                (0..r.slots).map(move |slot| BackendSlotKey {
+                    backend_set: r.set,
                     slot,
                 })
             })
             .collect();
         // A slot already gone is what we want.
         ops.del_slots(&keys);
-        for (set, _) in retiring {
-            self.used_sets.remove(&set);
+        let tables: Vec<u32> = retiring.iter().filter(|r| r.table).map(|r| r.set).collect();
+        for (set, source) in ops.del_maglevs(&tables) {
+            errors.push(
+                MapWriteError {
+                    what: format!("Maglev table of backend set {set}"),
+                    source,
+                }
+                .to_string(),
+            );
         }
+        for r in &retiring {
+            self.used_sets.remove(&r.set);
+        }
+        self.room_made |= retiring.iter().any(|r| r.published);
         let referenced = self.referenced_backends();
         let unused: Vec<BackendAddr> = self
             .backends
@@ -1151,17 +1588,38 @@ mod tests {
     use crate::semantics::model::{BackendRef, FrontendKind, Protocol, ServiceName};
 
     /// Maps as plain collections. After every single write it checks what a
-    /// concurrent connect could observe: each frontend's slots all resolve
-    /// to backends. `capacity` makes a map "full" to test failures.
+    /// concurrent connect could observe: each frontend's slots, and its
+    /// Maglev table, all resolve to backends. The capacities make a map
+    /// "full" to test failures; a table is never written in place.
     #[derive(Default)]
     struct FakeMaps {
         services: HashMap<ServiceKey, ServiceValue>,
         slots: HashMap<BackendSlotKey, BackendSlot>,
         backends: HashMap<BackendId, Backend>,
+        maglev: HashMap<u32, Vec<u32>>,
+        service_capacity: Option<usize>,
         slot_capacity: Option<usize>,
+        backend_capacity: Option<usize>,
+        maglev_capacity: Option<usize>,
+        /// `put_maglev` cannot make a table (as ENOMEM would).
+        no_table_memory: bool,
         writes: usize,
-        /// For states that are broken on purpose.
+        /// For states that are broken on purpose, and for sizes the check
+        /// after every write would make quadratic.
         unchecked: bool,
+        /// Maps of a version that kept Maglev tables in `LB_SLOTS`: a
+        /// Maglev frontend may have no table (the programs then choose at
+        /// random); one it has must be whole.
+        tables_may_be_missing: bool,
+    }
+
+    fn full(len: usize, cap: Option<usize>, present: bool) -> std::io::Result<()> {
+        match cap {
+            Some(cap) if len >= cap && !present => {
+                Err(std::io::Error::from_raw_os_error(libc::E2BIG))
+            }
+            _ => Ok(()),
+        }
     }
 
     impl FakeMaps {
@@ -1196,6 +1654,20 @@ mod tests {
                         s.backend_id
                     );
                 }
+                if lb_common::select::uses_maglev(v) {
+                    let table = match self.maglev.get(&v.backend_set) {
+                        Some(table) => table,
+                        None if self.tables_may_be_missing => continue,
+                        None => panic!("{k:?}: Maglev table missing"),
+                    };
+                    assert_eq!(table.len(), v.maglev_size as usize, "{k:?}");
+                    for id in table {
+                        assert!(
+                            self.backends.contains_key(&BackendId { id: *id }),
+                            "{k:?}: table backend {id} missing"
+                        );
+                    }
+                }
             }
         }
 
@@ -1209,46 +1681,84 @@ mod tests {
         fn backends_of(&self, f: &Frontend) -> Vec<BackendAddr> {
             let v = self.services[&service_key(f)];
             (0..(v.active + v.terminating) as u32)
-                .map(|slot| {
-                    let b = self.backend_in(v.backend_set, slot);
-                    let addr = if lb_common::is_ipv4_mapped(&b.addr) {
-                        IpAddr::from([b.addr[12], b.addr[13], b.addr[14], b.addr[15]])
-                    } else {
-                        IpAddr::from(b.addr)
-                    };
-                    BackendAddr {
-                        addr,
-                        port: b.port,
-                        protocol: Protocol::from_number(b.proto).unwrap(),
-                    }
-                })
+                .map(|slot| addr_of(&self.backend_in(v.backend_set, slot)))
                 .collect()
+        }
+
+        /// The backend of each position of `f`'s Maglev table.
+        fn table_of(&self, f: &Frontend) -> Vec<BackendAddr> {
+            let v = self.services[&service_key(f)];
+            self.maglev[&v.backend_set]
+                .iter()
+                .map(|id| addr_of(&self.backends[&BackendId { id: *id }]))
+                .collect()
+        }
+    }
+
+    fn addr_of(b: &Backend) -> BackendAddr {
+        let addr = if lb_common::is_ipv4_mapped(&b.addr) {
+            IpAddr::from([b.addr[12], b.addr[13], b.addr[14], b.addr[15]])
+        } else {
+            IpAddr::from(b.addr)
+        };
+        BackendAddr {
+            addr,
+            port: b.port,
+            protocol: Protocol::from_number(b.proto).unwrap(),
         }
     }
 
     impl MapOps for FakeMaps {
         fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
+            let present = self.services.contains_key(&key);
+            full(self.services.len(), self.service_capacity, present)?;
             self.write(|m| m.services.insert(key, value))
         }
         fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
             self.write(|m| m.services.remove(&key))
         }
         fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
-            if let Some(cap) = self.slot_capacity {
-                if self.slots.len() >= cap && !self.slots.contains_key(&key) {
-                    return Err(std::io::Error::from_raw_os_error(libc::E2BIG));
-                }
-            }
+            let present = self.slots.contains_key(&key);
+            full(self.slots.len(), self.slot_capacity, present)?;
             self.write(|m| m.slots.insert(key, value))
         }
         fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
             self.write(|m| m.slots.remove(&key))
         }
         fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
+            let present = self.backends.contains_key(&id);
+            full(self.backends.len(), self.backend_capacity, present)?;
             self.write(|m| m.backends.insert(id, backend))
         }
         fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
             self.write(|m| m.backends.remove(&id))
+        }
+        fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
+            assert!(
+                !self.maglev.contains_key(&set),
+                "table {set} written in place"
+            );
+            if self.no_table_memory {
+                let e = std::io::Error::from_raw_os_error(libc::ENOMEM);
+                return Err(MaglevWriteError::Table(e));
+            }
+            full(self.maglev.len(), self.maglev_capacity, false)
+                .map_err(MaglevWriteError::Insert)?;
+            let table = table.to_vec();
+            self.write(|m| m.maglev.insert(set, table))
+                .map_err(MaglevWriteError::Insert)
+        }
+        fn del_maglev(&mut self, set: u32) -> std::io::Result<()> {
+            if !self.maglev.contains_key(&set) {
+                return Err(std::io::ErrorKind::NotFound.into());
+            }
+            self.write(|m| m.maglev.remove(&set))
+        }
+        fn get_maglev(&mut self, set: u32, _size: u16) -> std::io::Result<Vec<u32>> {
+            self.maglev
+                .get(&set)
+                .cloned()
+                .ok_or_else(|| std::io::ErrorKind::NotFound.into())
         }
     }
 
@@ -1494,29 +2004,23 @@ mod tests {
         let mut s = state("web", &backends);
         s.algorithm = Algorithm::Maglev;
         sync(&mut r, &desired(&[(web, s.clone())]), &mut m);
-        let table = |m: &FakeMaps| -> Vec<Backend> {
+        let table = |m: &FakeMaps| -> Vec<BackendAddr> {
             let v = m.services[&service_key(&web)];
             assert_eq!(v.flags & service_flags::MAGLEV, service_flags::MAGLEV);
             assert_eq!(v.maglev_size, 251);
-            (0..v.maglev_size as u32)
-                .map(|i| {
-                    let slot = lb_common::select::maglev_slot(&v, i);
-                    let id = m.slots[&BackendSlotKey {
-                        backend_set: v.backend_set,
-                        slot,
-                    }]
-                        .backend_id;
-                    m.backends[&BackendId { id }]
-                })
-                .collect()
+            m.table_of(&web)
         };
         let before = table(&m);
+        assert_eq!(before.len(), 251);
         s.active.remove(2);
         sync(&mut r, &desired(&[(web, s)]), &mut m);
         let after = table(&m);
         let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
         assert!(moved < 251 * 2 / 5, "{moved} of 251 positions moved");
-        assert_eq!(m.slots.len(), 4 + 251);
+        // The table lives apart: the slots hold the backends alone, and
+        // the replaced table is gone with its set.
+        assert_eq!(m.slots.len(), 4);
+        assert_eq!(m.maglev.len(), 1);
     }
 
     fn adopt_from(m: &FakeMaps) -> Reconciler {
@@ -1525,6 +2029,7 @@ mod tests {
             m.services.iter().map(|(k, v)| (*k, *v)),
             m.slots.iter().map(|(k, v)| (*k, *v)),
             m.backends.iter().map(|(k, v)| (*k, *v)),
+            m.maglev.keys().copied(),
         )
     }
 
@@ -1956,6 +2461,15 @@ mod tests {
         fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
             self.inner.del_backend(id)
         }
+        fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
+            self.inner.put_maglev(set, table)
+        }
+        fn del_maglev(&mut self, set: u32) -> std::io::Result<()> {
+            self.inner.del_maglev(set)
+        }
+        fn get_maglev(&mut self, set: u32, size: u16) -> std::io::Result<Vec<u32>> {
+            self.inner.get_maglev(set, size)
+        }
         fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> BatchResult {
             self.batch(items, FakeMaps::put_backend)
         }
@@ -2010,17 +2524,21 @@ mod tests {
     /// The maps as a connect sees them, without ids: per frontend key its
     /// value's counts and flags and the backends its slots resolve to.
     fn observed(m: &FakeMaps) -> Vec<String> {
+        let show = |b: &Backend| format!("{:?}:{}:{}", &b.addr[12..], b.port, b.flags);
         let mut out: Vec<String> = m
             .services
             .iter()
             .map(|(k, v)| {
-                let len = v.active as u32 + v.terminating as u32 + v.maglev_size as u32;
-                let backends: Vec<String> = (0..len)
-                    .map(|slot| {
-                        let b = m.backend_in(v.backend_set, slot);
-                        format!("{:?}:{}:{}", &b.addr[12..], b.port, b.flags)
-                    })
+                let mut backends: Vec<String> = (0..(v.active + v.terminating) as u32)
+                    .map(|slot| show(&m.backend_in(v.backend_set, slot)))
                     .collect();
+                if lb_common::select::uses_maglev(v) {
+                    backends.extend(
+                        m.maglev[&v.backend_set]
+                            .iter()
+                            .map(|id| show(&m.backends[&BackendId { id: *id }])),
+                    );
+                }
                 format!(
                     "{:?}:{} {}/{} f{} a{} {}",
                     &k.addr[12..],
@@ -2036,6 +2554,7 @@ mod tests {
         out.sort();
         out.push(format!("backends {}", m.backends.len()));
         out.push(format!("slots {}", m.slots.len()));
+        out.push(format!("tables {}", m.maglev.len()));
         out
     }
 
@@ -2134,5 +2653,415 @@ mod tests {
         // Now in step: an empty touched set writes nothing.
         let report = r.apply_touched(&d, &BTreeSet::new(), &mut m);
         assert_eq!(report, SyncReport::default());
+    }
+
+    fn maglev(mut s: FrontendState) -> FrontendState {
+        s.algorithm = Algorithm::Maglev;
+        s
+    }
+
+    fn unprogrammed_of(r: &Reconciler) -> Vec<(Target, u32, i32, bool, String)> {
+        r.unprogrammed()
+            .map(|u| (u.target, u.map, u.errno, u.kept, u.service.to_string()))
+            .collect()
+    }
+
+    /// Each way one frontend's writes can fail, for a changed frontend and
+    /// a new one: the changed one keeps its previous state whole, nothing
+    /// of the new one is written (its VIP marker neither), nothing is left
+    /// behind once retired, the other frontends are untouched, the failure
+    /// is recorded with its Service; once there is room, the next apply
+    /// programs both.
+    #[test]
+    fn a_frontend_that_cannot_be_written_is_left_as_it_was() {
+        use lb_common::unprogrammed_map::*;
+        type Squeeze = fn(&mut FakeMaps);
+        let cases: [(&str, Squeeze, u32, i32); 5] = [
+            (
+                "LB_SERVICES full",
+                |m| m.service_capacity = Some(m.services.len()),
+                SERVICES,
+                libc::E2BIG,
+            ),
+            (
+                "LB_SLOTS full",
+                |m| m.slot_capacity = Some(m.slots.len()),
+                SLOTS,
+                libc::E2BIG,
+            ),
+            (
+                "LB_BACKENDS full",
+                |m| m.backend_capacity = Some(m.backends.len()),
+                BACKENDS,
+                libc::E2BIG,
+            ),
+            (
+                "LB_MAGLEV full",
+                |m| m.maglev_capacity = Some(m.maglev.len()),
+                MAGLEV,
+                libc::E2BIG,
+            ),
+            (
+                "no memory for a table",
+                |m| m.no_table_memory = true,
+                MAGLEV_TABLE,
+                libc::ENOMEM,
+            ),
+        ];
+        let (changed, other, new) = (
+            fe("10.96.0.10", 80),
+            fe("10.96.0.11", 80),
+            fe("10.96.0.12", 80),
+        );
+        let old = [be("10.244.1.1", 80), be("10.244.1.2", 80)];
+        let grown = [old[0], old[1], be("10.244.1.3", 80)];
+        let theirs = [be("10.244.2.1", 80), be("10.244.2.2", 80)];
+        let d1 = desired(&[
+            (changed, maglev(state("changed", &old))),
+            (other, state("other", &[be("10.244.9.9", 80)])),
+        ]);
+        let d2 = desired(&[
+            (changed, maglev(state("changed", &grown))),
+            (other, state("other", &[be("10.244.9.9", 80)])),
+            (new, maglev(state("new", &theirs))),
+        ]);
+        for (what, squeeze, map, errno) in cases {
+            let mut r = Reconciler::test();
+            let mut m = FakeMaps::default();
+            sync(&mut r, &d1, &mut m);
+            let before = observed(&m);
+            let table_before = m.table_of(&changed);
+            squeeze(&mut m);
+            let report = r.apply(&d2, &mut m);
+            assert!(r.retire(&mut m).is_empty(), "{what}");
+            // A full LB_SERVICES still takes the changed value: it
+            // replaces an entry in place.
+            let changed_fails = map != SERVICES;
+            let mut want = vec![(
+                Target::Frontend(new),
+                map,
+                errno,
+                false,
+                "default/new".into(),
+            )];
+            if changed_fails {
+                want.insert(
+                    0,
+                    (
+                        Target::Frontend(changed),
+                        map,
+                        errno,
+                        true,
+                        "default/changed".into(),
+                    ),
+                );
+                assert_eq!(observed(&m), before, "{what}: something was left");
+                assert_eq!(m.table_of(&changed), table_before, "{what}");
+            } else {
+                assert_eq!(m.backends_of(&changed), grown, "{what}");
+            }
+            assert_eq!(unprogrammed_of(&r), want, "{what}");
+            let about_services = report.errors.iter().filter(|e| e.starts_with("Service "));
+            assert_eq!(
+                about_services.count(),
+                want.len(),
+                "{what}: {:?}",
+                report.errors
+            );
+            assert!(
+                report
+                    .errors
+                    .iter()
+                    .any(|e| e.contains("Service default/new")
+                        && e.contains("10.96.0.12:80/TCP")
+                        && e.contains(NAMES[map as usize])),
+                "{what}: {:?}",
+                report.errors
+            );
+            assert!(!m.services.contains_key(&service_key(&new)), "{what}");
+            assert!(
+                !m.services.contains_key(&vip_key(new.addr, new.scope)),
+                "{what}: the VIP marker of a Service with nothing programmed"
+            );
+            assert_eq!(m.backends_of(&other), [be("10.244.9.9", 80)], "{what}");
+            // Room again: the next apply (everything compared, as after
+            // any failure) programs both.
+            m.service_capacity = None;
+            m.slot_capacity = None;
+            m.backend_capacity = None;
+            m.maglev_capacity = None;
+            m.no_table_memory = false;
+            let report = r.apply_touched(&d2, &BTreeSet::new(), &mut m);
+            assert!(report.errors.is_empty(), "{what}: {:?}", report.errors);
+            assert!(r.retire(&mut m).is_empty());
+            assert_eq!(m.backends_of(&changed), grown, "{what}");
+            assert_eq!(m.backends_of(&new), theirs, "{what}");
+            assert_eq!(m.table_of(&new).len(), 251);
+            assert!(m.services.contains_key(&vip_key(new.addr, new.scope)));
+            assert!(unprogrammed_of(&r).is_empty(), "{what}");
+            assert_eq!(m.maglev.len(), 2, "{what}");
+        }
+    }
+
+    /// A VIP's marker is written once one frontend of it is programmed:
+    /// one port that does not fit leaves a new Service with no marker (a
+    /// marker alone would refuse it on every port); another port of it
+    /// that fits brings the marker.
+    #[test]
+    fn a_vip_marker_waits_for_a_frontend_of_its_own() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps {
+            slot_capacity: Some(1),
+            ..Default::default()
+        };
+        let big = fe("10.96.0.20", 80);
+        let many = [be("10.244.1.1", 80), be("10.244.1.2", 80)];
+        let vip = vip_key(big.addr, big.scope);
+        let report = sync(&mut r, &desired(&[(big, state("big", &many))]), &mut m);
+        assert_eq!(report.errors.len(), 1, "{report:?}");
+        assert!(m.services.is_empty(), "{:?}", m.services);
+        // A second port, without endpoints: it fits, and the VIP is live.
+        let empty = fe("10.96.0.20", 81);
+        let d = desired(&[(big, state("big", &many)), (empty, state("big", &[]))]);
+        sync(&mut r, &d, &mut m);
+        assert!(m.services.contains_key(&service_key(&empty)));
+        assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
+        assert_eq!(unprogrammed_of(&r).len(), 1);
+        // Gone from the desired state: no longer reported.
+        sync(&mut r, &desired(&[(empty, state("big", &[]))]), &mut m);
+        assert!(unprogrammed_of(&r).is_empty());
+    }
+
+    /// A change that did not fit, then taken back: programmed as desired
+    /// again, so no longer reported.
+    #[test]
+    fn a_failed_change_taken_back_is_no_longer_reported() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps {
+            slot_capacity: Some(2),
+            ..Default::default()
+        };
+        let a = fe("10.96.0.10", 80);
+        let one = desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]);
+        sync(&mut r, &one, &mut m);
+        let three: Vec<BackendAddr> = (1..=3).map(|i| be(&format!("10.244.1.{i}"), 80)).collect();
+        sync(&mut r, &desired(&[(a, state("a", &three))]), &mut m);
+        assert_eq!(unprogrammed_of(&r).len(), 1);
+        let report = sync(&mut r, &one, &mut m);
+        assert_eq!(report, SyncReport::default());
+        assert!(unprogrammed_of(&r).is_empty());
+    }
+
+    /// Frontends that go make room for those that come within one apply.
+    #[test]
+    fn removed_frontends_make_room_in_the_same_apply() {
+        let mut r = Reconciler::test();
+        // One frontend and its VIP marker.
+        let mut m = FakeMaps {
+            service_capacity: Some(2),
+            ..Default::default()
+        };
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.10", 81));
+        sync(
+            &mut r,
+            &desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]),
+            &mut m,
+        );
+        let report = sync(
+            &mut r,
+            &desired(&[(b, state("a", &[be("10.244.1.1", 80)]))]),
+            &mut m,
+        );
+        assert!(report.errors.is_empty(), "{report:?}");
+        assert_eq!(m.backends_of(&b), [be("10.244.1.1", 80)]);
+    }
+
+    /// Slots and tables are freed only by `retire`: then, and only when
+    /// what it deleted belonged to a replaced or removed frontend, it says
+    /// that a retry may fit.
+    #[test]
+    fn a_retire_that_makes_room_calls_for_a_retry() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps {
+            slot_capacity: Some(3),
+            ..Default::default()
+        };
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        let two = |n: u8| {
+            [
+                be(&format!("10.244.{n}.1"), 80),
+                be(&format!("10.244.{n}.2"), 80),
+            ]
+        };
+        sync(&mut r, &desired(&[(a, state("a", &two(1)))]), &mut m);
+        let both = desired(&[(a, state("a", &two(1))), (b, state("b", &two(2)))]);
+        let report = r.apply(&both, &mut m);
+        assert_eq!(report.errors.len(), 1, "{report:?}");
+        // Only the failed attempt's leftovers: nothing to retry for.
+        assert!(r.retire(&mut m).is_empty());
+        assert!(!r.room_made());
+        let report = r.apply(&desired(&[(b, state("b", &two(2)))]), &mut m);
+        assert_eq!(report.frontends_removed, 1);
+        assert_eq!(report.errors.len(), 1, "a's slots are not free yet");
+        assert!(r.retire(&mut m).is_empty());
+        assert!(r.room_made());
+        assert!(!r.room_made(), "said once");
+        let report = r.apply_touched(
+            &desired(&[(b, state("b", &two(2)))]),
+            &BTreeSet::new(),
+            &mut m,
+        );
+        assert!(report.errors.is_empty(), "{report:?}");
+        assert_eq!(m.backends_of(&b), two(2));
+    }
+
+    /// A restarted agent adopts the pinned Maglev tables after reading
+    /// each back: unchanged ones cost no write, a table that differs from
+    /// the one wanted (another table size, an older algorithm, a damaged
+    /// map) is replaced.
+    #[test]
+    fn adopted_maglev_tables_are_checked() {
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        let d = desired(&[
+            (
+                a,
+                maglev(state("a", &[be("10.244.1.1", 80), be("10.244.1.2", 80)])),
+            ),
+            (
+                b,
+                maglev(state("b", &[be("10.244.2.1", 80), be("10.244.2.2", 80)])),
+            ),
+        ]);
+        sync(&mut Reconciler::test(), &d, &mut m);
+        let want = observed(&m);
+        let mut r = adopt_from(&m);
+        let writes = m.writes;
+        let report = sync(&mut r, &d, &mut m);
+        assert_eq!((report.frontends_adopted, report.frontends_written), (2, 0));
+        assert_eq!(m.writes, writes);
+        // Damage `b`'s table: two positions swapped.
+        let set = m.services[&service_key(&b)].backend_set;
+        let table = m.maglev.get_mut(&set).unwrap();
+        let i = table.iter().position(|id| *id != table[0]).unwrap();
+        table.swap(0, i);
+        let mut r = adopt_from(&m);
+        let report = sync(&mut r, &d, &mut m);
+        assert_eq!((report.frontends_adopted, report.frontends_written), (1, 1));
+        assert_eq!(observed(&m), want);
+    }
+
+    /// Maps of a version that kept each Maglev table in `LB_SLOTS` (after
+    /// the backend slots, no `LB_MAGLEV`): the first apply moves each
+    /// table into `LB_MAGLEV` under a fresh set, and the retire deletes
+    /// every old slot; the other frontends are adopted as they are.
+    #[test]
+    fn maps_that_kept_tables_in_the_slots_are_upgraded() {
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        let d = desired(&[
+            (
+                a,
+                maglev(state("a", &[be("10.244.1.1", 80), be("10.244.1.2", 80)])),
+            ),
+            (b, state("b", &[be("10.244.2.1", 80)])),
+        ]);
+        sync(&mut Reconciler::test(), &d, &mut m);
+        let want = observed(&m);
+        // Into the old layout.
+        m.unchecked = true;
+        let v = m.services[&service_key(&a)];
+        for (i, id) in m
+            .maglev
+            .remove(&v.backend_set)
+            .unwrap()
+            .into_iter()
+            .enumerate()
+        {
+            let key = BackendSlotKey {
+                backend_set: v.backend_set,
+                slot: (v.active + v.terminating) as u32 + i as u32,
+            };
+            m.slots.insert(key, BackendSlot { backend_id: id });
+        }
+        assert_eq!(m.slots.len(), 3 + 251);
+        m.unchecked = false;
+        m.tables_may_be_missing = true;
+        let mut r = adopt_from(&m);
+        let report = sync(&mut r, &d, &mut m);
+        assert_eq!((report.frontends_adopted, report.frontends_written), (1, 1));
+        assert_eq!(observed(&m), want);
+        assert_eq!(m.slots.len(), 3);
+        m.tables_may_be_missing = false;
+        m.check();
+    }
+
+    /// 10 000 Maglev Services (one port, three endpoints each) fit the
+    /// default capacities, and so does replacing every one of their
+    /// tables in one sync (old and new coexist until the retire). The
+    /// table size does not change how many entries any map needs, so a
+    /// small one keeps the test quick; at the default 16 381 positions the
+    /// tables take 10 000 × 16 381 × 4 B ≈ 625 MiB of kernel memory.
+    #[test]
+    fn ten_thousand_maglev_services_fit_at_default_capacities() {
+        use lb_common::capacity;
+        let mut m = FakeMaps {
+            service_capacity: Some(capacity::SERVICES as usize),
+            slot_capacity: Some(capacity::SLOTS as usize),
+            backend_capacity: Some(capacity::BACKENDS as usize),
+            maglev_capacity: Some(capacity::MAGLEV as usize),
+            // The check after every write would be quadratic here.
+            unchecked: true,
+            ..Default::default()
+        };
+        let services = |generation: u16| -> DesiredState {
+            let entries: Vec<(Frontend, FrontendState)> = (0..10_000u32)
+                .map(|i| {
+                    let vip = format!("10.96.{}.{}", i / 250, i % 250 + 1);
+                    let pods: Vec<BackendAddr> = (0..3u32)
+                        .map(|j| {
+                            let n = i * 3 + j;
+                            let pod =
+                                format!("10.{}.{}.{}", 100 + n / 65_536, n / 256 % 256, n % 256);
+                            be(&pod, 8080 + generation)
+                        })
+                        .collect();
+                    (fe(&vip, 80), maglev(state(&format!("s{i}"), &pods)))
+                })
+                .collect();
+            desired(&entries)
+        };
+        let mut r = Reconciler::test();
+        let report = r.apply(&services(0), &mut m);
+        assert!(
+            report.errors.is_empty(),
+            "{:?}",
+            &report.errors[..3.min(report.errors.len())]
+        );
+        assert_eq!(report.frontends_written, 10_000);
+        assert!(r.retire(&mut m).is_empty());
+        // Every endpoint changes at once.
+        let report = r.apply(&services(1), &mut m);
+        assert!(
+            report.errors.is_empty(),
+            "{:?}",
+            &report.errors[..3.min(report.errors.len())]
+        );
+        assert_eq!(
+            m.maglev.len(),
+            20_000,
+            "old and new tables, until the retire"
+        );
+        let usage = r.usage();
+        assert_eq!((usage.maglev_tables, usage.slots), (20_000, 60_000));
+        assert!(r.retire(&mut m).is_empty());
+        assert_eq!(
+            (m.maglev.len(), m.slots.len(), m.backends.len()),
+            (10_000, 30_000, 30_000)
+        );
+        assert_eq!(m.services.len(), 20_000, "frontends and VIP markers");
+        m.unchecked = false;
+        m.check();
+        assert!(unprogrammed_of(&r).is_empty());
     }
 }

@@ -18,6 +18,25 @@ pub const DEFAULT_TABLE_SIZE: u16 = 16381;
 const SEED_OFFSET: u64 = 0x6c62_2d6d_6167_6c76; // "lb-maglv"
 const SEED_SKIP: u64 = 0x6c62_2d73_6b69_7021; // "lb-skip!"
 
+/// The backends' indexes sorted by identity, and each one's permutation of
+/// the `m` positions in that order: (offset, skip). Sorting makes the
+/// result independent of input order, so every node builds the same table
+/// from the same endpoints.
+fn permutations(backends: &[String], m: u64) -> (Vec<usize>, Vec<(u64, u64)>) {
+    let mut order: Vec<usize> = (0..backends.len()).collect();
+    order.sort_by(|&a, &b| backends[a].cmp(&backends[b]));
+    let perms = order
+        .iter()
+        .map(|&i| {
+            let name = backends[i].as_bytes();
+            let offset = xxh64(name, SEED_OFFSET) % m;
+            let skip = xxh64(name, SEED_SKIP) % (m - 1) + 1;
+            (offset, skip)
+        })
+        .collect();
+    (order, perms)
+}
+
 /// Builds the table: for each of `size` positions, the index into `backends`
 /// of the backend that owns it. `backends` are stable identities (the
 /// agent uses "addr:port"); their order does not matter. Empty input gives an
@@ -27,33 +46,34 @@ pub fn build(backends: &[String], size: u16) -> Vec<u32> {
     if backends.is_empty() || m == 0 {
         return Vec::new();
     }
-    // Sorting by identity makes the result independent of input order, so
-    // every node builds the same table from the same endpoints.
-    let mut order: Vec<usize> = (0..backends.len()).collect();
-    order.sort_by(|&a, &b| backends[a].cmp(&backends[b]));
-    let perms: Vec<(u64, u64)> = order
-        .iter()
-        .map(|&i| {
-            let name = backends[i].as_bytes();
-            let offset = xxh64(name, SEED_OFFSET) % m;
-            let skip = xxh64(name, SEED_SKIP) % (m - 1) + 1;
-            (offset, skip)
-        })
-        .collect();
-    let mut next = vec![0u64; order.len()];
-    let mut table = vec![u32::MAX; size as usize];
+    let (order, perms) = permutations(backends, m);
+    // Each backend's next preferred position, `offset + j * skip` mod m for
+    // its j-th turn, kept by addition: the walk past taken positions is
+    // M ln M steps in all, and a division per step cost most of a sync of
+    // many Maglev Services.
+    let (m, size) = (m as u32, size as usize);
+    let mut next: Vec<u32> = perms.iter().map(|&(offset, _)| offset as u32).collect();
+    let step = |pos: u32, skip: u32| {
+        let p = pos + skip;
+        if p >= m {
+            p - m
+        } else {
+            p
+        }
+    };
+    let mut table = vec![u32::MAX; size];
     let mut filled = 0usize;
     'fill: loop {
-        for (k, &(offset, skip)) in perms.iter().enumerate() {
-            let mut pos = (offset + next[k] * skip) % m;
+        for (k, &(_, skip)) in perms.iter().enumerate() {
+            let skip = skip as u32;
+            let mut pos = next[k];
             while table[pos as usize] != u32::MAX {
-                next[k] += 1;
-                pos = (offset + next[k] * skip) % m;
+                pos = step(pos, skip);
             }
             table[pos as usize] = order[k] as u32;
-            next[k] += 1;
+            next[k] = step(pos, skip);
             filled += 1;
-            if filled == size as usize {
+            if filled == size {
                 break 'fill;
             }
         }
@@ -97,6 +117,46 @@ mod tests {
             .iter()
             .map(|&c| c as f64 / table.len() as f64)
             .collect()
+    }
+
+    /// The table's walk as the paper writes it, a modulo per probe: `build`
+    /// must give exactly this (every node and agent version builds alike).
+    fn textbook(backends: &[String], size: u16) -> Vec<u32> {
+        let m = size as u64;
+        let (order, perms) = permutations(backends, m);
+        let mut next = vec![0u64; order.len()];
+        let mut table = vec![u32::MAX; size as usize];
+        let mut filled = 0;
+        'fill: loop {
+            for (k, &(offset, skip)) in perms.iter().enumerate() {
+                let mut pos = (offset + next[k] * skip) % m;
+                while table[pos as usize] != u32::MAX {
+                    next[k] += 1;
+                    pos = (offset + next[k] * skip) % m;
+                }
+                table[pos as usize] = order[k] as u32;
+                next[k] += 1;
+                filled += 1;
+                if filled == size as usize {
+                    break 'fill;
+                }
+            }
+        }
+        table
+    }
+
+    #[test]
+    fn same_table_as_the_textbook_walk() {
+        for (n, size) in [
+            (1, 251),
+            (3, 251),
+            (3, DEFAULT_TABLE_SIZE),
+            (10, 1021),
+            (100, 65521),
+        ] {
+            let all = names(n);
+            assert_eq!(build(&all, size), textbook(&all, size), "n={n} M={size}");
+        }
     }
 
     #[test]

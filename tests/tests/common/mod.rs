@@ -168,3 +168,16 @@ pub fn sockets_per_backend(on: &[String]) -> BTreeMap<&str, usize> {
     }
     m
 }
+
+/// The `written=`, `adopted=` and `removed=` fields of the first "synced"
+/// line of an agent's `log`.
+pub fn synced_counts(log: &str) -> Option<(usize, usize, usize)> {
+    let line = log.lines().find(|l| l.contains(" synced"))?;
+    let field = |k: &str| -> Option<usize> {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))?
+            .parse()
+            .ok()
+    };
+    Some((field("written")?, field("adopted")?, field("removed")?))
+}
