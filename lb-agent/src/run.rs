@@ -35,8 +35,6 @@ use crate::{
 const RETIRE_DELAY: Duration = Duration::from_millis(50);
 /// A full re-translation even without events, in case one was missed.
 const RESYNC_PERIOD: Duration = Duration::from_secs(30);
-/// How often expired affinity entries are swept; the kernel honours the
-/// timeout on its own, so this only bounds the map.
 
 fn hostname() -> anyhow::Result<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")

@@ -554,10 +554,27 @@ fn nodeport_section(o: &mut String, r: &Results) {
          four rewrites with their checksum helpers, the FIB lookup with the MTU check); an RST \
          ~0.9 µs (its window check reads the other direction). The SYN table (SYN-flood \
          resistance) and the RST check are what the TCP states of issue 10 added; before them \
-         this benchmark measured ~0.65 µs per run. The per-run figure above is higher than these \
-         test runs suggest (~1.2 µs on average); conntrack maps a third of the default size \
-         did not change it (measured), so it is not the maps' size; the rest is not explained \
-         yet (issue 13).\n",
+         this benchmark measured ~0.65 µs per run.\n\n\
+         The per-run figures above are about twice what those test runs suggest (~1.2 µs on \
+         average), because a test run finds the maps in the CPU's caches and real traffic does \
+         not. `cost_with_cold_caches` in the same file shows it (default conntrack sizes, \
+         20 000 established flows; medians with other builds running, so compare ratios): an \
+         established ACK costs ~1.0 µs in tc_ingress when one flow is sent again and again, \
+         ~1.8 µs when every flow is taken in turn (each run another bucket and entry), and \
+         ~2.6 µs when 1 MiB of memory (this machine's L2) is written between runs, as the rest \
+         of the stack does between two packets: the figure measured here. tc_egress goes the \
+         same way, ~150 ns, ~360 ns, ~580 ns (here ~480 ns). Conntrack maps a third of the \
+         default size did not change the figure (measured), since either is far larger than \
+         the caches. A CPU profile of this experiment's lb arm (`perf record -a -g -e \
+         cpu-clock`, the samples under tc_ingress) agrees: 28% the program's own instructions, \
+         15% the FIB lookup, 15% walking hash buckets (`lookup_nulls_elem_raw`, the conntrack \
+         lookups missing the cache), 14% inserting LRU entries and 6% deleting them (a SYN \
+         writes two into `LB_CT_SYN`, its SYN-ACK moves both to `LB_CONNTRACK`), 5% zeroing \
+         entries, 5% the L4 checksum helper, 5% the service, slot and backend lookups, 4% \
+         storing bytes, 2% reading the clock; in tc_egress 66% is the bucket walk of its one \
+         conntrack lookup, a miss for most packets there. What makes the tc path cheaper is \
+         therefore touching less memory per packet (fewer tables per flow, tc_egress deciding \
+         \"not ours\" before its lookup: issue 13), more than fewer instructions.\n",
     );
     if np.ours_stats.iter().any(|s| s.2 > 0) {
         o.push_str(
