@@ -83,6 +83,10 @@ pub struct AgentOpts {
     /// Return once started, without waiting for `/readyz` (for agents
     /// that are expected not to become ready).
     pub no_ready_wait: bool,
+    /// Run the agent with only these capabilities (names as in a Pod's
+    /// `securityContext.capabilities.add`, e.g. `NET_ADMIN`), through
+    /// `setpriv --bounding-set`, as a container runtime grants them.
+    pub capabilities: Option<Vec<String>>,
 }
 
 impl Default for AgentOpts {
@@ -95,6 +99,7 @@ impl Default for AgentOpts {
             extra_args: Vec::new(),
             netns: None,
             no_ready_wait: false,
+            capabilities: None,
         }
     }
 }
@@ -149,6 +154,7 @@ fn spawn(
     log_path: &Path,
     append: bool,
     netns: Option<&str>,
+    capabilities: Option<&[String]>,
 ) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -157,14 +163,26 @@ fn spawn(
         .truncate(!append)
         .open(log_path)
         .with_context(|| format!("creating {}", log_path.display()))?;
-    let mut c = match netns {
-        Some(ns) => {
-            let mut c = Command::new("nsenter");
-            c.arg(format!("--net=/run/netns/{ns}")).arg(bin);
-            c
-        }
-        None => Command::new(bin),
-    };
+    // The command line: [nsenter --net=NS] [setpriv CAPS --] lb-agent ARGS.
+    let mut argv: Vec<OsString> = Vec::new();
+    if let Some(ns) = netns {
+        argv.extend(["nsenter".into(), format!("--net=/run/netns/{ns}").into()]);
+    }
+    if let Some(caps) = capabilities {
+        let set: String = caps
+            .iter()
+            .map(|c| format!(",+{}", c.to_ascii_lowercase()))
+            .collect();
+        argv.extend([
+            "setpriv".into(),
+            format!("--bounding-set=-all{set}").into(),
+            "--inh-caps=-all".into(),
+            "--".into(),
+        ]);
+    }
+    argv.push(bin.into());
+    let mut c = Command::new(&argv[0]);
+    c.args(&argv[1..]);
     // Plain log lines in the log file.
     c.args(args).env("NO_COLOR", "1");
     let line = cmd::display(&c);
@@ -187,6 +205,7 @@ pub struct Agent {
     metrics: SocketAddr,
     log_path: PathBuf,
     netns: Option<String>,
+    capabilities: Option<Vec<String>>,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -234,7 +253,14 @@ impl Agent {
         args.extend(["--health-addr".into(), health.to_string().into()]);
         args.extend(["--metrics-bind-address".into(), metrics.to_string().into()]);
         args.extend(opts.extra_args.iter().map(OsString::from));
-        let (child, line) = spawn(&bin, &args, &log_path, false, opts.netns.as_deref())?;
+        let (child, line) = spawn(
+            &bin,
+            &args,
+            &log_path,
+            false,
+            opts.netns.as_deref(),
+            opts.capabilities.as_deref(),
+        )?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
         let (c2, p2) = (child.clone(), pin_dir.clone());
@@ -256,6 +282,7 @@ impl Agent {
             metrics,
             log_path,
             netns: opts.netns.clone(),
+            capabilities: opts.capabilities.clone(),
             pid,
             child,
             _cleanup: handle,
@@ -379,6 +406,7 @@ impl Agent {
             &self.log_path,
             true,
             self.netns.as_deref(),
+            self.capabilities.as_deref(),
         )?;
         self.pid = child.id();
         *g = Some(child);

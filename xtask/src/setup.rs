@@ -21,12 +21,22 @@ const COMMANDS: &[(&str, &str)] = &[
     ("nsenter", "util-linux"),
     // kube-proxy's rules during a migration (tests/tests/flows.rs).
     ("iptables", "iptables"),
+    // The agent with the DaemonSet's capabilities only (tests/tests/privilege.rs).
+    ("setpriv", "util-linux"),
+    // pip, for the PyPI tools below.
+    ("python3", "python3"),
 ];
+
+/// Tools from PyPI the tests use, pinned, and the command each provides.
+/// kubernetes-validate 1.35.0 is the first release with the 1.34 schemas
+/// (tests/tests/privilege.rs validates deploy/ against them, offline).
+const PYPI: &[(&str, &str)] = &[("kubernetes-validate", "kubernetes-validate==1.35.0")];
 
 pub fn setup() -> Result<()> {
     rust_src()?;
     bpf_linker()?;
     packages()?;
+    pypi()?;
     let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
     bpffs(&mounts)?;
     cgroup2(&mounts)
@@ -187,6 +197,22 @@ fn packages() -> Result<()> {
             .env("DEBIAN_FRONTEND", "noninteractive"),
         &fix,
     )
+}
+
+/// Installs what `PYPI` lists that is not on PATH, with pip.
+fn pypi() -> Result<()> {
+    for &(command, requirement) in PYPI {
+        if find_command(command).is_some() {
+            step!("{command}: found");
+            continue;
+        }
+        run(
+            &format!("installing {requirement} from PyPI"),
+            Command::new("python3").args(["-m", "pip", "install", "--quiet", requirement]),
+            &format!("run `python3 -m pip install {requirement}` by hand"),
+        )?;
+    }
+    Ok(())
 }
 
 /// Looks `command` up like `which`, in PATH plus /usr/sbin and /sbin.
