@@ -225,10 +225,20 @@ pub fn attach(
             crate::datapath::loader::verify(|| program.load())
                 .with_context(|| format!("verifying program {name}"))?;
         }
+        let program_id = program.info().map(|i| i.id()).ok();
         for dev in devices {
             let pin_base = pin_name(name, dev);
             let what = format!("{name} on {dev}");
             let attached = match mode {
+                // Attached by an earlier attempt of this process (a retry
+                // after another device failed): the kernel refuses the
+                // same program twice on a device.
+                AttachMode::Tcx
+                    if program_id.is_some()
+                        && pinned_program(&links_dir.join(&pin_base)) == program_id =>
+                {
+                    Ok(false)
+                }
                 AttachMode::Tcx => attach_link(program, dev, direction, &what)
                     .and_then(|link| pin_replacing(link, &links_dir, &pin_base, &what)),
                 AttachMode::Netlink => attach_filter(program, dev, direction)
@@ -282,6 +292,12 @@ fn complement(dir: &Path, these: &BTreeSet<String>) -> BTreeSet<String> {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .filter(|n| !these.contains(n))
         .collect()
+}
+
+/// The id of the program the link pinned at `pin` runs.
+fn pinned_program(pin: &Path) -> Option<u32> {
+    let link = FdLink::from(PinnedLink::from_pin(pin).ok()?);
+    link.info().ok().map(|i| i.program_id())
 }
 
 /// A TCX link of `program` on `dev`, placed after the links already there.
