@@ -27,7 +27,7 @@ pub enum Command {
         #[command(subcommand)]
         what: InspectWhat,
     },
-    /// Detach the programs and remove every pin (maps and links).
+    /// Detach the programs (links and clsact filters) and remove every pin.
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
         bpffs: PathBuf,
@@ -105,6 +105,17 @@ pub struct NorthSouthArgs {
     /// without a Node object (standalone mode) none, unless listed here.
     #[arg(long, value_delimiter = ',')]
     pub devices: Vec<String>,
+    /// No tc path: the tc programs are attached to no device (NodePorts,
+    /// LoadBalancer IPs and externalIPs are then served to pods and host
+    /// processes only, by the socket path). An explicit opt-out, not a
+    /// failure: /readyz does not wait for it.
+    #[arg(long, conflicts_with_all = ["devices", "tc_attach"])]
+    pub no_tc: bool,
+    /// How the tc programs attach: `tcx` links (Linux 6.6), `netlink`
+    /// filters of a clsact qdisc (older kernels), or `auto`: tcx where the
+    /// kernel has it (probed at start), else netlink.
+    #[arg(long, value_enum, default_value_t = TcAttachArg::Auto)]
+    pub tc_attach: TcAttachArg,
     /// Serve NodePorts only on node addresses within these prefixes
     /// (comma-separated), like kube-proxy's --nodeport-addresses.
     #[arg(long, value_delimiter = ',')]
@@ -154,6 +165,30 @@ impl NorthSouthArgs {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TcAttachArg {
+    Auto,
+    Tcx,
+    Netlink,
+}
+
+impl NorthSouthArgs {
+    /// How the tc programs attach, `None` with `--no-tc`; `auto` probes
+    /// the kernel ([`tcx_supported`](crate::datapath::features::tcx_supported)).
+    pub fn tc_attach_mode(&self) -> Option<crate::datapath::tc::AttachMode> {
+        use crate::datapath::tc::AttachMode;
+        if self.no_tc {
+            return None;
+        }
+        Some(match self.tc_attach {
+            TcAttachArg::Tcx => AttachMode::Tcx,
+            TcAttachArg::Netlink => AttachMode::Netlink,
+            TcAttachArg::Auto if crate::datapath::features::tcx_supported() => AttachMode::Tcx,
+            TcAttachArg::Auto => AttachMode::Netlink,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AlgorithmArg {
     Random,
     Maglev,
@@ -192,6 +227,10 @@ pub enum InspectWhat {
     /// Flows of the tc path (NodePort, LoadBalancer, externalIP): both
     /// directions, their translation and idle time.
     Conntrack(InspectArgs),
+    /// Where the tc programs are attached in this network namespace (TCX
+    /// links as the kernel lists them, clsact filters as recorded), and
+    /// why the agent could not attach them where asked, while it cannot.
+    Tc(InspectArgs),
 }
 
 #[derive(Debug, Args)]
@@ -231,5 +270,24 @@ mod tests {
         assert_eq!(a.health_addr.port(), 1);
         assert_eq!(a.metrics_bind_address.port(), 2);
         assert_eq!(a.healthz_timeout, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn the_tc_path_is_opted_out_explicitly_and_its_attach_mode_chosen() {
+        use crate::datapath::tc::AttachMode;
+        let a = run_args(&["--tc-attach", "netlink"]);
+        assert_eq!(a.north_south.tc_attach_mode(), Some(AttachMode::Netlink));
+        let a = run_args(&["--tc-attach=tcx", "--devices", "eth0"]);
+        assert_eq!(a.north_south.tc_attach_mode(), Some(AttachMode::Tcx));
+        assert_eq!(run_args(&[]).north_south.tc_attach, TcAttachArg::Auto);
+        assert_eq!(run_args(&["--no-tc"]).north_south.tc_attach_mode(), None);
+        for bad in [
+            &["--no-tc", "--devices", "eth0"][..],
+            &["--no-tc", "--tc-attach", "netlink"],
+            &["--tc-attach", "xdp"],
+        ] {
+            let args = [&["lb-agent", "run"][..], bad].concat();
+            assert!(Cli::try_parse_from(args).is_err(), "{bad:?}");
+        }
     }
 }

@@ -1,6 +1,6 @@
 //! `lb-agent inspect`: what the datapath does, read from the pinned maps
 //! alone, so it works with or without a running agent. Each subject
-//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`) reads its views and renders them as
+//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`, `Tc`) reads its views and renders them as
 //! a table; [`show`] prints either that table or the views as JSON.
 use std::{
     collections::BTreeMap,
@@ -40,6 +40,8 @@ pub struct Affinity;
 pub struct DatagramFlows;
 /// Flows of the tc path.
 pub struct Conntrack;
+/// Where the tc programs are attached, or why not.
+pub struct Tc;
 
 /// `S` read from the pins under `dir`, as a table or as pretty JSON.
 pub fn show<S: Subject>(dir: &Path, json: bool) -> anyhow::Result<String> {
@@ -58,6 +60,7 @@ pub fn show_what(what: &InspectWhat) -> anyhow::Result<String> {
         InspectWhat::Affinity(a) => show_args::<Affinity>(a),
         InspectWhat::DatagramFlows(a) => show_args::<DatagramFlows>(a),
         InspectWhat::Conntrack(a) => show_args::<Conntrack>(a),
+        InspectWhat::Tc(a) => show_args::<Tc>(a),
     }
 }
 
@@ -605,6 +608,72 @@ impl Subject for Conntrack {
                     &flags,
                     &v.idle_ms,
                 ],
+            );
+        }
+        out
+    }
+}
+
+/// A tc program on a device, or (`reason`, nothing else) why the agent
+/// could not attach them where they are asked for.
+#[derive(Debug, Serialize)]
+pub struct TcView {
+    pub device: String,
+    pub direction: &'static str,
+    /// "tcx" or "netlink" (a clsact filter).
+    pub mode: &'static str,
+    pub program: String,
+    pub program_id: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl Subject for Tc {
+    type View = TcView;
+
+    /// In this network namespace: TCX programs as the kernel lists them,
+    /// clsact filters as the agent recorded them.
+    fn read(dir: &Path) -> anyhow::Result<Vec<TcView>> {
+        let mut views: Vec<TcView> = tc::attachments(dir)
+            .into_iter()
+            .map(|a| TcView {
+                device: a.device,
+                direction: a.direction,
+                mode: a.mode.name(),
+                program: a.program,
+                program_id: a.program_id,
+                reason: None,
+            })
+            .collect();
+        views.sort_by(|a, b| {
+            (&a.device, a.direction, a.mode).cmp(&(&b.device, b.direction, b.mode))
+        });
+        if let Some(reason) = tc::unattached(dir) {
+            views.push(TcView {
+                device: String::new(),
+                direction: "",
+                mode: "",
+                program: String::new(),
+                program_id: None,
+                reason: Some(reason),
+            });
+        }
+        Ok(views)
+    }
+
+    fn render(views: &[TcView]) -> String {
+        const COLUMNS: Columns =
+            Columns(&[(16, Left), (9, Left), (8, Left), (12, Left), (8, Right)]);
+        let mut out = COLUMNS.header(&["DEVICE", "DIRECTION", "MODE", "PROGRAM", "ID"]);
+        for v in views {
+            if let Some(reason) = &v.reason {
+                let _ = writeln!(out, "not attached: {reason}");
+                continue;
+            }
+            let id = v.program_id.map_or("-".to_string(), |i| i.to_string());
+            COLUMNS.row(
+                &mut out,
+                &[&v.device, &v.direction, &v.mode, &v.program, &id],
             );
         }
         out

@@ -28,9 +28,17 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Cleanup { bpffs } => {
             let links = loader::detach_pinned_links(&bpffs)?;
+            let (filters, elsewhere) = lb_agent::datapath::tc::detach_filters(&bpffs)?;
+            if !elsewhere.is_empty() {
+                eprintln!(
+                    "warning: clsact filters recorded on {elsewhere:?}, devices not in this \
+                     network namespace: run `lb-agent cleanup` in the agent's namespace, or \
+                     `tc filter del dev DEV ingress|egress pref 1 handle 0x4c42 bpf`"
+                );
+            }
             loader::remove_pins(&bpffs)?;
             eprintln!(
-                "detached {links} program links and removed {}",
+                "detached {links} program links and {filters} clsact filters and removed {}",
                 bpffs.display()
             );
             Ok(())

@@ -117,6 +117,8 @@ struct Syncer {
     north_south: NorthSouthArgs,
     /// The tc maps; `None` when they could not be opened (logged).
     tc: Option<crate::datapath::tc::TcMaps>,
+    /// How the tc programs attach; `None` with `--no-tc`.
+    tc_attach: Option<crate::datapath::tc::AttachMode>,
     /// Devices the tc programs are attached to; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
     /// Devices the tc programs are asked for while attaching them failed:
@@ -453,7 +455,7 @@ impl Syncer {
     ) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
-            if !net.devices.is_empty() {
+            if !net.devices.is_empty() && self.tc_attach.is_some() {
                 tc.reserve_snat_ports();
             }
             if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts) {
@@ -482,16 +484,26 @@ impl Syncer {
     /// unready, shows in `/readyz` and `lb_tc_attach_failing`, and is
     /// retried (`retry_tc_attach`): a device may appear later.
     fn attach_tc(&mut self, devices: &[String], node_addresses: &[std::net::IpAddr]) {
-        let links = self.datapath.pin_dir().join("links");
-        match crate::datapath::tc::attach(self.datapath.ebpf_mut(), &links, devices) {
+        use crate::datapath::tc;
+        let pin_dir = self.datapath.pin_dir().to_path_buf();
+        // With --no-tc, no device: what an earlier run attached, of either
+        // kind, is removed.
+        let (wanted, mode) = match self.tc_attach {
+            Some(mode) => (devices, mode),
+            None => (&[][..], tc::AttachMode::Tcx),
+        };
+        match tc::attach(self.datapath.ebpf_mut(), &pin_dir, wanted, mode) {
             Ok(replaced) => {
                 tracing::info!(
-                    devices = ?devices,
+                    devices = ?wanted,
+                    mode = mode.name(),
                     node_addresses = ?node_addresses,
                     replaced_links = replaced,
                     "tc programs attached"
                 );
                 self.tc_devices = Some(devices.to_vec());
+                // Also what an earlier process recorded.
+                tc::record_unattached(&pin_dir, None);
                 if self.tc_failed.take().is_some() {
                     self.ready.set_unattached(None);
                     self.metrics.tc_attach_failing.set(0);
@@ -502,6 +514,7 @@ impl Syncer {
                 if self.tc_failed.as_deref() != Some(devices) {
                     tracing::error!("{why}; retried every sweep");
                 }
+                tc::record_unattached(&pin_dir, Some(&why));
                 self.ready.set_unattached(Some(why));
                 self.metrics.tc_attach_failing.set(1);
                 self.tc_failed = Some(devices.to_vec());
@@ -666,6 +679,18 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         Some(c) => c,
         None => loader::cgroup2_root()?,
     };
+    let tc_attach = args.north_south.tc_attach_mode();
+    match tc_attach {
+        Some(mode) => tracing::info!(
+            requested = ?args.north_south.tc_attach,
+            "the tc programs attach through {}",
+            match mode {
+                crate::datapath::tc::AttachMode::Tcx => "TCX links",
+                crate::datapath::tc::AttachMode::Netlink => "clsact qdisc filters (netlink)",
+            }
+        ),
+        None => tracing::info!("--no-tc: the tc programs are attached to no device"),
+    }
     let metrics = Metrics::new();
     let ready = Readiness::default();
     let proxy_health = ProxyHealthHandle::new(args.healthz_timeout);
@@ -762,6 +787,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 None
             }
         },
+        tc_attach,
         tc_devices: None,
         tc_failed: None,
         ready: ready.clone(),
@@ -839,6 +865,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     if args.cleanup_on_exit {
         tracing::info!("signal received: detaching and removing pins");
+        let _ = crate::datapath::tc::detach_filters(syncer.datapath.pin_dir())?;
         syncer.datapath.unload()
     } else {
         tracing::info!(

@@ -444,6 +444,47 @@ impl Agent {
         serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))
     }
 
+    /// `lb-agent inspect tc --json --bpffs PIN` in the agent's network
+    /// namespace (where its devices are), parsed: one object per program
+    /// attached to a device, and one with `reason` while the agent cannot
+    /// attach them where asked.
+    pub fn inspect_tc(&self) -> Result<Vec<serde_json::Value>> {
+        let mut c = self.in_agent_netns();
+        c.args(["inspect", "tc", "--json", "--bpffs"])
+            .arg(&self.pin_dir);
+        let out = cmd::run(&mut c)?;
+        serde_json::from_str(&out).with_context(|| format!("inspect output is not JSON: {out}"))
+    }
+
+    /// `lb-agent cleanup --bpffs PIN`, in the agent's network namespace, as
+    /// an operator runs it on the node: what it printed.
+    pub fn cleanup(&self) -> Result<String> {
+        let mut c = self.in_agent_netns();
+        c.args(["cleanup", "--bpffs"]).arg(&self.pin_dir);
+        let out = c
+            .stdin(std::process::Stdio::null())
+            .output()
+            .context("running lb-agent cleanup")?;
+        let text = String::from_utf8_lossy(&out.stderr).into_owned();
+        if !out.status.success() {
+            bail!("lb-agent cleanup failed ({}): {text}", out.status);
+        }
+        Ok(text)
+    }
+
+    /// `lb-agent ...` in the agent's network namespace (`nsenter --net`:
+    /// the file systems stay the host's, bpffs and cgroups included).
+    fn in_agent_netns(&self) -> Command {
+        match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net=/run/netns/{ns}")).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        }
+    }
+
     /// `lb-agent inspect services --bpffs PIN --json`, parsed.
     pub fn inspect_services(&self) -> Result<serde_json::Value> {
         let out = self.inspect_services_raw(true)?;

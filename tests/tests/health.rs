@@ -259,20 +259,22 @@ fn health_check_node_ports_bind_the_node_addresses() {
 
 /// A datapath part that was asked for and cannot be attached is no silent
 /// half-start: with a `--devices` entry that does not exist, `/readyz`
-/// answers 503 naming it and `lb_tc_attach_failing` is 1 while the socket
-/// path serves; once the device appears, a later sweep attaches the tc
-/// programs and the agent turns ready.
-#[test]
-fn a_device_the_tc_programs_cannot_attach_to_keeps_the_agent_unready() {
-    require_root!();
-    let mut env = Env::new("tcdev", 2).unwrap();
+/// answers 503 naming it, `lb_tc_attach_failing` is 1 and `lb-agent
+/// inspect tc` gives the reason, while the socket path serves and the
+/// device that exists (`eth0`) has its programs; once the device appears, a
+/// later sweep attaches the tc programs and the agent turns ready. On
+/// either attach path (`mode`).
+fn unattached_device_keeps_the_agent_unready(tag: &str, mode: &str) {
+    let mut env = Env::new(tag, 2).unwrap();
     env.manifests.write("web.yaml", &web(&env)).unwrap();
     let netns = env.topo.client_netns().to_string();
     env.start_agent_with(AgentOpts {
         netns: Some(netns.clone()),
         extra_args: vec![
             "--devices".into(),
-            "lbmissing0".into(),
+            "lbmissing0,eth0".into(),
+            "--tc-attach".into(),
+            mode.into(),
             "--sweep-interval".into(),
             "500ms".into(),
         ],
@@ -289,6 +291,35 @@ fn a_device_the_tc_programs_cannot_attach_to_keeps_the_agent_unready() {
     assert!(unready, "/readyz: {last:?}\n{}", agent.log());
     let (_, m) = agent.metrics().unwrap();
     assert!(m.contains("lb_tc_attach_failing 1"), "{m}");
+    let shown = |agent: &Agent| -> Vec<(String, String)> {
+        agent
+            .inspect_tc()
+            .unwrap()
+            .iter()
+            .map(|v| match v["reason"].as_str() {
+                Some(r) => ("reason".to_owned(), r.to_owned()),
+                None => (
+                    v["device"].as_str().unwrap().to_owned(),
+                    format!("{} {}", v["mode"].as_str().unwrap(), v["direction"]),
+                ),
+            })
+            .collect()
+    };
+    let views = shown(agent);
+    assert!(
+        views
+            .iter()
+            .any(|(k, r)| k == "reason" && r.contains("lbmissing0")),
+        "{views:?}"
+    );
+    // The device that exists is served meanwhile.
+    let on = |views: &[(String, String)], dev: &str| {
+        views
+            .iter()
+            .filter(|(d, m)| d == dev && m.starts_with(mode))
+            .count()
+    };
+    assert_eq!(on(&views, "eth0"), 2, "{views:?}");
     integration_tests::cmd::ip(&[
         "-n",
         &netns,
@@ -310,4 +341,21 @@ fn a_device_the_tc_programs_cannot_attach_to_keeps_the_agent_unready() {
     assert!(ready, "/readyz: {last:?}\n{}", agent.log());
     let (_, m) = agent.metrics().unwrap();
     assert!(m.contains("lb_tc_attach_failing 0"), "{m}");
+    let views = shown(agent);
+    assert!(views.iter().all(|(k, _)| k != "reason"), "{views:?}");
+    assert_eq!(on(&views, "lbmissing0"), 2, "{views:?}");
+    assert_eq!(on(&views, "eth0"), 2, "{views:?}");
+}
+
+#[test]
+fn a_device_the_tc_programs_cannot_attach_to_keeps_the_agent_unready() {
+    require_root!();
+    unattached_device_keeps_the_agent_unready("tcdev", "tcx");
+}
+
+/// The same on the clsact path (issue 15: kernels without TCX).
+#[test]
+fn a_device_the_clsact_filters_cannot_attach_to_keeps_the_agent_unready() {
+    require_root!();
+    unattached_device_keeps_the_agent_unready("tcnl", "netlink");
 }

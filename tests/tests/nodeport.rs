@@ -54,6 +54,11 @@ fn port(node_port: u16, proto: &str) -> Value {
 
 /// Builds the cluster, writes every Service, starts the agents.
 fn setup(tag: &str) -> Cluster {
+    setup_with(tag, &[])
+}
+
+/// [`setup`], with `extra` arguments for every agent.
+fn setup_with(tag: &str, extra: &[&str]) -> Cluster {
     let mut c = Cluster::new(tag, &[2, 1, 0]).expect("topology");
     c.serve_all().expect("servers");
     let (n1p0, n1p1, n2p0) = (
@@ -147,8 +152,12 @@ fn setup(tag: &str) -> Cluster {
         c.slice("evil", &all, false, "TCP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
-    c.start_agents(&["--allowed-external-ip-cidrs", "203.0.113.0/24"])
-        .expect("agents");
+    let args = [
+        &["--allowed-external-ip-cidrs", "203.0.113.0/24"][..],
+        extra,
+    ]
+    .concat();
+    c.start_agents(&args).expect("agents");
     c
 }
 
@@ -782,6 +791,142 @@ fn tc_path_survives_agent_restarts() {
     let a = c.from_client("tcp", &target, 30);
     assert_eq!(ok_count(&a), 30, "restarted: {}", show(&a));
     assert_eq!(backends(&a).len(), 3);
+}
+
+/// Our clsact filters on `eth0` of `netns`, as `tc filter show` lists
+/// them: (ingress, egress), each a line per filter running our program.
+fn clsact_filters(netns: &str) -> (usize, usize) {
+    let count = |dir: &str, program: &str| {
+        let out = integration_tests::cmd::run(
+            Command::new("tc").args(["-n", netns, "filter", "show", "dev", "eth0", dir]),
+        )
+        .expect("tc filter show");
+        out.lines().filter(|l| l.contains(program)).count()
+    };
+    (count("ingress", "tc_ingress"), count("egress", "tc_egress"))
+}
+
+/// The programs `lb-agent inspect tc` finds on `eth0`: (mode, direction)
+/// of each, sorted; TCX links as the kernel lists them.
+fn attached(c: &Cluster, node: usize) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = c.agents[node]
+        .inspect_tc()
+        .expect("inspect tc")
+        .iter()
+        .filter(|v| v["device"] == "eth0")
+        .map(|v| {
+            (
+                v["mode"].as_str().unwrap().to_owned(),
+                v["direction"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn both(mode: &str) -> Vec<(String, String)> {
+    vec![
+        (mode.to_owned(), "egress".to_owned()),
+        (mode.to_owned(), "ingress".to_owned()),
+    ]
+}
+
+/// Issue 15: without TCX (before Linux 6.6), the tc programs attach as
+/// clsact filters; `--tc-attach netlink` forces that path here. NodePorts
+/// work through them, on every restart (SIGKILL and SIGTERM) exactly one
+/// filter per direction is there, a switch to TCX and back leaves exactly
+/// one attachment (never both: packets translated twice), `--no-tc`
+/// removes them, and so does `lb-agent cleanup`.
+#[test]
+fn nodeport_through_clsact_filters_across_restarts_mode_switches_and_cleanup() {
+    require_root!();
+    let mut c = setup_with("clsact", &["--tc-attach", "netlink"]);
+    let ns = c.nodes[0].netns.clone();
+    let targets = [
+        format!("{}:{WEB_NODEPORT}", node_v4(1)),
+        format!("[{}]:{WEB_NODEPORT}", node_v6(1)),
+    ];
+    let works = |c: &Cluster, when: &str| {
+        for target in &targets {
+            let a = c.from_client("tcp", target, 20);
+            assert_eq!(
+                ok_count(&a),
+                20,
+                "{when}, {target}: {}\n{}",
+                show(&a),
+                c.agent_logs()
+            );
+            assert_eq!(backends(&a).len(), 3, "{when}: {}", show(&a));
+        }
+    };
+    works(&c, "netlink");
+    assert_eq!(clsact_filters(&ns), (1, 1));
+    assert_eq!(attached(&c, 0), both("netlink"));
+    let (_, m) = c.agents[0].metrics().unwrap();
+    assert!(m.contains("lb_tc_attach_failing 0"), "{m}");
+
+    for crash in [true, false] {
+        if crash {
+            c.agents[0].kill().unwrap();
+        } else {
+            c.agents[0].stop().unwrap();
+        }
+        works(&c, "agent down");
+        let before = c.agents[0].log().len();
+        c.agents[0].restart(Duration::from_secs(20)).unwrap();
+        let log = c.agents[0].log_since(before);
+        assert!(
+            log.contains("mode=\"netlink\"") && log.contains("replaced_links=2"),
+            "{log}"
+        );
+        works(&c, "restarted");
+        assert_eq!(clsact_filters(&ns), (1, 1), "crash: {crash}");
+        assert_eq!(attached(&c, 0), both("netlink"));
+    }
+
+    // netlink -> tcx -> netlink: one attachment per direction each time.
+    for (from, to) in [("netlink", "tcx"), ("tcx", "netlink")] {
+        c.agents[0].stop().unwrap();
+        c.agents[0].remove_arg(from);
+        c.agents[0].add_args(&[to]);
+        c.agents[0].restart(Duration::from_secs(20)).unwrap();
+        assert_eq!(attached(&c, 0), both(to), "{from} -> {to}");
+        let want = if to == "netlink" { (1, 1) } else { (0, 0) };
+        assert_eq!(clsact_filters(&ns), want, "{from} -> {to}");
+        works(&c, to);
+    }
+
+    // Opted out: nothing attached, ready all the same, and the NodePort is
+    // no longer served from outside.
+    c.agents[0].stop().unwrap();
+    c.agents[0].remove_arg("--tc-attach");
+    c.agents[0].remove_arg("netlink");
+    c.agents[0].add_args(&["--no-tc"]);
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    assert_eq!(attached(&c, 0), vec![]);
+    assert_eq!(clsact_filters(&ns), (0, 0));
+    let a = c.from_client("tcp", &targets[0], 3);
+    assert_eq!(ok_count(&a), 0, "--no-tc: {}", show(&a));
+
+    // Back to netlink, then `lb-agent cleanup` (the agent stopped) removes
+    // the filters and leaves the qdisc, which others may use.
+    c.agents[0].stop().unwrap();
+    c.agents[0].remove_arg("--no-tc");
+    c.agents[0].add_args(&["--tc-attach", "netlink"]);
+    c.agents[0].restart(Duration::from_secs(20)).unwrap();
+    works(&c, "netlink again");
+    c.agents[0].stop().unwrap();
+    let said = c.agents[0].cleanup().unwrap();
+    assert!(said.contains("2 clsact filters"), "{said}");
+    assert_eq!(clsact_filters(&ns), (0, 0));
+    let qdiscs = integration_tests::cmd::run(
+        Command::new("tc").args(["-n", &ns, "qdisc", "show", "dev", "eth0"]),
+    )
+    .unwrap();
+    assert!(qdiscs.contains("clsact"), "{qdiscs}");
+    let a = c.from_client("tcp", &targets[0], 3);
+    assert_eq!(ok_count(&a), 0, "after cleanup: {}", show(&a));
 }
 
 /// loadBalancerSourceRanges changed while the agent was down (SIGKILL, then

@@ -9,6 +9,7 @@
 pub mod affinity;
 pub mod batch;
 pub mod datagram_flows;
+pub mod features;
 pub mod loader;
 pub mod reconcile;
 pub mod sockets;

@@ -1,5 +1,6 @@
 //! The tc path as the agent owns it: attaching `tc_ingress`/`tc_egress` to
-//! the external devices (TCX links pinned in `<bpffs>/links`), the settings
+//! the external devices (TCX links pinned in `<bpffs>/links`, or before
+//! Linux 6.6 clsact filters recorded in `<bpffs>/tc_filters`), the settings
 //! in `LB_TC_CONFIG`, `loadBalancerSourceRanges` in `LB_SOURCE_RANGES`, and
 //! the conntrack map: periodic expiry and UDP flows of backends that stopped
 //! serving.
@@ -19,9 +20,9 @@ use aya::{
         Array, HashMap, Map, MapData,
     },
     programs::{
-        links::{FdLink, LinkOrder, PinnedLink},
-        tc::TcAttachOptions,
-        SchedClassifier, TcAttachType,
+        links::{FdLink, Link as _, LinkOrder, PinnedLink},
+        tc::{self, NlOptions, SchedClassifierLink, TcAttachOptions, TcHandle},
+        ProgramError, SchedClassifier, TcAttachType,
     },
     Ebpf,
 };
@@ -155,13 +156,59 @@ fn pin_name(direction: &str, device: &str) -> String {
     format!("{direction}_{}", device.replace('.', "_"))
 }
 
-/// Attaches both programs to every device through TCX links pinned in
-/// `links_dir`, replacing the links of an earlier run after the new ones
-/// are attached, and detaching those of devices no longer listed. Returns
-/// how many earlier links were replaced or removed.
-pub fn attach(ebpf: &mut Ebpf, links_dir: &Path, devices: &[String]) -> anyhow::Result<usize> {
+/// How the tc programs are attached to a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttachMode {
+    /// TCX links (Linux 6.6), pinned in `<bpffs>/links`.
+    Tcx,
+    /// Filters of a clsact qdisc, through netlink (before 6.6), recorded
+    /// in `<bpffs>/tc_filters`.
+    Netlink,
+}
+
+impl AttachMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttachMode::Tcx => "tcx",
+            AttachMode::Netlink => "netlink",
+        }
+    }
+}
+
+/// Our clsact filters' priority and handle, the same on every device and
+/// in both directions (ingress and egress are separate lists). Fixed, so
+/// that a restarted agent finds its predecessor's filter and replaces it
+/// in place, and so that cleanup removes exactly ours: `tc filter show dev
+/// DEV ingress` shows them as `pref 1 bpf ... handle 0x4c42 tc_ingress`.
+pub const FILTER_PRIORITY: u16 = 1;
+pub const FILTER_HANDLE: u32 = 0x4c42;
+/// Where the clsact filters are recorded: `<pin name>` → device, a
+/// symlink (bpffs holds no files, and refuses dots in names).
+pub const FILTERS_DIR: &str = "tc_filters";
+/// `<bpffs>/tc_unattached` → why the tc programs are not attached to a
+/// device they are asked for, while that lasts (for `lb-agent inspect
+/// tc`).
+pub const UNATTACHED_PIN: &str = "tc_unattached";
+
+/// Attaches both programs to every device, as `mode` says, replacing what
+/// an earlier run attached only once the new program is in place, and
+/// detaching what is no longer wanted: the attachments of devices no longer
+/// listed, and every attachment of the other mode (a switch between TCX
+/// and netlink across a restart must not leave both, which would translate
+/// packets twice). Returns how many earlier attachments were replaced or
+/// removed; an error names every device that failed, after the others got
+/// their programs.
+pub fn attach(
+    ebpf: &mut Ebpf,
+    pin_dir: &Path,
+    devices: &[String],
+    mode: AttachMode,
+) -> anyhow::Result<usize> {
+    let links_dir = pin_dir.join("links");
+    let filters_dir = pin_dir.join(FILTERS_DIR);
     let mut keep = BTreeSet::new();
     let mut replaced = 0;
+    let mut failed = Vec::new();
     for (name, direction) in [
         (INGRESS, TcAttachType::Ingress),
         (EGRESS, TcAttachType::Egress),
@@ -178,23 +225,313 @@ pub fn attach(ebpf: &mut Ebpf, links_dir: &Path, devices: &[String]) -> anyhow::
             crate::datapath::loader::verify(|| program.load())
                 .with_context(|| format!("verifying program {name}"))?;
         }
+        let program_id = program.info().map(|i| i.id()).ok();
         for dev in devices {
-            let id = program
-                .attach_with_options(
-                    dev,
-                    direction,
-                    TcAttachOptions::TcxOrder(LinkOrder::default()),
-                )
-                .with_context(|| format!("attaching {name} to device {dev}"))?;
-            let link = FdLink::try_from(program.take_link(id)?)
-                .with_context(|| format!("link of {name} on {dev}"))?;
             let pin_base = pin_name(name, dev);
             let what = format!("{name} on {dev}");
-            replaced += usize::from(pin_replacing(link, links_dir, &pin_base, &what)?);
-            keep.insert(pin_base);
+            let attached = match mode {
+                // Attached by an earlier attempt of this process (a retry
+                // after another device failed): the kernel refuses the
+                // same program twice on a device.
+                AttachMode::Tcx
+                    if program_id.is_some()
+                        && pinned_program(&links_dir.join(&pin_base)) == program_id =>
+                {
+                    Ok(false)
+                }
+                AttachMode::Tcx => attach_link(program, dev, direction, &what)
+                    .and_then(|link| pin_replacing(link, &links_dir, &pin_base, &what)),
+                AttachMode::Netlink => attach_filter(program, dev, direction)
+                    .with_context(|| format!("attaching {what} (clsact filter)"))
+                    .and_then(|was_there| {
+                        record_filter(&filters_dir, &pin_base, dev)?;
+                        Ok(was_there)
+                    }),
+            };
+            match attached {
+                Ok(was_there) => {
+                    replaced += usize::from(was_there);
+                    keep.insert(pin_base);
+                }
+                // The other devices still get theirs.
+                Err(e) => failed.push(format!("{e:#}")),
+            }
         }
     }
-    // Devices of an earlier run that are no longer listed.
+    // What this run attached replaces the other mode's attachment of the
+    // same device and direction; only when every device has its programs
+    // do the other attachments go (a device that failed keeps the earlier
+    // run's, which may still serve) and those of devices no longer listed.
+    let none = BTreeSet::new();
+    let (keep_links, keep_filters) = match (mode, failed.is_empty()) {
+        (AttachMode::Tcx, true) => (&keep, &none),
+        (AttachMode::Netlink, true) => (&none, &keep),
+        (AttachMode::Tcx, false) => (
+            &complement(&links_dir, &none),
+            &complement(&filters_dir, &keep),
+        ),
+        (AttachMode::Netlink, false) => (
+            &complement(&links_dir, &keep),
+            &complement(&filters_dir, &none),
+        ),
+    };
+    replaced += unpin_links_except(&links_dir, keep_links);
+    replaced += detach_filters_except(&filters_dir, keep_filters)?.0;
+    if !failed.is_empty() {
+        anyhow::bail!("{}", failed.join("; "));
+    }
+    Ok(replaced)
+}
+
+/// The names in `dir` other than `these`.
+fn complement(dir: &Path, these: &BTreeSet<String>) -> BTreeSet<String> {
+    fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !these.contains(n))
+        .collect()
+}
+
+/// The id of the program the link pinned at `pin` runs.
+fn pinned_program(pin: &Path) -> Option<u32> {
+    let link = FdLink::from(PinnedLink::from_pin(pin).ok()?);
+    link.info().ok().map(|i| i.program_id())
+}
+
+/// A TCX link of `program` on `dev`, placed after the links already there.
+fn attach_link(
+    program: &mut SchedClassifier,
+    dev: &str,
+    direction: TcAttachType,
+    what: &str,
+) -> anyhow::Result<FdLink> {
+    let id = program
+        .attach_with_options(
+            dev,
+            direction,
+            TcAttachOptions::TcxOrder(LinkOrder::default()),
+        )
+        .with_context(|| format!("attaching {what} (TCX)"))?;
+    FdLink::try_from(program.take_link(id)?).with_context(|| format!("link of {what}"))
+}
+
+/// The filter of `program` at our priority and handle on `dev`, replacing
+/// the one there in place (cls_bpf swaps the program under RCU: the device
+/// is never without one), else created, with the clsact qdisc if the device
+/// has none. Whether one was replaced.
+fn attach_filter(
+    program: &mut SchedClassifier,
+    dev: &str,
+    direction: TcAttachType,
+) -> anyhow::Result<bool> {
+    let ours = SchedClassifierLink::attached(
+        dev,
+        direction,
+        FILTER_PRIORITY,
+        TcHandle::from(FILTER_HANDLE),
+        None,
+    )?;
+    // Without NLM_F_CREATE: changes the filter at that handle, or fails
+    // with ENOENT if there is none.
+    let (id, replaced) = match program.attach_to_link(ours) {
+        Ok(id) => (id, true),
+        Err(e) if errno(&e) == Some(libc::ENOENT) || errno(&e) == Some(libc::EINVAL) => {
+            match tc::qdisc_add_clsact(dev) {
+                Ok(()) => tracing::info!(device = dev, "clsact qdisc added"),
+                Err(tc::TcError::NetlinkError(e)) if e.raw_os_error() == Some(libc::EEXIST) => {}
+                Err(e) => return Err(e).context("adding the clsact qdisc"),
+            }
+            let id = program.attach_with_options(
+                dev,
+                direction,
+                TcAttachOptions::Netlink(NlOptions {
+                    priority: FILTER_PRIORITY,
+                    handle: TcHandle::from(FILTER_HANDLE),
+                    classid: None,
+                }),
+            )?;
+            (id, false)
+        }
+        Err(e) => return Err(e.into()),
+    };
+    // The filter outlives this process, as a pinned link does: aya would
+    // detach it when the link is dropped.
+    std::mem::forget(program.take_link(id)?);
+    Ok(replaced)
+}
+
+/// The OS error behind a netlink failure.
+fn errno(e: &ProgramError) -> Option<i32> {
+    match e {
+        ProgramError::TcError(tc::TcError::NetlinkError(n)) | ProgramError::NetlinkError(n) => {
+            n.raw_os_error()
+        }
+        ProgramError::TcError(tc::TcError::IoError(e)) => e.raw_os_error(),
+        _ => None,
+    }
+}
+
+fn record_filter(dir: &Path, pin_base: &str, dev: &str) -> anyhow::Result<()> {
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let path = dir.join(pin_base);
+    if fs::read_link(&path).is_ok_and(|d| d.as_os_str() == dev) {
+        return Ok(());
+    }
+    let _ = fs::remove_file(&path);
+    std::os::unix::fs::symlink(dev, &path)
+        .with_context(|| format!("recording the filter of {dev} in {}", path.display()))
+}
+
+/// The clsact filters recorded in `dir`: (record name, device, direction).
+pub fn recorded_filters(dir: &Path) -> Vec<(String, String, TcAttachType)> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Ok(dev) = fs::read_link(entry.path()) else {
+            continue;
+        };
+        let direction = if name.starts_with(INGRESS) {
+            TcAttachType::Ingress
+        } else if name.starts_with(EGRESS) {
+            TcAttachType::Egress
+        } else {
+            continue;
+        };
+        out.push((name, dev.to_string_lossy().into_owned(), direction));
+    }
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    out
+}
+
+/// Detaches the recorded filters not in `keep` (by our priority and
+/// handle: never another user's filter, and the qdisc stays, as others may
+/// use it) and forgets them: (how many were detached, the devices not
+/// found in this network namespace). A device that is gone took its
+/// filters with it.
+fn detach_filters_except(
+    dir: &Path,
+    keep: &BTreeSet<String>,
+) -> anyhow::Result<(usize, BTreeSet<String>)> {
+    let (mut n, mut missing) = (0, BTreeSet::new());
+    for (name, dev, direction) in recorded_filters(dir) {
+        if keep.contains(&name) {
+            continue;
+        }
+        match SchedClassifierLink::attached(
+            &dev,
+            direction,
+            FILTER_PRIORITY,
+            TcHandle::from(FILTER_HANDLE),
+            None,
+        ) {
+            Ok(link) => match link.detach() {
+                Ok(()) => n += 1,
+                Err(e) if errno(&e) == Some(libc::ENOENT) => {}
+                Err(e) => {
+                    return Err(e).with_context(|| format!("detaching the filter {name} of {dev}"))
+                }
+            },
+            Err(_) => {
+                missing.insert(dev);
+            }
+        }
+        fs::remove_file(dir.join(&name))
+            .with_context(|| format!("removing {}", dir.join(&name).display()))?;
+    }
+    Ok((n, missing))
+}
+
+/// Detaches every clsact filter recorded under `pin_dir`, as `lb-agent
+/// cleanup` does: (how many, the devices not found in this network
+/// namespace, whose filters, if any, are left).
+pub fn detach_filters(pin_dir: &Path) -> anyhow::Result<(usize, BTreeSet<String>)> {
+    detach_filters_except(&pin_dir.join(FILTERS_DIR), &BTreeSet::new())
+}
+
+/// One tc program attached to a device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attachment {
+    pub device: String,
+    pub direction: &'static str,
+    pub mode: AttachMode,
+    pub program: String,
+    /// The kernel's program id (TCX links, which the kernel lists).
+    pub program_id: Option<u32>,
+}
+
+/// What is attached in this network namespace: our programs on TCX, as the
+/// kernel lists them for every device, and the clsact filters recorded
+/// under `pin_dir`.
+pub fn attachments(pin_dir: &Path) -> Vec<Attachment> {
+    let mut out = Vec::new();
+    for dev in device_names() {
+        for (direction, attach) in [
+            ("ingress", TcAttachType::Ingress),
+            ("egress", TcAttachType::Egress),
+        ] {
+            let Ok((_, programs)) = SchedClassifier::query_tcx(&dev, attach) else {
+                continue;
+            };
+            for p in programs {
+                let name = p.name_as_str().unwrap_or_default();
+                if name == INGRESS || name == EGRESS {
+                    out.push(Attachment {
+                        device: dev.clone(),
+                        direction,
+                        mode: AttachMode::Tcx,
+                        program: name.to_owned(),
+                        program_id: Some(p.id()),
+                    });
+                }
+            }
+        }
+    }
+    for (name, device, direction) in recorded_filters(&pin_dir.join(FILTERS_DIR)) {
+        let (program, direction) = match direction {
+            TcAttachType::Ingress => (INGRESS, "ingress"),
+            _ => (EGRESS, "egress"),
+        };
+        debug_assert!(name.starts_with(program));
+        out.push(Attachment {
+            device,
+            direction,
+            mode: AttachMode::Netlink,
+            program: program.to_owned(),
+            program_id: None,
+        });
+    }
+    out
+}
+
+/// Every network device of this network namespace (if_nameindex).
+fn device_names() -> Vec<String> {
+    let mut out = Vec::new();
+    // SAFETY: if_nameindex returns an array ended by a zero entry, freed
+    // below.
+    let head = unsafe { libc::if_nameindex() };
+    if head.is_null() {
+        return out;
+    }
+    let mut cur = head;
+    // SAFETY: elements of the array until its terminator.
+    while unsafe { (*cur).if_index } != 0 {
+        let name = unsafe { CStr::from_ptr((*cur).if_name) };
+        out.push(name.to_string_lossy().into_owned());
+        cur = unsafe { cur.add(1) };
+    }
+    // SAFETY: the array from if_nameindex, freed once.
+    unsafe { libc::if_freenameindex(head) };
+    out
+}
+
+/// Unpins the TCX links in `links_dir` not in `keep`; how many.
+fn unpin_links_except(links_dir: &Path, keep: &BTreeSet<String>) -> usize {
+    let mut n = 0;
     if let Ok(entries) = fs::read_dir(links_dir) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
@@ -204,11 +541,34 @@ pub fn attach(ebpf: &mut Ebpf, links_dir: &Path, devices: &[String]) -> anyhow::
                 } else {
                     let _ = fs::remove_file(entry.path());
                 }
-                replaced += 1;
+                n += 1;
             }
         }
     }
-    Ok(replaced)
+    n
+}
+
+/// Records (`Some`) or clears why the tc programs are not attached.
+pub fn record_unattached(pin_dir: &Path, reason: Option<&str>) {
+    let path = pin_dir.join(UNATTACHED_PIN);
+    let _ = fs::remove_file(&path);
+    if let Some(reason) = reason {
+        // A symlink's target holds at most PATH_MAX - 1 bytes.
+        let mut end = reason.len().min(4000);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        if let Err(e) = std::os::unix::fs::symlink(&reason[..end], &path) {
+            tracing::debug!("recording the tc attach failure in {}: {e}", path.display());
+        }
+    }
+}
+
+/// Why the tc programs are not attached, as the agent last recorded it.
+pub fn unattached(pin_dir: &Path) -> Option<String> {
+    fs::read_link(pin_dir.join(UNATTACHED_PIN))
+        .ok()
+        .map(|p| p.to_string_lossy().into_owned())
 }
 
 /// The IPv4 and IPv6 addresses of each network device, from getifaddrs.
