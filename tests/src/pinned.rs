@@ -44,6 +44,9 @@ fn bpf(cmd: libc::c_long, attr: &mut Attr) -> io::Result<libc::c_long> {
     }
 }
 
+/// A map's (key, value) pairs as raw bytes.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
 /// An open pinned map and its key and value sizes.
 pub struct PinnedMap {
     fd: OwnedFd,
@@ -84,7 +87,7 @@ impl PinnedMap {
     }
 
     /// Every (key, value) of the map at one moment, as raw bytes.
-    pub fn entries(&self) -> Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    pub fn entries(&self) -> Result<Entries> {
         let mut out = Vec::new();
         let mut key: Option<Vec<u8>> = None;
         loop {

@@ -34,7 +34,7 @@ use integration_tests::{
     cmd,
     manifests::{Endpoint, EndpointSlice, Service},
     netns::pod_v4,
-    pinned::{PinnedMap, BPF_EXIST},
+    pinned::{Entries, PinnedMap, BPF_EXIST},
     probe::{monotonic_ns, Attempt},
     AgentOpts, Env, Proto,
 };
@@ -418,16 +418,15 @@ fn backend_sets_change_under_connects_maglev() {
 fn values_rewritten_in_place_are_never_seen_foreign() {
     integration_tests::require_root!();
     let env = env_with_agent("stress-inplace", &[], A, B);
-    let maps: Vec<(PinnedMap, Vec<(Vec<u8>, Vec<u8>)>)> =
-        ["LB_SERVICES", "LB_SLOTS", "LB_BACKENDS"]
-            .iter()
-            .map(|name| {
-                let map = PinnedMap::open(&env.agent().pin_dir().join(name)).unwrap();
-                let entries = map.entries().unwrap();
-                assert!(!entries.is_empty(), "{name} is empty");
-                (map, entries)
-            })
-            .collect();
+    let maps: Vec<(PinnedMap, Entries)> = ["LB_SERVICES", "LB_SLOTS", "LB_BACKENDS"]
+        .iter()
+        .map(|name| {
+            let map = PinnedMap::open(&env.agent().pin_dir().join(name)).unwrap();
+            let entries = map.entries().unwrap();
+            assert!(!entries.is_empty(), "{name} is empty");
+            (map, entries)
+        })
+        .collect();
     let maps = Arc::new(maps);
     let stop = Arc::new(AtomicBool::new(false));
     let updates = Arc::new(AtomicU64::new(0));
