@@ -817,6 +817,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     sweep.tick().await;
     loop {
         if retire_at.is_none() && syncer.reconciler.has_retiring() {
+            // That retire takes only what is queued now: a set replaced in
+            // the meantime waits for the next one, a whole delay too.
+            syncer.reconciler.schedule_retire();
             retire_at = Some(Instant::now() + RETIRE_DELAY);
         }
         let retire_sleep = async {

@@ -32,6 +32,7 @@ pub mod cmd;
 pub mod manifests;
 pub mod netns;
 pub mod nodes;
+pub mod pinned;
 pub mod probe;
 pub mod tcpflow;
 

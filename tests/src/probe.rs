@@ -43,6 +43,24 @@ pub struct Attempt {
     pub stage: Option<String>,
     #[serde(default)]
     pub elapsed_ms: f64,
+    /// With `--timestamps`: when the attempt started and ended,
+    /// [`monotonic_ns`] (one clock for every process of the machine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_ns: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_ns: Option<u64>,
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds: comparable between the test and the
+/// `lb-probe` processes it starts, unlike an `Instant`.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 impl Attempt {

@@ -407,7 +407,7 @@ enum Written {
 }
 
 /// A set to delete in `retire`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Retired {
     set: u32,
     /// `LB_SLOTS` keys `0..slots` of the set.
@@ -418,6 +418,11 @@ struct Retired {
     /// opposed to what a failed write left: deleting it makes room that a
     /// frontend which did not fit may now use.
     published: bool,
+    /// The backend ids its slots name while it was published: a program
+    /// that read its value may still look them up, so they stay with it.
+    backends: Vec<u32>,
+    /// Queued before the last `schedule_retire`: the next `retire` deletes it.
+    due: bool,
 }
 
 /// Counts of one sync, for logs and metrics.
@@ -762,6 +767,8 @@ impl Reconciler {
             slots: spans.get(&set).copied().unwrap_or(0),
             table: tables.contains(&set),
             published: false,
+            backends: Vec::new(),
+            due: false,
         }));
         r.next_set = r
             .used_sets
@@ -1377,6 +1384,8 @@ impl Reconciler {
                     slots: plan.slots.len() as u32,
                     table: written == Written::SlotsAndTable,
                     published: false,
+                    backends: Vec::new(),
+                    due: false,
                 }),
             }
         }
@@ -1392,6 +1401,8 @@ impl Reconciler {
             slots: p.slot_span,
             table: p.has_table,
             published: true,
+            backends: p.slots.clone(),
+            due: false,
         });
     }
 
@@ -1509,19 +1520,41 @@ impl Reconciler {
         !self.retiring.is_empty() || self.stray_backends
     }
 
+    /// Backends a programmed frontend names, or a set that was published
+    /// and is not deleted yet.
     fn referenced_backends(&self) -> std::collections::HashSet<u32> {
         self.frontends
             .values()
             .flat_map(|p| p.slots.iter().copied())
+            .chain(
+                self.retiring
+                    .iter()
+                    .flat_map(|r| r.backends.iter().copied()),
+            )
             .collect()
     }
 
-    /// Deletes replaced sets (their slots and tables) and unreferenced
-    /// backends. Run it a moment after `apply`, once no program can still
-    /// hold the old `ServiceValue`.
+    /// The sets queued so far go at the next `retire`; sets queued after
+    /// this wait for the one after. The caller runs that retire a delay
+    /// after this call, so every set stays readable for at least the delay
+    /// after the value that named it was replaced, however soon after a
+    /// scheduled retire that happened.
+    pub fn schedule_retire(&mut self) {
+        for r in &mut self.retiring {
+            r.due = true;
+        }
+    }
+
+    /// Deletes the replaced sets due (their slots and tables, see
+    /// `schedule_retire`) and backends nothing names any more. Run it a
+    /// moment after `schedule_retire`, once no program can still hold a
+    /// `ServiceValue` that named them.
     pub fn retire(&mut self, ops: &mut impl MapOps) -> Vec<String> {
         let mut errors = Vec::new();
-        let retiring = std::mem::take(&mut self.retiring);
+        let (retiring, waiting): (Vec<Retired>, Vec<Retired>) = std::mem::take(&mut self.retiring)
+            .into_iter()
+            .partition(|r| r.due);
+        self.retiring = waiting;
         let keys: Vec<BackendSlotKey> = retiring
             .iter()
             .flat_map(|r| {
@@ -1821,8 +1854,15 @@ mod tests {
 
     fn sync(r: &mut Reconciler, d: &DesiredState, m: &mut FakeMaps) -> SyncReport {
         let report = r.apply(d, m);
-        assert!(r.retire(m).is_empty());
+        assert!(retire_all(r, m).is_empty());
         report
+    }
+
+    /// A retire scheduled after everything queued so far, as the agent's
+    /// loop runs it when no change comes in between.
+    fn retire_all(r: &mut Reconciler, m: &mut FakeMaps) -> Vec<String> {
+        r.schedule_retire();
+        r.retire(m)
     }
 
     #[test]
@@ -1939,10 +1979,72 @@ mod tests {
         }));
         assert_eq!(m.backends.len(), 2);
         assert!(r.has_retiring());
-        assert!(r.retire(&mut m).is_empty());
+        assert!(retire_all(&mut r, &mut m).is_empty());
         assert_eq!(m.slots.len(), 1);
         assert_eq!(m.backends.len(), 1);
         assert_eq!(m.backends_of(&web), vec![be("10.244.1.2", 80)]);
+        assert!(!r.has_retiring());
+    }
+
+    /// The agent schedules a retire when it first has sets to retire and
+    /// runs it a delay later. A set replaced in between, even just before
+    /// that retire, must not go with it: a program that read its value a
+    /// moment before the switch still looks up its slots and backends, and
+    /// a backend id freed at once could name another address at the next
+    /// sync.
+    #[test]
+    fn a_set_replaced_after_the_retire_was_scheduled_waits_for_the_next() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        let set_of = |m: &FakeMaps| m.services[&service_key(&web)].backend_set;
+        let slot0 = |set| BackendSlotKey {
+            backend_set: set,
+            slot: 0,
+        };
+        sync(
+            &mut r,
+            &desired(&[(web, state("web", &[be("10.244.1.1", 80)]))]),
+            &mut m,
+        );
+        let first = set_of(&m);
+        r.apply(
+            &desired(&[(web, state("web", &[be("10.244.1.2", 80)]))]),
+            &mut m,
+        );
+        let second = set_of(&m);
+        r.schedule_retire();
+        // Replaced after the retire was scheduled.
+        r.apply(
+            &desired(&[(web, state("web", &[be("10.244.1.3", 80)]))]),
+            &mut m,
+        );
+        assert!(r.retire(&mut m).is_empty());
+        assert!(!m.slots.contains_key(&slot0(first)));
+        assert!(
+            m.slots.contains_key(&slot0(second)),
+            "the set replaced after the retire was scheduled was deleted with it"
+        );
+        let second_backend = m.slots[&slot0(second)].backend_id;
+        assert!(m.backends.contains_key(&BackendId { id: second_backend }));
+        assert_eq!(m.backends.len(), 2, "10.244.1.2 and 10.244.1.3");
+        // A backend that arrives now cannot take the id of one still named.
+        r.apply(
+            &desired(&[(
+                web,
+                state("web", &[be("10.244.1.3", 80), be("10.244.1.4", 80)]),
+            )]),
+            &mut m,
+        );
+        assert_eq!(m.backends_of(&web).len(), 2);
+        assert_eq!(
+            addr_of(&m.backends[&BackendId { id: second_backend }]),
+            be("10.244.1.2", 80)
+        );
+        assert!(r.has_retiring());
+        assert!(retire_all(&mut r, &mut m).is_empty());
+        assert!(!m.slots.contains_key(&slot0(second)));
+        assert_eq!(m.backends.len(), 2);
         assert!(!r.has_retiring());
     }
 
@@ -2261,7 +2363,7 @@ mod tests {
         let mut r = adopt_from(&m);
         let report = r.apply(&d, &mut m);
         assert_eq!(report.frontends_written, 1);
-        r.retire(&mut m);
+        retire_all(&mut r, &mut m);
         assert_eq!(m.slots.len(), 1);
         assert_eq!(m.backends_of(&a), vec![be("10.244.1.1", 80)]);
     }
@@ -2401,7 +2503,7 @@ mod tests {
         );
         assert_eq!(m.backends_of(&a), vec![be("10.244.1.1", 80)]);
         assert!(!m.services.contains_key(&service_key(&b)));
-        r.retire(&mut m);
+        retire_all(&mut r, &mut m);
         // The next sync, with room, succeeds.
         m.slot_capacity = None;
         let report = r.apply(
@@ -2622,8 +2724,8 @@ mod tests {
                     "seed {seed} step {step}: report"
                 );
                 assert_eq!(a.stale_udp, b.stale_udp);
-                assert!(full.retire(&mut mf).is_empty());
-                assert!(partial.retire(&mut mp).is_empty());
+                assert!(retire_all(&mut full, &mut mf).is_empty());
+                assert!(retire_all(&mut partial, &mut mp).is_empty());
                 assert_eq!(observed(&mf), observed(&mp), "seed {seed} step {step}");
             }
         }
@@ -2733,7 +2835,7 @@ mod tests {
             let table_before = m.table_of(&changed);
             squeeze(&mut m);
             let report = r.apply(&d2, &mut m);
-            assert!(r.retire(&mut m).is_empty(), "{what}");
+            assert!(retire_all(&mut r, &mut m).is_empty(), "{what}");
             // A full LB_SERVICES still takes the changed value: it
             // replaces an entry in place.
             let changed_fails = map != SERVICES;
@@ -2793,7 +2895,7 @@ mod tests {
             m.no_table_memory = false;
             let report = r.apply_touched(&d2, &BTreeSet::new(), &mut m);
             assert!(report.errors.is_empty(), "{what}: {:?}", report.errors);
-            assert!(r.retire(&mut m).is_empty());
+            assert!(retire_all(&mut r, &mut m).is_empty());
             assert_eq!(m.backends_of(&changed), grown, "{what}");
             assert_eq!(m.backends_of(&new), theirs, "{what}");
             assert_eq!(m.table_of(&new).len(), 251);
@@ -2898,12 +3000,12 @@ mod tests {
         let report = r.apply(&both, &mut m);
         assert_eq!(report.errors.len(), 1, "{report:?}");
         // Only the failed attempt's leftovers: nothing to retry for.
-        assert!(r.retire(&mut m).is_empty());
+        assert!(retire_all(&mut r, &mut m).is_empty());
         assert!(!r.room_made());
         let report = r.apply(&desired(&[(b, state("b", &two(2)))]), &mut m);
         assert_eq!(report.frontends_removed, 1);
         assert_eq!(report.errors.len(), 1, "a's slots are not free yet");
-        assert!(r.retire(&mut m).is_empty());
+        assert!(retire_all(&mut r, &mut m).is_empty());
         assert!(r.room_made());
         assert!(!r.room_made(), "said once");
         let report = r.apply_touched(
@@ -3039,7 +3141,7 @@ mod tests {
             &report.errors[..3.min(report.errors.len())]
         );
         assert_eq!(report.frontends_written, 10_000);
-        assert!(r.retire(&mut m).is_empty());
+        assert!(retire_all(&mut r, &mut m).is_empty());
         // Every endpoint changes at once.
         let report = r.apply(&services(1), &mut m);
         assert!(
@@ -3054,7 +3156,7 @@ mod tests {
         );
         let usage = r.usage();
         assert_eq!((usage.maglev_tables, usage.slots), (20_000, 60_000));
-        assert!(r.retire(&mut m).is_empty());
+        assert!(retire_all(&mut r, &mut m).is_empty());
         assert_eq!(
             (m.maglev.len(), m.slots.len(), m.backends.len()),
             (10_000, 30_000, 30_000)

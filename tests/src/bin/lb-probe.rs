@@ -277,6 +277,17 @@ struct ClientArgs {
     /// Start an attempt every this many microseconds (0: back to back).
     #[arg(long, default_value_t = 0)]
     interval_us: u64,
+    /// Start no attempt after this long (0: no limit); --count stays the
+    /// most.
+    #[arg(long, default_value_t = 0)]
+    duration_ms: u64,
+    /// Pin the process to this CPU.
+    #[arg(long)]
+    cpu: Option<usize>,
+    /// Report each attempt's start and end (`start_ns`, `end_ns`,
+    /// CLOCK_MONOTONIC).
+    #[arg(long)]
+    timestamps: bool,
 }
 
 fn main() -> Result<()> {
@@ -533,22 +544,31 @@ fn resolve_target(target: &str, family: Option<Family>) -> Result<SocketAddr> {
 fn client(a: ClientArgs) -> Result<()> {
     let target = resolve_target(&a.at.target, a.family)?;
     a.at.enter()?;
+    if let Some(cpu) = a.cpu {
+        integration_tests::tcpflow::pin_to_cpu(cpu).with_context(|| format!("--cpu {cpu}"))?;
+    }
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
     let mut out = BufWriter::new(io::stdout().lock());
     let began = Instant::now();
+    let stop = (a.duration_ms > 0).then(|| began + Duration::from_millis(a.duration_ms));
     for i in 0..a.count {
+        if stop.is_some_and(|t| Instant::now() >= t) {
+            break;
+        }
         if a.interval_us > 0 {
             let due = began + Duration::from_micros(a.interval_us) * i as u32;
             std::thread::sleep(due.saturating_duration_since(Instant::now()));
         }
         let start = Instant::now();
+        let start_ns = a.timestamps.then(integration_tests::probe::monotonic_ns);
         let r = match a.proto {
             Proto::Tcp => tcp_once(target, timeout),
             Proto::Udp => udp_once(target, timeout, false),
             Proto::UdpConnected => udp_once(target, timeout, true),
         };
+        let end_ns = a.timestamps.then(integration_tests::probe::monotonic_ns);
         let elapsed_ms = (start.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0;
-        let attempt = match r {
+        let mut attempt = match r {
             Ok(ans) => Attempt {
                 elapsed_ms,
                 ..answered(&ans.reply, ans.peer, ans.source)
@@ -561,6 +581,7 @@ fn client(a: ClientArgs) -> Result<()> {
                 ..Default::default()
             },
         };
+        (attempt.start_ns, attempt.end_ns) = (start_ns, end_ns);
         serde_json::to_writer(&mut out, &attempt)?;
         out.write_all(b"\n")?;
     }
