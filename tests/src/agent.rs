@@ -83,6 +83,9 @@ pub struct AgentOpts {
     /// Return once started, without waiting for `/readyz` (for agents
     /// that are expected not to become ready).
     pub no_ready_wait: bool,
+    /// Start the agent with this soft open-file limit (the hard one as
+    /// ours), as a login shell's `ulimit -n 1024` would.
+    pub open_files_soft_limit: Option<u64>,
 }
 
 impl Default for AgentOpts {
@@ -95,6 +98,7 @@ impl Default for AgentOpts {
             extra_args: Vec::new(),
             netns: None,
             no_ready_wait: false,
+            open_files_soft_limit: None,
         }
     }
 }
@@ -149,6 +153,7 @@ fn spawn(
     log_path: &Path,
     append: bool,
     netns: Option<&str>,
+    open_files_soft_limit: Option<u64>,
 ) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -168,6 +173,26 @@ fn spawn(
     // Plain log lines in the log file.
     c.args(args).env("NO_COLOR", "1");
     let line = cmd::display(&c);
+    if let Some(soft) = open_files_soft_limit {
+        use std::os::unix::process::CommandExt as _;
+        // SAFETY: getrlimit and setrlimit are async-signal-safe.
+        unsafe {
+            c.pre_exec(move || {
+                let mut lim = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                lim.rlim_cur = soft.min(lim.rlim_max);
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     let child = cmd::die_with_parent(&mut c, libc::SIGTERM)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -187,6 +212,7 @@ pub struct Agent {
     metrics: SocketAddr,
     log_path: PathBuf,
     netns: Option<String>,
+    open_files_soft_limit: Option<u64>,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -234,7 +260,14 @@ impl Agent {
         args.extend(["--health-addr".into(), health.to_string().into()]);
         args.extend(["--metrics-bind-address".into(), metrics.to_string().into()]);
         args.extend(opts.extra_args.iter().map(OsString::from));
-        let (child, line) = spawn(&bin, &args, &log_path, false, opts.netns.as_deref())?;
+        let (child, line) = spawn(
+            &bin,
+            &args,
+            &log_path,
+            false,
+            opts.netns.as_deref(),
+            opts.open_files_soft_limit,
+        )?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
         let (c2, p2) = (child.clone(), pin_dir.clone());
@@ -256,6 +289,7 @@ impl Agent {
             metrics,
             log_path,
             netns: opts.netns.clone(),
+            open_files_soft_limit: opts.open_files_soft_limit,
             pid,
             child,
             _cleanup: handle,
@@ -379,6 +413,7 @@ impl Agent {
             &self.log_path,
             true,
             self.netns.as_deref(),
+            self.open_files_soft_limit,
         )?;
         self.pid = child.id();
         *g = Some(child);

@@ -210,6 +210,16 @@ fn bad_manifests_leave_good_services_served() {
     );
     assert_eq!(agent.get("/healthz").unwrap().0, 200);
     assert_eq!(agent.get("/readyz").unwrap().0, 200);
+    // Found by translation, named by file.
+    let log = agent.log();
+    let bigport = env.manifests.path().join("port70000.yaml");
+    assert!(
+        log.contains(&format!(
+            "{}: Service demo/bigport: spec.ports[0].port: 70000 is outside 1..65535",
+            bigport.display()
+        )),
+        "the port's rejection does not name its file"
+    );
     assert_all_ok(
         "good Service after more bad files",
         &env.tcp("10.96.0.10:80", 30),
