@@ -328,10 +328,10 @@ fn the_health_server_closes_idle_slow_and_excess_connections() {
     let mut slow = std::net::TcpStream::connect(agent.health_addr()).unwrap();
     slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
-    let mut idle: Vec<std::net::TcpStream> = (1..opened)
+    let idle: Vec<std::net::TcpStream> = (1..opened)
         .map(|_| std::net::TcpStream::connect(agent.health_addr()).unwrap())
         .collect();
-    let closed = |s: &mut std::net::TcpStream| {
+    let closed = |mut s: &std::net::TcpStream| {
         s.set_nonblocking(true).unwrap();
         let mut b = [0u8; 64];
         match s.read(&mut b) {
@@ -342,7 +342,7 @@ fn the_health_server_closes_idle_slow_and_excess_connections() {
     };
     // Well within the header timeout: only those beyond the cap are closed.
     std::thread::sleep(Duration::from_millis(1500));
-    let early = idle.iter_mut().filter(|s| closed(s)).count();
+    let early = idle.iter().filter(|s| closed(s)).count();
     assert_eq!(
         early,
         opened - cap,
@@ -360,9 +360,9 @@ fn the_health_server_closes_idle_slow_and_excess_connections() {
         false
     });
     let all = wait_until(Duration::from_secs(20), Duration::from_millis(200), || {
-        idle.iter_mut().all(|s| closed(s))
+        idle.iter().all(|s| closed(s))
     });
-    let open = idle.iter_mut().filter(|s| !closed(s)).count();
+    let open = idle.iter().filter(|s| !closed(s)).count();
     assert!(
         all,
         "{open} of {opened} idle connections still open after 20 s"
