@@ -35,9 +35,6 @@ use crate::{
 const RETIRE_DELAY: Duration = Duration::from_millis(50);
 /// A full re-translation even without events, in case one was missed.
 const RESYNC_PERIOD: Duration = Duration::from_secs(30);
-/// How often expired affinity entries are swept; the kernel honours the
-/// timeout on its own, so this only bounds the map.
-
 fn hostname() -> anyhow::Result<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
         .context("reading the hostname; pass --node-name")?;
@@ -427,21 +424,21 @@ impl Syncer {
             let version = dir.rejections_version();
             changed |= self
                 .problems
-                .update(FROM_INPUT, version, || dir.rejections_iter(), &show);
+                .update(FROM_INPUT, version, || dir.rejections_iter(), show);
         }
         let t = &self.translator;
         changed |= self.problems.update(
             FROM_TRANSLATION,
             t.rejections_version(),
             || t.rejections_iter(),
-            &show,
+            show,
         );
         if let Some(ns) = &self.north_south_cache {
             changed |= self.problems.update(
                 FROM_NORTH_SOUTH,
                 ns.rejections_version,
                 || ns.rejections.iter(),
-                &show,
+                show,
             );
         }
         changed
