@@ -412,6 +412,9 @@ impl Syncer {
             Source::Manifests { dir, .. } => Some(&**dir),
             Source::Cluster(_) => None,
         };
+        // Those of the input name their file already (a duplicate names the
+        // one that loses, not the one that defines the object).
+        let as_found = |r: &Rejection| r.to_string();
         let show = |r: &Rejection| {
             let mut named = [r.clone()];
             if let Some(dir) = dir {
@@ -422,9 +425,9 @@ impl Syncer {
         let mut changed = false;
         if let Some(dir) = dir {
             let version = dir.rejections_version();
-            changed |= self
-                .problems
-                .update(FROM_INPUT, version, || dir.rejections_iter(), show);
+            changed |=
+                self.problems
+                    .update(FROM_INPUT, version, || dir.rejections_iter(), as_found);
         }
         let t = &self.translator;
         changed |= self.problems.update(

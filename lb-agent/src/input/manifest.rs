@@ -209,8 +209,9 @@ impl ManifestDir {
         self.rejections_version
     }
 
-    /// Names the file of each rejected object that another layer reported
-    /// (translation says "translate"): the file that defines it now.
+    /// Names the file of each rejected object that a later layer reported
+    /// (translation says "translate"): the file that defines it now. Not
+    /// for this directory's own rejections, which name their file.
     pub fn name_files(&self, rejections: &mut [Rejection]) {
         for r in rejections {
             if let Some(source) = self.objects.source_of(&r.object) {
