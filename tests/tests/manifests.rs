@@ -193,7 +193,7 @@ fn bad_manifests_leave_good_services_served() {
     )
     .unwrap();
     // A second definition of web: the file that loses is named.
-    m.write("web-again.yaml", &[web_service().to_value()])
+    m.write("web2.yaml", &[web_service().to_value()])
         .unwrap();
     // ... and a good Service after it: once that is served, the bad files
     // have been through a sync too.
@@ -223,7 +223,7 @@ fn bad_manifests_leave_good_services_served() {
         )),
         "the port's rejection does not name its file"
     );
-    let (web, again) = (m.path().join("web.yaml"), m.path().join("web-again.yaml"));
+    let (web, again) = (m.path().join("web.yaml"), m.path().join("web2.yaml"));
     assert!(
         log.contains(&format!(
             "skipped: {}: Service demo/web: metadata.name: duplicate: already defined in {}, which wins",
