@@ -41,6 +41,11 @@ pub struct RunArgs {
     /// the agent watches the Kubernetes API.
     #[arg(long, conflicts_with_all = ["kubeconfig", "k8s_api_server"])]
     pub manifests: Option<PathBuf>,
+    /// Standalone mode: a manifest file larger than this many bytes is not
+    /// read (its objects are rejected, naming the file): decoding takes
+    /// about three times a file's size in memory.
+    #[arg(long, default_value_t = crate::input::manifest::DEFAULT_MAX_FILE_BYTES)]
+    pub max_manifest_bytes: u64,
     /// Cluster mode: kubeconfig to use (default: in-cluster config, then
     /// $KUBECONFIG / ~/.kube/config).
     #[arg(long, env = "KUBECONFIG")]

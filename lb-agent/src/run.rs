@@ -1,7 +1,7 @@
 //! `lb-agent run`: load (or adopt) the datapath, then keep the maps in sync
 //! with the manifests directory or the Kubernetes API until a signal.
 use std::{
-    collections::BTreeSet,
+    collections::{BTreeSet, HashMap},
     path::PathBuf,
     sync::{Arc, Mutex},
     time::{Duration, SystemTime, UNIX_EPOCH},
@@ -42,21 +42,104 @@ fn hostname() -> anyhow::Result<String> {
     Ok(name.trim().to_owned())
 }
 
-/// Logs each distinct problem once, and when it goes away.
+/// Raises the soft open-file limit to the hard one. 1 024, a common
+/// default, runs out with a few hundred health probes and manifest files
+/// open; what then fails to open is reported and retried, never taken for
+/// "no objects", but better it does not fail.
+fn raise_open_file_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::info!(from = soft, to = hard, "open-file limit raised"),
+            Err(e) => tracing::warn!(soft, hard, "raising the open-file limit: {e}"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!("reading the open-file limit: {e}"),
+    }
+}
+
+/// Where a rejection was found: the input (manifest files), translation,
+/// or the north-south inputs (source ranges).
+const ORIGINS: usize = 3;
+const FROM_INPUT: usize = 0;
+const FROM_TRANSLATION: usize = 1;
+const FROM_NORTH_SOUTH: usize = 2;
+
+/// Logs each distinct problem once, and when it goes away. An origin's
+/// problems are looked at only when its version moved: many rejected
+/// objects cost nothing in a sync that changes none of them.
 #[derive(Default)]
 struct ProblemLog {
-    seen: BTreeSet<String>,
+    origins: [SeenProblems; ORIGINS],
+}
+
+#[derive(Default)]
+struct SeenProblems {
+    version: Option<u64>,
+    /// Each problem, and how many times it was reported.
+    seen: HashMap<Rejection, u32>,
+    /// How many per metric label.
+    by_field: HashMap<RejectLabel, i64>,
 }
 
 impl ProblemLog {
-    fn update(&mut self, now: BTreeSet<String>) {
-        for p in now.difference(&self.seen) {
-            tracing::warn!("skipped: {p}");
+    /// Takes the problems of `origin` at `version`, if that moved (`now`
+    /// is not called otherwise); `show` says how a new one is logged.
+    /// Whether they changed.
+    fn update<'a, I: Iterator<Item = &'a Rejection>>(
+        &mut self,
+        origin: usize,
+        version: u64,
+        now: impl FnOnce() -> I,
+        show: impl Fn(&Rejection) -> String,
+    ) -> bool {
+        let o = &mut self.origins[origin];
+        if o.version == Some(version) {
+            return false;
         }
-        for p in self.seen.difference(&now) {
-            tracing::info!("resolved: {p}");
+        o.version = Some(version);
+        let mut seen: HashMap<Rejection, u32> = HashMap::with_capacity(o.seen.len());
+        for r in now() {
+            match seen.get_mut(r) {
+                Some(n) => *n += 1,
+                None => {
+                    if !o.seen.contains_key(r) {
+                        tracing::warn!("skipped: {}", show(r));
+                    }
+                    seen.insert(r.clone(), 1);
+                }
+            }
         }
-        self.seen = now;
+        for r in o.seen.keys().filter(|r| !seen.contains_key(*r)) {
+            tracing::info!("resolved: {}", show(r));
+        }
+        let changed = seen != o.seen;
+        if changed {
+            o.by_field.clear();
+            for (r, n) in &seen {
+                *o.by_field.entry(RejectLabel::of(&r.field)).or_default() += i64::from(*n);
+            }
+        }
+        o.seen = seen;
+        changed
+    }
+
+    /// How many problems, repeats counted.
+    fn total(&self) -> usize {
+        self.origins
+            .iter()
+            .flat_map(|o| o.seen.values())
+            .map(|n| *n as usize)
+            .sum()
+    }
+
+    /// How many per metric label, over every origin.
+    fn by_field(&self) -> HashMap<&RejectLabel, i64> {
+        let mut out: HashMap<&RejectLabel, i64> = HashMap::new();
+        for (label, n) in self.origins.iter().flat_map(|o| o.by_field.iter()) {
+            *out.entry(label).or_default() += n;
+        }
+        out
     }
 }
 
@@ -72,18 +155,18 @@ enum Source {
 }
 
 impl Source {
-    /// Runs `f` on the current objects, which of them changed since the
-    /// last call (`None`: not known), and the problems found reading them.
-    fn with_store<R>(&mut self, f: impl FnOnce(&Store, Option<Changes>, Vec<Rejection>) -> R) -> R {
+    /// Runs `f` on the current objects and which of them changed since the
+    /// last call (`None`: not known).
+    fn with_store<R>(&mut self, f: impl FnOnce(&Store, Option<Changes>) -> R) -> R {
         match self {
             Source::Manifests { dir, .. } => {
                 let changes = dir.refresh();
-                f(dir.store(), Some(changes), dir.rejections())
+                f(dir.store(), Some(changes))
             }
             Source::Cluster(state) => {
                 let mut state = state.lock().expect("cluster state lock");
                 let changes = state.take_changes();
-                f(&state.store, changes, Vec::new())
+                f(&state.store, changes)
             }
         }
     }
@@ -137,6 +220,8 @@ struct NorthSouthInputs {
     net: NodeNet,
     ranges: std::collections::BTreeMap<Frontend, Vec<Cidr>>,
     rejections: Vec<Rejection>,
+    /// Moves when `rejections` change.
+    rejections_version: u64,
     checks: Vec<northsouth::HealthCheck>,
 }
 
@@ -214,43 +299,47 @@ impl Syncer {
         let algorithm = self.algorithm;
         let translator = &mut self.translator;
         let cache = &mut self.north_south_cache;
-        let (update, rejections, net, ranges, checks, eligible) =
-            self.source.with_store(|store, changes, mut rejections| {
-                // A wake-up for a file that is not a manifest (an editor's
-                // temporary file, say) changes nothing.
-                let unchanged = !full && changes.as_ref().is_some_and(Changes::is_empty);
-                let node = store.node_info(&node_name);
-                let net = node_net(store, &node_name, &interfaces, &ns);
-                let opts = TranslateOptions {
-                    default_algorithm: algorithm,
-                    node_addresses: net.node_addresses.clone(),
-                    allowed_external_ips: ns.allowed_external_ip_cidrs.clone(),
-                    external_cluster_ip: ns.external_clusterip,
-                };
-                let update = match changes {
-                    Some(changes) if !full => translator.update(store, &changes, &node, &opts),
-                    _ => translator.full(store, &node, &opts),
-                };
-                rejections.extend(translator.rejections());
-                let desired = translator.state();
-                let inputs = match cache.take() {
-                    Some(c) if unchanged && !update.full && c.net == net => c,
-                    _ => {
-                        let (ranges, rejections) = northsouth::source_ranges(store, desired);
-                        NorthSouthInputs {
-                            net: net.clone(),
-                            ranges,
-                            rejections,
-                            checks: northsouth::health_checks(store, &node_name),
-                        }
+        let (update, net, ranges, checks, eligible) = self.source.with_store(|store, changes| {
+            // A wake-up for a file that is not a manifest (an editor's
+            // temporary file, say) changes nothing.
+            let unchanged = !full && changes.as_ref().is_some_and(Changes::is_empty);
+            let node = store.node_info(&node_name);
+            let net = node_net(store, &node_name, &interfaces, &ns);
+            let opts = TranslateOptions {
+                default_algorithm: algorithm,
+                node_addresses: net.node_addresses.clone(),
+                allowed_external_ips: ns.allowed_external_ip_cidrs.clone(),
+                external_cluster_ip: ns.external_clusterip,
+            };
+            let update = match changes {
+                Some(changes) if !full => translator.update(store, &changes, &node, &opts),
+                _ => translator.full(store, &node, &opts),
+            };
+            let desired = translator.state();
+            let inputs = match cache.take() {
+                Some(c) if unchanged && !update.full && c.net == net => c,
+                previous => {
+                    let (ranges, rejections) = northsouth::source_ranges(store, desired);
+                    let rejections_version = match previous {
+                        Some(p) if p.rejections == rejections => p.rejections_version,
+                        Some(p) => p.rejections_version + 1,
+                        None => 0,
+                    };
+                    NorthSouthInputs {
+                        net: net.clone(),
+                        ranges,
+                        rejections,
+                        rejections_version,
+                        checks: northsouth::health_checks(store, &node_name),
                     }
-                };
-                rejections.extend(inputs.rejections.iter().cloned());
-                let (ranges, checks) = (inputs.ranges.clone(), inputs.checks.clone());
-                *cache = Some(inputs);
-                let eligible = node_eligible(store.nodes.get(&node_name));
-                (update, rejections, net, ranges, checks, eligible)
-            });
+                }
+            };
+            let (ranges, checks) = (inputs.ranges.clone(), inputs.checks.clone());
+            *cache = Some(inputs);
+            let eligible = node_eligible(store.nodes.get(&node_name));
+            (update, net, ranges, checks, eligible)
+        });
+        let rejections_changed = self.log_problems();
         self.set_node_eligible(eligible);
         let read_translate = started.elapsed();
         let applying = Instant::now();
@@ -272,8 +361,6 @@ impl Syncer {
             tracing::error!("map write failed, will retry on the next sync: {e}");
         }
         self.record_unprogrammed();
-        self.problems
-            .update(rejections.iter().map(ToString::to_string).collect());
         // Before the old sets retire: a client, or an unconnected socket's
         // flow, must not stick to a backend that just left its Service.
         if report.frontends_written + report.frontends_removed > 0 {
@@ -300,7 +387,7 @@ impl Syncer {
         for p in self.health_checks.update(&checks, &bind) {
             tracing::warn!("{p}");
         }
-        self.record(&report, &rejections, started.elapsed());
+        self.record(&report, rejections_changed, started.elapsed());
         // What was pending is programmed; after a failed write it stays
         // pending, and /healthz goes 503 if no later sync succeeds in time.
         if report.errors.is_empty() {
@@ -313,12 +400,54 @@ impl Syncer {
             adopted = report.frontends_adopted,
             removed = report.frontends_removed,
             backends_written = report.backends_written,
-            rejected = rejections.len(),
+            rejected = self.problems.total(),
             read_translate_ms = read_translate.as_secs_f64() * 1e3,
             apply_ms = apply.as_secs_f64() * 1e3,
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "synced"
         );
+    }
+
+    /// Logs the problems that are new or gone since the last sync, naming
+    /// the file of an object translation rejected; whether any changed.
+    fn log_problems(&mut self) -> bool {
+        let dir = match &self.source {
+            Source::Manifests { dir, .. } => Some(&**dir),
+            Source::Cluster(_) => None,
+        };
+        // Those of the input name their file already (a duplicate names the
+        // one that loses, not the one that defines the object).
+        let as_found = |r: &Rejection| r.to_string();
+        let show = |r: &Rejection| {
+            let mut named = [r.clone()];
+            if let Some(dir) = dir {
+                dir.name_files(&mut named);
+            }
+            named[0].to_string()
+        };
+        let mut changed = false;
+        if let Some(dir) = dir {
+            let version = dir.rejections_version();
+            changed |=
+                self.problems
+                    .update(FROM_INPUT, version, || dir.rejections_iter(), as_found);
+        }
+        let t = &self.translator;
+        changed |= self.problems.update(
+            FROM_TRANSLATION,
+            t.rejections_version(),
+            || t.rejections_iter(),
+            show,
+        );
+        if let Some(ns) = &self.north_south_cache {
+            changed |= self.problems.update(
+                FROM_NORTH_SOUTH,
+                ns.rejections_version,
+                || ns.rejections.iter(),
+                show,
+            );
+        }
+        changed
     }
 
     fn set_node_eligible(&mut self, eligible: bool) {
@@ -336,7 +465,7 @@ impl Syncer {
     fn record(
         &self,
         report: &crate::datapath::reconcile::SyncReport,
-        rejections: &[Rejection],
+        rejections_changed: bool,
         took: Duration,
     ) {
         let m = &self.metrics;
@@ -379,9 +508,11 @@ impl Syncer {
                 })
                 .set(used as f64 / cap.max(1) as f64);
         }
-        m.rejected.clear();
-        for r in rejections {
-            m.rejected.get_or_create(&RejectLabel::of(&r.field)).inc();
+        if rejections_changed {
+            m.rejected.clear();
+            for (label, n) in self.problems.by_field() {
+                m.rejected.get_or_create(label).set(n);
+            }
         }
     }
 
@@ -397,6 +528,14 @@ impl Syncer {
         for e in self.datapath.maps().sync_unprogrammed(&want) {
             tracing::warn!("{e}");
         }
+        self.ready.set_degraded((!want.is_empty()).then(|| {
+            let reasons: Vec<String> = by_reason.iter().map(|(r, n)| format!("{n} {r}")).collect();
+            format!(
+                "{} frontends not programmed ({}); see `lb-agent inspect services`",
+                want.len(),
+                reasons.join(", ")
+            )
+        }));
         let m = &self.metrics.unprogrammed;
         m.clear();
         for (reason, n) in by_reason {
@@ -671,6 +810,7 @@ fn attach_after_sync(
 }
 
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
+    raise_open_file_limit();
     let node_name = match args.node_name.clone() {
         Some(n) => n,
         None => hostname()?,
@@ -694,8 +834,15 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let ready = Readiness::default();
     let proxy_health = ProxyHealthHandle::new(args.healthz_timeout);
-    health::serve(args.health_addr, ready.clone(), proxy_health.clone()).await?;
-    health::serve_metrics(args.metrics_bind_address, metrics.clone()).await?;
+    let limits = health::Limits::default();
+    health::serve(
+        args.health_addr,
+        ready.clone(),
+        proxy_health.clone(),
+        limits,
+    )
+    .await?;
+    health::serve_metrics(args.metrics_bind_address, metrics.clone(), limits).await?;
 
     // Changes wake the loop; one pending wake-up is enough.
     let (wake, mut events) = mpsc::channel::<()>(1);
@@ -706,7 +853,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
             // Watch before the first read, so no change between the two is lost.
             Source::Manifests {
-                dir: Box::new(manifest::ManifestDir::new(dir)),
+                dir: Box::new(
+                    manifest::ManifestDir::new(dir).with_max_file_bytes(args.max_manifest_bytes),
+                ),
                 _watcher: watch_dir(dir, wake.clone(), proxy_health.clone())?,
             }
         }

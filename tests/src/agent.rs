@@ -87,6 +87,9 @@ pub struct AgentOpts {
     /// `securityContext.capabilities.add`, e.g. `NET_ADMIN`), through
     /// `setpriv --bounding-set`, as a container runtime grants them.
     pub capabilities: Option<Vec<String>>,
+    /// Start the agent with this soft open-file limit (the hard one as
+    /// ours), as a login shell's `ulimit -n 1024` would.
+    pub open_files_soft_limit: Option<u64>,
 }
 
 impl Default for AgentOpts {
@@ -100,6 +103,7 @@ impl Default for AgentOpts {
             netns: None,
             no_ready_wait: false,
             capabilities: None,
+            open_files_soft_limit: None,
         }
     }
 }
@@ -155,6 +159,7 @@ fn spawn(
     append: bool,
     netns: Option<&str>,
     capabilities: Option<&[String]>,
+    open_files_soft_limit: Option<u64>,
 ) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -186,6 +191,26 @@ fn spawn(
     // Plain log lines in the log file.
     c.args(args).env("NO_COLOR", "1");
     let line = cmd::display(&c);
+    if let Some(soft) = open_files_soft_limit {
+        use std::os::unix::process::CommandExt as _;
+        // SAFETY: getrlimit and setrlimit are async-signal-safe.
+        unsafe {
+            c.pre_exec(move || {
+                let mut lim = libc::rlimit {
+                    rlim_cur: 0,
+                    rlim_max: 0,
+                };
+                if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                lim.rlim_cur = soft.min(lim.rlim_max);
+                if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
     let child = cmd::die_with_parent(&mut c, libc::SIGTERM)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -206,6 +231,7 @@ pub struct Agent {
     log_path: PathBuf,
     netns: Option<String>,
     capabilities: Option<Vec<String>>,
+    open_files_soft_limit: Option<u64>,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -260,6 +286,7 @@ impl Agent {
             false,
             opts.netns.as_deref(),
             opts.capabilities.as_deref(),
+            opts.open_files_soft_limit,
         )?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
@@ -283,6 +310,7 @@ impl Agent {
             log_path,
             netns: opts.netns.clone(),
             capabilities: opts.capabilities.clone(),
+            open_files_soft_limit: opts.open_files_soft_limit,
             pid,
             child,
             _cleanup: handle,
@@ -407,6 +435,7 @@ impl Agent {
             true,
             self.netns.as_deref(),
             self.capabilities.as_deref(),
+            self.open_files_soft_limit,
         )?;
         self.pid = child.id();
         *g = Some(child);

@@ -255,6 +255,13 @@ fn a_frontend_that_does_not_fit_keeps_its_previous_state() {
             && log.contains("LB_SLOTS is full"),
         "{log}"
     );
+    // Still ready (everything else is served), but says what is not.
+    let (code, body) = agent.get("/readyz").unwrap();
+    assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("degraded: 1 frontends not programmed (1 slots_full)"),
+        "/readyz: {body}"
+    );
 
     // `a` grows to 3 backends: 3 more slots, 2 free.
     env.manifests
@@ -302,4 +309,5 @@ fn a_frontend_that_does_not_fit_keeps_its_previous_state() {
         0.15,
     );
     assert!(inspected(agent, "10.96.0.10", 80).unwrap()["unprogrammed"].is_null());
+    assert_eq!(agent.get("/readyz").unwrap(), (200, "ready\n".to_owned()));
 }

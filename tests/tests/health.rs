@@ -359,3 +359,66 @@ fn a_device_the_clsact_filters_cannot_attach_to_keeps_the_agent_unready() {
     require_root!();
     unattached_device_keeps_the_agent_unready("tcnl", "netlink");
 }
+
+/// Idle and slowloris connections to the health address are closed after
+/// the header timeout (5 s), connections beyond the cap (128) at once, and
+/// the server answers afterwards. Before, all were kept open forever: that
+/// is how an open health port ran the agent out of file descriptors.
+#[test]
+fn the_health_server_closes_idle_slow_and_excess_connections() {
+    use std::io::{Read as _, Write as _};
+    require_root!();
+    let env = web_env("hlimits", 1);
+    let agent = env.agent();
+    let (cap, opened) = (128, 200);
+    // First, so that it has a place: sends its head a byte at a time,
+    // never its end.
+    let mut slow = std::net::TcpStream::connect(agent.health_addr()).unwrap();
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let idle: Vec<std::net::TcpStream> = (1..opened)
+        .map(|_| std::net::TcpStream::connect(agent.health_addr()).unwrap())
+        .collect();
+    let closed = |mut s: &std::net::TcpStream| {
+        s.set_nonblocking(true).unwrap();
+        let mut b = [0u8; 64];
+        match s.read(&mut b) {
+            Ok(0) => true,
+            Ok(_) => false,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        }
+    };
+    // Well within the header timeout: only those beyond the cap are closed.
+    std::thread::sleep(Duration::from_millis(1500));
+    let early = idle.iter().filter(|s| closed(s)).count();
+    assert_eq!(
+        early,
+        opened - cap,
+        "connections closed at once (beyond the cap of {cap})"
+    );
+    // Then everything, the slowloris one included, once its header time
+    // is up.
+    let slow_writer = std::thread::spawn(move || {
+        for _ in 0..100 {
+            if slow.write_all(b"X").is_err() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        false
+    });
+    let all = wait_until(Duration::from_secs(20), Duration::from_millis(200), || {
+        idle.iter().all(|s| closed(s))
+    });
+    let open = idle.iter().filter(|s| !closed(s)).count();
+    assert!(
+        all,
+        "{open} of {opened} idle connections still open after 20 s"
+    );
+    assert!(
+        slow_writer.join().unwrap(),
+        "a connection sending its header a byte every 200 ms was kept 20 s"
+    );
+    assert_eq!(agent.get("/healthz").unwrap().0, 200);
+    assert_eq!(agent.get("/readyz").unwrap().0, 200);
+}

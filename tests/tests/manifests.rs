@@ -192,6 +192,9 @@ fn bad_manifests_leave_good_services_served() {
         &[http_service("notanip", "not-an-ip").to_value()],
     )
     .unwrap();
+    // A second definition of web: the file that loses is named.
+    m.write("web2.yaml", &[web_service().to_value()])
+        .unwrap();
     // ... and a good Service after it: once that is served, the bad files
     // have been through a sync too.
     m.write("good2.yaml", &one_pod_http("good2", "10.96.0.41", 1))
@@ -210,6 +213,25 @@ fn bad_manifests_leave_good_services_served() {
     );
     assert_eq!(agent.get("/healthz").unwrap().0, 200);
     assert_eq!(agent.get("/readyz").unwrap().0, 200);
+    // Found by translation, named by file.
+    let log = agent.log();
+    let bigport = env.manifests.path().join("port70000.yaml");
+    assert!(
+        log.contains(&format!(
+            "{}: Service demo/bigport: spec.ports[0].port: 70000 is outside 1..65535",
+            bigport.display()
+        )),
+        "the port's rejection does not name its file"
+    );
+    let (web, again) = (m.path().join("web.yaml"), m.path().join("web2.yaml"));
+    assert!(
+        log.contains(&format!(
+            "skipped: {}: Service demo/web: metadata.name: duplicate: already defined in {}, which wins",
+            again.display(),
+            web.display()
+        )),
+        "the duplicate is not reported against the file that loses"
+    );
     assert_all_ok(
         "good Service after more bad files",
         &env.tcp("10.96.0.10:80", 30),

@@ -35,6 +35,20 @@ use crate::input::store::{Changes, ObjectKey, Rejection, Slice, Store};
 /// The namespace of a namespaced object whose manifest does not say.
 pub const DEFAULT_NAMESPACE: &str = "default";
 
+/// Files larger than this are not read (`--max-manifest-bytes`): decoding
+/// one peaks at about three times its size. 100 000 Services with ten
+/// endpoints each, as compact JSON, take about half of it.
+pub const DEFAULT_MAX_FILE_BYTES: u64 = 256 << 20;
+
+/// YAML flow collections (`[`, `{`) nested deeper than this are not
+/// parsed: the YAML parser takes time quadratic in their depth (a 200 KB
+/// file of them took half a minute), and the decoder would give up at 128
+/// levels anyway. Counted before parsing without regard to quoting (so
+/// the margin is wide): a guard against accidents such as a generator gone
+/// wrong, not a sandbox; whoever can write the directory can delete every
+/// Service anyway.
+const MAX_YAML_FLOW_DEPTH: usize = 1000;
+
 /// How a manifest file is encoded, decided by its extension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Format {
@@ -81,7 +95,8 @@ pub fn load_str(source: &str, text: &str, format: Format) -> (Store, Vec<Rejecti
         Some(parse_file(source, text, format)),
         &mut changes,
     );
-    let rejections = objects.rejections();
+    objects.update_rejections();
+    let rejections = objects.rejections().cloned().collect();
     (objects.store, rejections)
 }
 
@@ -139,10 +154,16 @@ pub struct ManifestDir {
     stamps: BTreeMap<OsString, (Stamp, SystemTime)>,
     /// The directory itself could not be listed.
     dir_error: Option<Rejection>,
+    /// Files that are there but could not be read (or stat'ed), and
+    /// listed entries that are not regular files, by name. A file that
+    /// could not be read keeps what it last decoded to: a read error (too
+    /// many open files, say) says nothing about its content.
+    unread: BTreeMap<OsString, Rejection>,
+    /// Files larger than this are rejected unread.
+    max_file_bytes: u64,
     objects: Objects,
-    /// Every problem as of the last refresh, worked out again only when a
-    /// file was read or went away (it looks at every object).
-    rejections: Vec<Rejection>,
+    /// Moves whenever the problems changed.
+    rejections_version: u64,
 }
 
 impl ManifestDir {
@@ -151,9 +172,16 @@ impl ManifestDir {
             dir: dir.to_owned(),
             stamps: BTreeMap::new(),
             dir_error: None,
+            unread: BTreeMap::new(),
+            max_file_bytes: DEFAULT_MAX_FILE_BYTES,
             objects: Objects::default(),
-            rejections: Vec::new(),
+            rejections_version: 0,
         }
+    }
+
+    pub fn with_max_file_bytes(mut self, max: u64) -> Self {
+        self.max_file_bytes = max;
+        self
     }
 
     /// The objects as of the last [`refresh`](Self::refresh).
@@ -163,30 +191,63 @@ impl ManifestDir {
 
     /// Every problem found, in file name order, then document order.
     pub fn rejections(&self) -> Vec<Rejection> {
-        self.rejections.clone()
+        self.rejections_iter().cloned().collect()
+    }
+
+    /// [`rejections`](Self::rejections) without copying them.
+    pub fn rejections_iter(&self) -> impl Iterator<Item = &Rejection> {
+        let files = self.objects.rejections();
+        self.dir_error
+            .iter()
+            .chain(self.unread.values())
+            .chain(files)
+    }
+
+    /// Moves whenever [`rejections`](Self::rejections) changed: a caller
+    /// that saw this version need not look at them again.
+    pub fn rejections_version(&self) -> u64 {
+        self.rejections_version
+    }
+
+    /// Names the file of each rejected object that a later layer reported
+    /// (translation says "translate"): the file that defines it now. Not
+    /// for this directory's own rejections, which name their file.
+    pub fn name_files(&self, rejections: &mut [Rejection]) {
+        for r in rejections {
+            if let Some(source) = self.objects.source_of(&r.object) {
+                if r.source != source {
+                    r.source = source.to_owned();
+                }
+            }
+        }
     }
 
     /// Re-reads the files that appeared, changed or went away since the last
-    /// call, and updates the store with their objects only.
+    /// call, and updates the store with their objects only. What cannot be
+    /// read keeps its last good objects: a directory that cannot be listed
+    /// keeps every file's, a file that cannot be read keeps its own.
     pub fn refresh(&mut self) -> Changes {
         let mut changes = Changes::default();
-        let dir_error = self.dir_error.clone();
-        let mut read = false;
         let listed = match manifest_files(&self.dir) {
-            Ok(files) => {
-                self.dir_error = None;
-                files
-            }
+            Ok(files) => files,
             Err(err) => {
-                self.dir_error = Some(Rejection::new(
+                let error = Rejection::new(
                     self.dir.display().to_string(),
                     "",
                     "",
-                    format!("cannot read the manifests directory: {err}"),
-                ));
-                Vec::new()
+                    format!(
+                        "cannot read the manifests directory: {err}; \
+                         its Services stay as last read"
+                    ),
+                );
+                if self.dir_error.as_ref() != Some(&error) {
+                    self.dir_error = Some(error);
+                    self.rejections_version += 1;
+                }
+                return changes;
             }
         };
+        let listable_again = self.dir_error.take().is_some();
         let names: BTreeSet<&OsString> = listed.iter().map(|(name, ..)| name).collect();
         let gone: Vec<OsString> = self
             .stamps
@@ -194,55 +255,128 @@ impl ManifestDir {
             .filter(|name| !names.contains(name))
             .cloned()
             .collect();
+        let unread_before = std::mem::take(&mut self.unread);
         for name in gone {
-            read = true;
             self.stamps.remove(&name);
             self.objects.replace_file(name, None, &mut changes);
         }
-        for (name, path, format, stamp) in listed {
+        for (name, path, entry) in listed {
+            let source = path.display().to_string();
+            let (format, stamp) = match entry {
+                Entry::File(format, stamp) => (format, stamp),
+                Entry::Unreadable(err) => {
+                    let reason = format!("cannot read: {err}; its objects stay as last read");
+                    self.unread
+                        .insert(name, Rejection::new(source, "", "", reason));
+                    continue;
+                }
+                Entry::NotAFile(what) => {
+                    // Not a manifest: whatever a file of that name held goes.
+                    if self.stamps.remove(&name).is_some() {
+                        self.objects.replace_file(name.clone(), None, &mut changes);
+                    }
+                    let reason = format!("not a regular file ({what}): skipped");
+                    self.unread
+                        .insert(name, Rejection::new(source, "", "", reason));
+                    continue;
+                }
+            };
             if let Some((cached, read_at)) = self.stamps.get(&name) {
                 if *cached == stamp && !stamp.racy(*read_at) {
                     continue;
                 }
             }
             let read_at = SystemTime::now();
-            read = true;
-            let source = path.display().to_string();
-            let parsed = match fs::read_to_string(&path) {
-                Ok(text) => parse_file(&source, &text, format),
-                Err(err) => ParsedFile::unreadable(&source, err),
+            let parsed = match read_capped(&path, self.max_file_bytes) {
+                Ok(Some(text)) => parse_file(&source, &text, format),
+                Ok(None) => {
+                    let mut file = ParsedFile::new(&source);
+                    file.reject(
+                        "",
+                        "",
+                        format!(
+                            "larger than {} bytes (--max-manifest-bytes): not read",
+                            self.max_file_bytes
+                        ),
+                    );
+                    file
+                }
+                Err(err) if err.kind() == std::io::ErrorKind::InvalidData => {
+                    ParsedFile::unreadable(&source, err)
+                }
+                Err(err) => {
+                    // Not stamped: read again on the next refresh.
+                    let reason = format!("cannot read: {err}; its objects stay as last read");
+                    self.unread
+                        .insert(name, Rejection::new(source, "", "", reason));
+                    continue;
+                }
             };
             // Stamped as listed: a write after the listing shows up as a
             // change on the next refresh instead of being missed.
             self.stamps.insert(name.clone(), (stamp, read_at));
             self.objects.replace_file(name, Some(parsed), &mut changes);
         }
-        if read || self.dir_error != dir_error {
-            self.rejections = self.dir_error.iter().cloned().collect();
-            self.rejections.extend(self.objects.rejections());
+        let files_changed = self.objects.update_rejections();
+        if files_changed || listable_again || self.unread != unread_before {
+            self.rejections_version += 1;
         }
         changes
     }
 }
 
-/// The manifest files of `dir`, sorted by name, with their stamps. Symlinks
-/// are followed, so a ConfigMap volume (whose files are links into a hidden
-/// `..data`) works.
-fn manifest_files(dir: &Path) -> std::io::Result<Vec<(OsString, PathBuf, Format, Stamp)>> {
+/// The text of `path`, or `None` when it is longer than `max` bytes (also
+/// when it grew past that since it was listed).
+fn read_capped(path: &Path, max: u64) -> std::io::Result<Option<String>> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    fs::File::open(path)?
+        .take(max.saturating_add(1))
+        .read_to_string(&mut text)?;
+    Ok((text.len() as u64 <= max).then_some(text))
+}
+
+/// What a listed name is.
+enum Entry {
+    /// A manifest file (a symlink followed), with its stamp.
+    File(Format, Stamp),
+    /// There, but its type cannot be told (a symlink loop, a permission).
+    Unreadable(std::io::Error),
+    /// A FIFO, socket or device: reading it could block or never end.
+    NotAFile(&'static str),
+}
+
+/// The manifest files of `dir`, sorted by name. Symlinks are followed, so a
+/// ConfigMap volume (whose files are links into a hidden `..data`) works.
+fn manifest_files(dir: &Path) -> std::io::Result<Vec<(OsString, PathBuf, Entry)>> {
+    use std::os::unix::fs::FileTypeExt;
     let mut files = Vec::new();
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
         let Some(format) = Format::of_path(&path) else {
             continue;
         };
-        // A dangling link is not a file: skipped like a directory would be.
-        match fs::metadata(&path) {
-            Ok(meta) if meta.is_file() => {
-                let name = path.file_name().unwrap_or_default().to_owned();
-                files.push((name, path, format, Stamp::of(&meta)));
+        let name = path.file_name().unwrap_or_default().to_owned();
+        let entry = match fs::metadata(&path) {
+            Ok(meta) if meta.is_file() => Entry::File(format, Stamp::of(&meta)),
+            // Not read recursively, as documented.
+            Ok(meta) if meta.is_dir() => continue,
+            Ok(meta) => {
+                let t = meta.file_type();
+                Entry::NotAFile(if t.is_fifo() {
+                    "a FIFO"
+                } else if t.is_socket() {
+                    "a socket"
+                } else {
+                    "a device"
+                })
             }
-            _ => {}
-        }
+            // A dangling link is no file, like a ConfigMap volume's link
+            // for a moment during an update: skipped.
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(err) => Entry::Unreadable(err),
+        };
+        files.push((name, path, entry));
     }
     files.sort_by(|a, b| a.0.cmp(&b.0));
     Ok(files)
@@ -345,11 +479,15 @@ struct ParsedFile {
 }
 
 impl ParsedFile {
-    fn unreadable(source: &str, err: std::io::Error) -> Self {
-        let mut file = ParsedFile {
+    fn new(source: &str) -> Self {
+        ParsedFile {
             source: source.to_owned(),
             ..Default::default()
-        };
+        }
+    }
+
+    fn unreadable(source: &str, err: std::io::Error) -> Self {
+        let mut file = ParsedFile::new(source);
         file.reject("", "", format!("cannot read: {err}"));
         file
     }
@@ -379,6 +517,14 @@ struct Objects {
     /// Decoded definitions that lost to an earlier one, kept so that one
     /// takes over when the winner goes away without re-reading its file.
     shadowed: HashMap<String, BTreeMap<Position, Object>>,
+    /// The files with an object of this label that did not decode: what
+    /// they report depends on whether an earlier definition wins.
+    failed: HashMap<String, BTreeSet<OsString>>,
+    /// Each file's problems as last worked out (files without any left
+    /// out), so that a change elsewhere costs nothing here.
+    file_rejections: BTreeMap<OsString, Vec<Rejection>>,
+    /// Files whose problems may have changed since.
+    dirty: BTreeSet<OsString>,
 }
 
 impl Objects {
@@ -387,17 +533,22 @@ impl Objects {
     fn replace_file(&mut self, name: OsString, parsed: Option<ParsedFile>, changes: &mut Changes) {
         // Every label this file defined or defines now, to elect again.
         let mut contested: BTreeMap<String, (Kind, ObjectKey)> = BTreeMap::new();
+        self.dirty.insert(name.clone());
         if let Some((_, items)) = self.files.remove(&name) {
             for (i, item) in items.into_iter().enumerate() {
                 let Item::Object {
                     label,
                     kind,
                     key,
-                    decoded: Ok(()),
+                    decoded,
                 } = item
                 else {
                     continue;
                 };
+                if decoded.is_err() {
+                    self.unfail(&label, &name);
+                    continue;
+                }
                 let pos = (name.clone(), i);
                 if self.winners.get(&label) == Some(&pos) {
                     // Its object stays in the store until `elect` knows
@@ -431,11 +582,67 @@ impl Objects {
                     .insert((name.clone(), i), object);
                 contested.insert(label.clone(), (*kind, key.clone()));
             }
+            for item in &items {
+                if let Item::Object {
+                    label,
+                    decoded: Err(_),
+                    ..
+                } = item
+                {
+                    let files = self.failed.entry(label.clone()).or_default();
+                    files.insert(name.clone());
+                }
+            }
             self.files.insert(name, (source, items));
         }
         for (label, (kind, key)) in contested {
             self.elect(&label, kind, &key, changes);
+            // Whose duplicate (or decode error) messages may have changed.
+            let winner = self.winners.get(&label).map(|(f, _)| f);
+            let shadowed = self.shadowed.get(&label).into_iter().flatten();
+            let failed = self.failed.get(&label).into_iter().flatten();
+            let files = winner.into_iter().chain(shadowed.map(|((f, _), _)| f));
+            self.dirty.extend(files.chain(failed).cloned());
         }
+    }
+
+    fn unfail(&mut self, label: &str, file: &OsString) {
+        if let Some(files) = self.failed.get_mut(label) {
+            files.remove(file);
+            if files.is_empty() {
+                self.failed.remove(label);
+            }
+        }
+    }
+
+    /// Works out again the problems of the files that changed, or whose
+    /// objects' standing did; whether any changed.
+    fn update_rejections(&mut self) -> bool {
+        let mut changed = false;
+        for name in std::mem::take(&mut self.dirty) {
+            let now = if self.files.contains_key(&name) {
+                self.rejections_of(&name)
+            } else {
+                Vec::new()
+            };
+            let before = self.file_rejections.get(&name);
+            if before.map_or(now.is_empty(), |b| *b == now) {
+                continue;
+            }
+            changed = true;
+            if now.is_empty() {
+                self.file_rejections.remove(&name);
+            } else {
+                self.file_rejections.insert(name, now);
+            }
+        }
+        changed
+    }
+
+    /// Every problem, in file name order, then item order, as of the last
+    /// [`update_rejections`](Self::update_rejections).
+    fn rejections(&self) -> impl Iterator<Item = &Rejection> {
+        self.file_rejections.values().flatten()
     }
 
     /// Puts the earliest definition of `label` into the store. A winner
@@ -479,10 +686,16 @@ impl Objects {
         }
     }
 
-    /// Every problem, in file name order, then item order.
-    fn rejections(&self) -> Vec<Rejection> {
+    /// The source (path) of the file whose definition of `label` is stored.
+    fn source_of(&self, label: &str) -> Option<&str> {
+        let (name, _) = self.winners.get(label)?;
+        self.files.get(name).map(|(source, _)| source.as_str())
+    }
+
+    /// The problems of file `name`, in item order.
+    fn rejections_of(&self, name: &OsString) -> Vec<Rejection> {
         let mut out = Vec::new();
-        for (name, (source, items)) in &self.files {
+        if let Some((source, items)) = self.files.get(name) {
             for (i, item) in items.iter().enumerate() {
                 match item {
                     Item::Rejected(r) => out.push(r.clone()),
@@ -533,10 +746,7 @@ impl Objects {
 
 /// Decodes one file. Pure: the directory side is in [`ManifestDir`].
 fn parse_file(source: &str, text: &str, format: Format) -> ParsedFile {
-    let mut file = ParsedFile {
-        source: source.to_owned(),
-        ..Default::default()
-    };
+    let mut file = ParsedFile::new(source);
     match format {
         Format::Json => {
             // An editor may leave the file empty for a moment: that is
@@ -563,6 +773,12 @@ fn parse_file(source: &str, text: &str, format: Format) -> ParsedFile {
             }
         }
         Format::Yaml => {
+            if flow_depth(text) > MAX_YAML_FLOW_DEPTH {
+                let reason =
+                    format!("`[` and `{{` nested more than {MAX_YAML_FLOW_DEPTH} deep: not parsed");
+                file.reject("", "", reason);
+                return file;
+            }
             for (i, document) in serde_yaml::Deserializer::from_str(text).enumerate() {
                 let label = format!("document {}", i + 1);
                 // Two steps: the YAML value only fails on syntax errors,
@@ -586,6 +802,23 @@ fn parse_file(source: &str, text: &str, format: Format) -> ParsedFile {
         }
     }
     file
+}
+
+/// The deepest nesting of `[`/`{` in `text`, brackets in strings and
+/// comments counted too. Linear.
+fn flow_depth(text: &str) -> usize {
+    let (mut depth, mut deepest) = (0usize, 0usize);
+    for b in text.bytes() {
+        match b {
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
 }
 
 /// What decides where an object goes, read before its typed decoding.
@@ -714,15 +947,26 @@ impl Header {
     }
 
     fn of_raw(top: &RawTop<'_>) -> Self {
-        let meta = top
-            .metadata
-            .filter(|m| m.get().starts_with('{'))
-            .and_then(|m| serde_json::from_str::<RawMeta<'_>>(m.get()).ok());
+        let meta = top.metadata.filter(|m| m.get().starts_with('{'));
+        let (name, namespace) = match meta.map(|m| serde_json::from_str::<RawMeta<'_>>(m.get())) {
+            None => Default::default(),
+            Some(Ok(m)) => (raw_str(m.name), raw_str(m.namespace)),
+            // A repeated key (RawMeta takes each once): the Value tree reads
+            // it, the last of them winning as in the typed decoding.
+            Some(Err(_)) => {
+                let value = meta.and_then(|m| serde_json::from_str::<Value>(m.get()).ok());
+                let text = |key| {
+                    let v = value.as_ref().and_then(|v| v.get(key));
+                    v.and_then(Value::as_str).unwrap_or("").to_owned()
+                };
+                (text("name"), text("namespace"))
+            }
+        };
         Header {
             api_version: raw_str(top.api_version),
             kind: raw_str(top.kind),
-            name: raw_str(meta.as_ref().and_then(|m| m.name)),
-            namespace: raw_str(meta.as_ref().and_then(|m| m.namespace)),
+            name,
+            namespace,
         }
     }
 
@@ -1485,6 +1729,134 @@ mod tests {
         assert_eq!(rejections[0].source, missing.display().to_string());
     }
 
+    /// What cannot be read keeps its objects and says why, naming the path;
+    /// what is not a regular file is named too, not skipped silently.
+    #[test]
+    fn read_errors_keep_the_last_objects() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("m");
+        fs::create_dir(&dir).unwrap();
+        let web = dir.join("web.yaml");
+        fs::write(&web, SERVICE_WEB).unwrap();
+        let mut cached = ManifestDir::new(&dir);
+        cached.refresh();
+        let before = cached.store().clone();
+        assert_eq!(contents(&before), ["Service default/web"]);
+        let messages = |m: &ManifestDir| -> Vec<String> {
+            m.rejections().iter().map(ToString::to_string).collect()
+        };
+
+        // A symlink loop where the file was.
+        fs::remove_file(&web).unwrap();
+        std::os::unix::fs::symlink("web.yaml", &web).unwrap();
+        assert!(cached.refresh().is_empty());
+        assert_eq!(cached.store(), &before);
+        let got = messages(&cached);
+        assert_eq!(got.len(), 1, "{got:?}");
+        let want = format!("{}: cannot read: ", web.display());
+        assert!(got[0].starts_with(&want), "{got:?}");
+        assert!(got[0].ends_with("its objects stay as last read"), "{got:?}");
+
+        // A FIFO is named, not opened (which would block).
+        let fifo = dir.join("pipe.yaml");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        assert!(cached.refresh().is_empty());
+        let got = messages(&cached);
+        let want = format!("{}: not a regular file (a FIFO): skipped", fifo.display());
+        assert!(got.contains(&want), "{got:?}");
+
+        // The directory cannot be listed: everything stays.
+        let away = root.path().join("away");
+        fs::rename(&dir, &away).unwrap();
+        fs::write(&dir, "").unwrap();
+        assert!(cached.refresh().is_empty());
+        assert_eq!(cached.store(), &before);
+        let got = messages(&cached);
+        let want = format!("{}: cannot read the manifests directory: ", dir.display());
+        assert!(got.iter().any(|m| m.starts_with(&want)), "{got:?}");
+
+        // Readable again: as a fresh load.
+        fs::remove_file(&dir).unwrap();
+        fs::rename(&away, &dir).unwrap();
+        fs::remove_file(&fifo).unwrap();
+        fs::remove_file(&web).unwrap();
+        fs::write(&web, SERVICE_WEB_2).unwrap();
+        assert_eq!(changed(&cached.refresh()), ["Service default/web"]);
+        let (store, rejections) = load_dir(&dir);
+        assert_eq!(cached.store(), &store);
+        assert_eq!(cached.rejections(), rejections);
+        assert!(rejections.is_empty(), "{rejections:?}");
+    }
+
+    /// Problems found after decoding (translation) name the file.
+    #[test]
+    fn later_rejections_name_the_file() {
+        let (dir, _, _) = load(&[]);
+        fs::write(dir.path().join("a.yaml"), SERVICE_WEB).unwrap();
+        fs::write(dir.path().join("b.yaml"), SERVICE_WEB_2).unwrap();
+        let mut cached = ManifestDir::new(dir.path());
+        cached.refresh();
+        let mut found = [
+            Rejection::new(
+                "translate",
+                "Service default/web",
+                "spec.ports[0].port",
+                "0 is outside 1..65535",
+            ),
+            Rejection::new("translate", "Service default/gone", "", "x"),
+        ];
+        cached.name_files(&mut found);
+        // The first definition wins: a.yaml's.
+        let a = dir.path().join("a.yaml").display().to_string();
+        assert_eq!(found[0].source, a);
+        assert_eq!(found[1].source, "translate");
+    }
+
+    /// A file over the size cap, and YAML nested too deep to parse in
+    /// reasonable time, are rejected naming the file.
+    #[test]
+    fn size_and_depth_caps() {
+        let dir = tempfile::tempdir().unwrap();
+        let cap = 300_000;
+        fs::write(dir.path().join("big.yaml"), "#".repeat(cap + 1)).unwrap();
+        let deep = format!("{}{}", "[".repeat(100_000), "]".repeat(100_000));
+        fs::write(dir.path().join("deep.yaml"), deep).unwrap();
+        let nested = format!("a: {}1{}\n", "[".repeat(100), "]".repeat(100));
+        fs::write(dir.path().join("nested.yaml"), nested).unwrap();
+        fs::write(dir.path().join("ok.yaml"), SERVICE_WEB_2).unwrap();
+        let mut cached = ManifestDir::new(dir.path()).with_max_file_bytes(cap as u64);
+        cached.refresh();
+        let got: Vec<String> = cached
+            .rejections()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        let file = |name: &str| dir.path().join(name).display().to_string();
+        assert_eq!(
+            got,
+            [
+                format!(
+                    "{}: larger than {} bytes (--max-manifest-bytes): not read",
+                    file("big.yaml"),
+                    cap
+                ),
+                format!(
+                    "{}: `[` and `{{` nested more than 1000 deep: not parsed",
+                    file("deep.yaml")
+                ),
+                // Within the cap: the parser's own answer.
+                format!(
+                    "{}: document 1: kind: unsupported object: no kind (accepted: v1 Service, \
+                     discovery.k8s.io/v1 EndpointSlice, v1 Endpoints, v1 Node)",
+                    file("nested.yaml")
+                ),
+            ],
+        );
+        assert_eq!(contents(cached.store()), ["Service default/web"]);
+    }
+
     #[test]
     fn format_of_path() {
         let cases = [
@@ -1678,6 +2050,17 @@ mod tests {
         let (store, rejections) = load_str("f.json", text, Format::Json);
         assert!(rejections.is_empty(), "{rejections:?}");
         assert_eq!(contents(&store), ["Service default/c"]);
+        // Within metadata too (it used to read as no name at all), in a
+        // List item and in a single object.
+        let item = r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x", "namespace": "n", "name": "d"}}"#;
+        for text in [
+            format!(r#"{{"apiVersion": "v1", "kind": "List", "items": [{item}]}}"#),
+            item.to_owned(),
+        ] {
+            let (store, rejections) = load_str("f.json", &text, Format::Json);
+            assert!(rejections.is_empty(), "{text}: {rejections:?}");
+            assert_eq!(contents(&store), ["Service n/d"], "{text}");
+        }
     }
 
     #[test]

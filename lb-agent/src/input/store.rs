@@ -236,7 +236,7 @@ impl Store {
 
 /// One problem with the input: the object (or file) it concerns is skipped,
 /// everything else still applies. Shared by `manifest` and `translate`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Rejection {
     /// A file path, "api" (cluster mode) or "translate".
     pub source: String,

@@ -13,6 +13,7 @@ use std::{
 };
 
 use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::{
     input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
@@ -130,6 +131,9 @@ pub struct Translator {
     slice_service: BTreeMap<ObjectKey, ObjectKey>,
     /// What the last translation was done with.
     inputs: Option<(NodeInfo, TranslateOptions)>,
+    /// Moves whenever [`rejections`](Self::rejections) may have changed,
+    /// so that the caller need not look at them otherwise.
+    rejections_version: u64,
 }
 
 impl Translator {
@@ -140,10 +144,16 @@ impl Translator {
 
     /// Every rejection, in Service key order.
     pub fn rejections(&self) -> Vec<Rejection> {
-        self.services
-            .values()
-            .flat_map(|t| t.rejections.iter().cloned())
-            .collect()
+        self.rejections_iter().cloned().collect()
+    }
+
+    pub fn rejections_iter(&self) -> impl Iterator<Item = &Rejection> {
+        self.services.values().flat_map(|t| t.rejections.iter())
+    }
+
+    /// See `rejections_version` in the struct.
+    pub fn rejections_version(&self) -> u64 {
+        self.rejections_version
     }
 
     /// Translates every Service of `store` again.
@@ -162,6 +172,7 @@ impl Translator {
     ) -> Update {
         *self = Translator {
             inputs: Some((node.clone(), opts.clone())),
+            rejections_version: self.rejections_version + 1,
             ..Default::default()
         };
         for (key, slice) in &store.slices {
@@ -409,7 +420,9 @@ impl Translator {
                 }
             }
         }
-        if let Some(old) = self.services.remove(key) {
+        let old = self.services.remove(key);
+        let old_rejections = old.as_ref().map(|o| o.rejections.clone());
+        if let Some(old) = old {
             for frontend in old.frontends {
                 self.owners.remove(&frontend);
                 self.state.frontends.remove(&frontend);
@@ -429,6 +442,11 @@ impl Translator {
             touched.extend(out.claims.iter().map(|(f, ..)| *f));
             // Checked above: every frontend is this Service's alone.
             self.settle(key, out, report, None);
+        }
+        let new_rejections = self.services.get(key).map(|t| &t.rejections);
+        let none = Vec::new();
+        if old_rejections.as_ref().unwrap_or(&none) != new_rejections.unwrap_or(&none) {
+            self.rejections_version += 1;
         }
         true
     }
@@ -935,6 +953,16 @@ fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo
         let Some(port) = report.port(p.port, format_args!("spec.ports[{index}].port")) else {
             continue;
         };
+        // The endpoints' ports are what is used, but an API server would
+        // not have taken a Service with this number.
+        if let Some(IntOrString::Int(n)) = &p.target_port {
+            if report
+                .port(*n, format_args!("spec.ports[{index}].targetPort"))
+                .is_none()
+            {
+                continue;
+            }
+        }
         // 0 is what an unallocated nodePort looks like.
         let node_port = match p.node_port {
             None | Some(0) => None,
@@ -1682,6 +1710,17 @@ mod tests {
                 &["int 10.96.0.10:81/TCP ClusterIp default/web:b => none"],
             )
             .rejected(&["Service default/web spec.ports[0].port", "Service default/web spec.ports[2].port"]),
+            Case::new(
+                "numeric targetPorts outside 1..65535 rejected with their port, named ones kept",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIP: 10.96.0.10, ports: [{name: a, port: 80, targetPort: -5}, \
+                    {name: b, port: 81, targetPort: 8081}, {name: c, port: 82, targetPort: 70000}, {name: d, port: 83, targetPort: web}]}}"],
+                &[
+                    "int 10.96.0.10:81/TCP ClusterIp default/web:b => none",
+                    "int 10.96.0.10:83/TCP ClusterIp default/web:d => none",
+                ],
+            )
+            .rejected(&["Service default/web spec.ports[0].targetPort", "Service default/web spec.ports[2].targetPort"]),
             Case::new(
                 "bad cluster IP rejected, the other family still served",
                 &["{apiVersion: v1, kind: Service, metadata: {name: web}, \

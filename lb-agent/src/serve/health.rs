@@ -28,12 +28,18 @@ use crate::{
 
 /// Ready once the first full sync has been programmed, and while every
 /// datapath part asked for is attached: a part that failed is not a silent
-/// half-start.
+/// half-start. Frontends that do not fit in the maps leave it ready but
+/// "degraded" in the body: everything else is served, a restart would not
+/// make room, and an unready node agent helps no one (its pods' traffic
+/// goes through it regardless). `/healthz` turns 503 after
+/// `--healthz-timeout` of failing syncs, as kube-proxy's does.
 #[derive(Clone, Default)]
 pub struct Readiness {
     synced: Arc<AtomicBool>,
     /// Why a datapath part asked for is not attached.
     unattached: Arc<Mutex<Option<String>>>,
+    /// What is not programmed, while something is not.
+    degraded: Arc<Mutex<Option<String>>>,
 }
 
 impl Readiness {
@@ -59,6 +65,18 @@ impl Readiness {
 
     pub fn is_ready(&self) -> bool {
         self.check().is_ok()
+    }
+
+    /// `Some(what)` while some frontends could not be programmed.
+    pub fn set_degraded(&self, what: Option<String>) {
+        *self.degraded.lock().unwrap_or_else(|e| e.into_inner()) = what;
+    }
+
+    fn degraded(&self) -> Option<String> {
+        self.degraded
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 
@@ -128,7 +146,10 @@ fn json_answer(a: Answer) -> Response {
 
 async fn readyz(State(ready): State<Readiness>) -> (StatusCode, String) {
     match ready.check() {
-        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Ok(()) => match ready.degraded() {
+            None => (StatusCode::OK, "ready\n".into()),
+            Some(what) => (StatusCode::OK, format!("ready, degraded: {what}\n")),
+        },
         Err(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: {why}\n"),
@@ -162,12 +183,78 @@ async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<tokio::net::TcpLis
         .with_context(|| format!("binding the {what} address {addr}"))
 }
 
-fn spawn(listener: tokio::net::TcpListener, app: Router, what: &'static str) {
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "{what} server stopped");
+/// What one HTTP server (health or metrics) allows. The health address
+/// is open to the network: without these, idle and slowloris connections
+/// are kept forever and take the agent's file descriptors.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Connections served at once; one more is closed at once.
+    pub max_connections: usize,
+    /// For a request's head, counted from when the connection is idle (so
+    /// also how long an idle keep-alive connection stays open).
+    pub header_read_timeout: Duration,
+    /// For a whole connection, however it is used.
+    pub connection_timeout: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            // Probes come from a few load balancers and the kubelet.
+            max_connections: 128,
+            header_read_timeout: Duration::from_secs(5),
+            connection_timeout: Duration::from_secs(30),
         }
-    });
+    }
+}
+
+fn spawn(listener: tokio::net::TcpListener, app: Router, what: &'static str, limits: Limits) {
+    tokio::spawn(serve_limited(listener, app, what, limits));
+}
+
+/// Serves `app` on `listener` within `limits`, until the task is dropped.
+async fn serve_limited(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    what: &'static str,
+    limits: Limits,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let mut refused_logged = false;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // EMFILE and the like: wait instead of spinning.
+                tracing::warn!(error = %e, "{what} server: accepting a connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if !refused_logged {
+                tracing::warn!(
+                    max = limits.max_connections,
+                    "{what} server: connection limit reached, closing new connections"
+                );
+                refused_logged = true;
+            }
+            drop(stream);
+            continue;
+        };
+        refused_logged = false;
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            // Errors are the client's (timeouts, resets): nothing to log.
+            let _ = tokio::time::timeout(limits.connection_timeout, conn).await;
+            drop(slot);
+        });
+    }
 }
 
 /// The health server's routes.
@@ -195,17 +282,18 @@ pub async fn serve(
     addr: SocketAddr,
     ready: Readiness,
     health: ProxyHealthHandle,
+    limits: Limits,
 ) -> anyhow::Result<()> {
     let listener = bind(addr, "health").await?;
-    spawn(listener, health_app(ready, health), "health");
+    spawn(listener, health_app(ready, health), "health", limits);
     Ok(())
 }
 
 /// Binds `addr` now and serves `/metrics` in the background.
-pub async fn serve_metrics(addr: SocketAddr, m: Metrics) -> anyhow::Result<()> {
+pub async fn serve_metrics(addr: SocketAddr, m: Metrics, limits: Limits) -> anyhow::Result<()> {
     let app = Router::new().route("/metrics", get(metrics)).with_state(m);
     let listener = bind(addr, "metrics").await?;
-    spawn(listener, app, "metrics");
+    spawn(listener, app, "metrics", limits);
     Ok(())
 }
 
@@ -235,10 +323,17 @@ mod tests {
     async fn health_and_metrics_addresses() {
         let (haddr, maddr) = (free_addr(), free_addr());
         let health = ProxyHealthHandle::new(Duration::from_millis(50));
-        serve(haddr, Readiness::default(), health.clone())
+        serve(
+            haddr,
+            Readiness::default(),
+            health.clone(),
+            Limits::default(),
+        )
+        .await
+        .unwrap();
+        serve_metrics(maddr, Metrics::new(), Limits::default())
             .await
             .unwrap();
-        serve_metrics(maddr, Metrics::new()).await.unwrap();
 
         let r = get(haddr, "/healthz").await;
         assert!(
