@@ -296,6 +296,7 @@ fn smoke_script(
     let mut s = format!(
         "#!/bin/sh\n\
          export LB_AGENT_BIN={agent} LB_BIN_DIR={bin} LB_EBPF_OBJECT={object}\n\
+         export LB_TEST_READY_TIMEOUT_S=300\n\
          uname -r > {o}/kernel\n\
          {agent} check > {o}/check.txt 2>&1; echo $? > {o}/check.rc\n",
         agent = release.join("lb-agent").display(),
