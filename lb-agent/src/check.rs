@@ -12,6 +12,7 @@ use crate::{
     datapath::{
         features::KernelFeatures,
         loader::{self, ProgramCheck, Refusal},
+        tc,
     },
 };
 
@@ -32,7 +33,8 @@ impl CheckReport {
         let refusal = args.refusal.resolve(&kernel);
         Self {
             cgroup2: loader::cgroup2_root().ok(),
-            programs: loader::verify_programs(refusal).map_err(|e| format!("{e:#}")),
+            programs: loader::verify_programs(refusal, &[tc::INGRESS, tc::EGRESS])
+                .map_err(|e| format!("{e:#}")),
             kernel,
             refusal,
         }

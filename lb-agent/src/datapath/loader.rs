@@ -649,11 +649,11 @@ pub struct ProgramCheck {
 }
 
 /// Loads the object into this kernel with small unpinned maps and runs
-/// the verifier on every program `run` would load with `refusal`, tc
-/// programs included, without attaching or pinning anything: all of it
-/// goes when this returns. `Err` when the object itself (its maps) does
-/// not load.
-pub fn verify_programs(refusal: Refusal) -> anyhow::Result<Vec<ProgramCheck>> {
+/// the verifier on every program `run` would load with `refusal`, and on
+/// the `optional` ones (the tc programs), without attaching or pinning
+/// anything: all of it goes when this returns. `Err` when the object
+/// itself (its maps) does not load.
+pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Vec<ProgramCheck>> {
     let small = Capacity {
         max_services: 64,
         max_backends: 64,
@@ -672,10 +672,9 @@ pub fn verify_programs(refusal: Refusal) -> anyhow::Result<Vec<ProgramCheck>> {
         .map(|hook| refusal.program(hook))
         .chain([EGRESS_PROGRAM.to_owned()])
         .map(|name| (name, true));
-    let tc = [crate::datapath::tc::INGRESS, crate::datapath::tc::EGRESS]
-        .map(|name| (name.to_owned(), false));
+    let optional = optional.iter().map(|name| ((*name).to_owned(), false));
     let mut checks = Vec::new();
-    for (name, required) in required.chain(tc) {
+    for (name, required) in required.chain(optional) {
         let program = ebpf
             .program_mut(&name)
             .with_context(|| format!("program {name} missing from the object"))?;
