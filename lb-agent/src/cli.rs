@@ -3,7 +3,10 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::datapath::loader::Capacity;
+use crate::datapath::{
+    features::KernelFeatures,
+    loader::{Capacity, Refusal},
+};
 
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/lb";
 
@@ -27,6 +30,10 @@ pub enum Command {
         #[command(subcommand)]
         what: InspectWhat,
     },
+    /// Say what this kernel supports and what `run` would do with it,
+    /// changing nothing; fails when `run` could not start here (an init
+    /// container's check).
+    Check(CheckArgs),
     /// Detach the programs (links and clsact filters) and remove every pin.
     Cleanup {
         #[arg(long, default_value = DEFAULT_BPFFS)]
@@ -96,10 +103,42 @@ pub struct RunArgs {
     /// 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521.
     #[arg(long, default_value_t = crate::semantics::maglev::DEFAULT_TABLE_SIZE, value_parser = maglev_size)]
     pub maglev_table_size: u16,
+    #[arg(long, value_enum, default_value_t = RefusalArg::Auto, help = REFUSAL_HELP)]
+    pub refusal: RefusalArg,
     #[command(flatten)]
     pub capacity: Capacity,
     #[command(flatten)]
     pub north_south: NorthSouthArgs,
+}
+
+const REFUSAL_HELP: &str = "How a connect or datagram to a Service without endpoints fails: \
+    auto is ECONNREFUSED, as under kube-proxy, where the kernel lets the socket programs \
+    set it (bpf_set_retval, Linux 6.1), else EPERM";
+
+#[derive(Debug, Args)]
+pub struct CheckArgs {
+    #[arg(long, value_enum, default_value_t = RefusalArg::Auto, help = REFUSAL_HELP)]
+    pub refusal: RefusalArg,
+    /// Print the verifier's whole log of each program it rejects.
+    #[arg(long)]
+    pub verifier_logs: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RefusalArg {
+    Auto,
+    Econnrefused,
+    Eperm,
+}
+
+impl RefusalArg {
+    pub fn resolve(self, kernel: &KernelFeatures) -> Refusal {
+        match self {
+            Self::Auto => Refusal::for_kernel(kernel),
+            Self::Econnrefused => Refusal::Econnrefused,
+            Self::Eperm => Refusal::Eperm,
+        }
+    }
 }
 
 /// The tc path: NodePorts, LoadBalancer IPs and externalIPs from outside.

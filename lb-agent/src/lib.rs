@@ -5,7 +5,7 @@
 //!
 //! | layer | holds |
 //! |---|---|
-//! | `cli`, `inspect`, `run` | the command line, `lb-agent inspect`, and the wiring of `run` |
+//! | `cli`, `check`, `inspect`, `run` | the command line, `lb-agent check` and `inspect`, and the wiring of `run` |
 //! | `serve` | health (`/healthz`, `/livez`), readiness, metrics and health-check node ports over HTTP |
 //! | `datapath` | loading and pinning, the reconciler, tc, affinity, socket destruction |
 //! | `semantics` | pure Kubernetes semantics: objects in, desired state out; kube-proxy's health rules |
@@ -14,6 +14,7 @@
 //!
 //! `serve` and `datapath` do not use each other.
 pub mod base;
+pub mod check;
 pub mod cli;
 pub mod datapath;
 pub mod input;

@@ -1,6 +1,7 @@
 use anyhow::Context as _;
 use clap::Parser as _;
 use lb_agent::{
+    check,
     cli::{Cli, Command},
     datapath::loader,
     inspect, run,
@@ -26,6 +27,7 @@ fn main() -> anyhow::Result<()> {
             print!("{}", inspect::show_what(&what)?);
             Ok(())
         }
+        Command::Check(args) => check::check(&args),
         Command::Cleanup { bpffs } => {
             let links = loader::detach_pinned_links(&bpffs)?;
             let (filters, elsewhere) = lb_agent::datapath::tc::detach_filters(&bpffs)?;

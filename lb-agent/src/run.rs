@@ -15,8 +15,9 @@ use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 use crate::{
     base::metrics::{MapLabel, Metrics, ReasonLabel, RejectLabel},
     cli::{NorthSouthArgs, RunArgs},
+    datapath::features::KernelFeatures,
     datapath::loader::Capacity,
-    datapath::loader::{self, Datapath},
+    datapath::loader::{self, Datapath, Refusal},
     datapath::reconcile::Reconciler,
     input::manifest,
     input::store::{Changes, Rejection, Store},
@@ -809,6 +810,26 @@ fn attach_after_sync(
     Ok(())
 }
 
+/// What the kernel offers and what the datapath makes of it, once at start.
+fn log_kernel(kernel: &KernelFeatures, refusal: Refusal) {
+    tracing::info!(
+        kernel = %kernel.release,
+        set_retval_sock_addr = kernel.set_retval_sock_addr,
+        tcx = kernel.tcx,
+        btf = kernel.btf,
+        "kernel features probed; connects and datagrams to a Service without endpoints fail with {refusal}"
+    );
+    if refusal == Refusal::Eperm && kernel.set_retval_sock_addr {
+        tracing::info!(
+            "EPERM as asked (--refusal eperm); this kernel could refuse with ECONNREFUSED"
+        );
+    } else if refusal == Refusal::Eperm {
+        tracing::warn!(
+            "this kernel has no bpf_set_retval in sock_addr programs (Linux 6.1): refusals are EPERM, not kube-proxy's ECONNREFUSED"
+        );
+    }
+}
+
 pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     raise_open_file_limit();
     let node_name = match args.node_name.clone() {
@@ -882,7 +903,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
 
-    let (mut datapath, mut adopted) = Datapath::load_detached(&args.bpffs, &args.capacity)?;
+    let kernel = KernelFeatures::probe();
+    let refusal = args.refusal.resolve(&kernel);
+    log_kernel(&kernel, refusal);
+    metrics.record_kernel(&kernel.by_name(), refusal.errno());
+    let (mut datapath, mut adopted) =
+        Datapath::load_detached(&args.bpffs, &args.capacity, refusal)?;
     if let Some(logger) = adopted.logger.take() {
         loader::forward_kernel_logs(logger)?;
     }

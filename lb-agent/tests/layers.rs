@@ -17,7 +17,7 @@ fn rank(layer: &str) -> Option<u8> {
         "input" => 1,
         "semantics" => 2,
         "datapath" | "serve" => 3,
-        "cli" | "inspect" | "run" => 4,
+        "check" | "cli" | "inspect" | "run" => 4,
         _ => return None,
     })
 }

@@ -4,6 +4,9 @@
 //! sendmsg to a Service frontend is rewritten to a backend before the kernel
 //! routes anything, so there is no per-packet NAT; recvmsg and getpeername
 //! translate back so that the application only ever sees the frontend.
+//! connect and sendmsg come twice: `connect4` refuses with `ECONNREFUSED`
+//! (`bpf_set_retval`, Linux 6.1), `connect4_eperm` with the hook's own
+//! `EPERM`, for older kernels; the agent loads one of them.
 //!
 //! `cgroup_egress` applies `loadBalancerSourceRanges` to the sockets the
 //! hooks sent to a restricted frontend, once their source is known.
@@ -36,22 +39,42 @@ pub fn tc_egress(ctx: TcContext) -> i32 {
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    sock::forward(&ctx, sock::Family::V4)
+    sock::forward::<sock::ConnRefused>(&ctx, sock::Family::V4)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4_eperm(ctx: SockAddrContext) -> i32 {
+    sock::forward::<sock::Eperm>(&ctx, sock::Family::V4)
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn connect6(ctx: SockAddrContext) -> i32 {
-    sock::forward(&ctx, sock::Family::V6)
+    sock::forward::<sock::ConnRefused>(&ctx, sock::Family::V6)
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6_eperm(ctx: SockAddrContext) -> i32 {
+    sock::forward::<sock::Eperm>(&ctx, sock::Family::V6)
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::forward(&ctx, sock::Family::V4)
+    sock::forward::<sock::ConnRefused>(&ctx, sock::Family::V4)
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4_eperm(ctx: SockAddrContext) -> i32 {
+    sock::forward::<sock::Eperm>(&ctx, sock::Family::V4)
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
-    sock::forward(&ctx, sock::Family::V6)
+    sock::forward::<sock::ConnRefused>(&ctx, sock::Family::V6)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6_eperm(ctx: SockAddrContext) -> i32 {
+    sock::forward::<sock::Eperm>(&ctx, sock::Family::V6)
 }
 
 #[cgroup_sock_addr(recvmsg4)]

@@ -25,7 +25,7 @@ use crate::{
 
 /// Let the syscall proceed (with whatever address the program left).
 const PROCEED: i32 = 1;
-/// Fail the syscall; the error is the one set by `bpf_set_retval`.
+/// Fail the syscall: with `EPERM`, unless `bpf_set_retval` set another error.
 const REJECT: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 
@@ -112,12 +112,39 @@ fn protocol(ctx: &SockAddrContext) -> u8 {
     p as u8
 }
 
-#[inline(always)]
-fn refuse(_ctx: &SockAddrContext) -> i32 {
-    count(stat::REFUSED);
-    // SAFETY: plain helper call; only the return code of the syscall changes.
-    unsafe { bpf_set_retval(-ECONNREFUSED) };
-    REJECT
+/// How `forward` fails a connect or sendmsg that must not go through.
+///
+/// The object carries one program per hook and way; the agent loads those
+/// its kernel verifies (`lb-agent check` says which).
+pub trait Refusal {
+    fn refuse(ctx: &SockAddrContext) -> i32;
+}
+
+/// `ECONNREFUSED`, as kube-proxy's REJECT rules answer: needs
+/// `bpf_set_retval` in sock_addr hooks (Linux 6.1).
+pub struct ConnRefused;
+
+impl Refusal for ConnRefused {
+    #[inline(always)]
+    fn refuse(_ctx: &SockAddrContext) -> i32 {
+        count(stat::REFUSED);
+        // SAFETY: plain helper call; only the return code of the syscall changes.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        REJECT
+    }
+}
+
+/// The hook's own rejection, `EPERM`, for kernels without
+/// `bpf_set_retval` there. The program has no call to it at all, so
+/// that older verifiers accept it.
+pub struct Eperm;
+
+impl Refusal for Eperm {
+    #[inline(always)]
+    fn refuse(_ctx: &SockAddrContext) -> i32 {
+        count(stat::REFUSED);
+        REJECT
+    }
 }
 
 /// A backend for a new flow. The socket path's flow is the socket (see
@@ -172,7 +199,7 @@ fn choose_for_datagram(
 
 /// connect and sendmsg: rewrite a frontend to one of its backends.
 #[inline(always)]
-pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
+pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
     let proto = protocol(ctx);
     if proto != proto::TCP && proto != proto::UDP {
         return PROCEED;
@@ -190,7 +217,7 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
             .get_ptr(&ServiceKey::wildcard(dst.addr, scope::INTERNAL))
             .is_some()
         {
-            return refuse(ctx);
+            return R::refuse(ctx);
         }
         return PROCEED;
     };
@@ -210,13 +237,13 @@ pub fn forward(ctx: &SockAddrContext, family: Family) -> i32 {
                 svc.backend_set
             );
         }
-        return refuse(ctx);
+        return R::refuse(ctx);
     };
     if !write_addr(ctx, family, &backend.addr, backend.port) {
-        return refuse(ctx);
+        return R::refuse(ctx);
     }
     if svc.flags & service_flags::SOURCE_RANGES != 0 && !mark_for_source_check(ctx) {
-        return refuse(ctx);
+        return R::refuse(ctx);
     }
     if proto == proto::TCP {
         remember_peer(ctx, &dst, &backend);

@@ -98,7 +98,7 @@ impl Default for AgentOpts {
             node_name: "node-1".into(),
             pin_dir: None,
             log_file: None,
-            ready_timeout: Duration::from_secs(20),
+            ready_timeout: default_ready_timeout(),
             extra_args: Vec::new(),
             netns: None,
             no_ready_wait: false,
@@ -106,6 +106,17 @@ impl Default for AgentOpts {
             open_files_soft_limit: None,
         }
     }
+}
+
+/// 20 seconds, or `LB_TEST_READY_TIMEOUT_S`: `cargo xtask kernels` runs
+/// the tests in VMs without KVM, where verifying the programs alone takes
+/// longer than that.
+fn default_ready_timeout() -> Duration {
+    let secs = std::env::var("LB_TEST_READY_TIMEOUT_S")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20);
+    Duration::from_secs(secs)
 }
 
 /// Sends SIGTERM, waits up to `grace`, then SIGKILL. `None` if the child

@@ -6,7 +6,7 @@ use integration_tests::{
     cluster::flows,
     manifests::{Endpoint, EndpointSlice, Service},
     netns::pod_v4,
-    require_root, Env, Proto, Spread,
+    require_root, AgentOpts, Attempt, Env, Proto, Spread,
 };
 use serde_json::json;
 
@@ -63,10 +63,10 @@ fn udp_sockets_spread_keep_their_backend_and_answer_from_the_vip() {
     }
 }
 
-#[test]
-fn service_without_endpoints_is_refused_at_once() {
-    require_root!();
-    let mut env = Env::new("noep", 1).unwrap();
+/// A Service with a port but no EndpointSlice, and one whose slice has
+/// no endpoints, with an agent started with `extra_args`.
+fn without_endpoints_env(name: &str, extra_args: &[&str]) -> Env {
+    let mut env = Env::new(name, 1).unwrap();
     env.manifests
         .write(
             "empty.yaml",
@@ -88,8 +88,18 @@ fn service_without_endpoints_is_refused_at_once() {
             ],
         )
         .unwrap();
-    env.start_agent().unwrap();
+    env.start_agent_with(AgentOpts {
+        extra_args: extra_args.iter().map(|a| a.to_string()).collect(),
+        ..Default::default()
+    })
+    .unwrap();
+    env
+}
 
+/// Every way to address a Service without endpoints fails with `errno`;
+/// the attempts, by target.
+fn assert_refused_with(env: &Env, errno: &str) -> Vec<(String, Vec<Attempt>)> {
+    let mut all = Vec::new();
     for (proto, target) in [
         (Proto::Tcp, "10.96.0.20:80"),
         (Proto::UdpConnected, "10.96.0.20:53"),
@@ -102,14 +112,48 @@ fn service_without_endpoints_is_refused_at_once() {
             .timeout_ms(2000)
             .run(target, 5)
             .unwrap();
-        assert_all_fail(&format!("{proto:?} {target}"), &a, "ECONNREFUSED");
-        let worst = a.iter().map(|x| x.elapsed_ms).fold(0.0, f64::max);
-        eprintln!("{proto:?} {target}: ECONNREFUSED, slowest attempt {worst:.3} ms");
-        assert!(
-            worst < 1000.0,
-            "{proto:?} {target}: refusal took {worst} ms"
-        );
+        let what = format!("{proto:?} {target}");
+        assert_all_fail(&what, &a, errno);
+        all.push((what, a));
     }
+    all
+}
+
+/// The agent's `lb_refusal_errno` gauge.
+fn refusal_errno_metric(env: &Env) -> String {
+    let (_, text) = env.agent().metrics().unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix("lb_refusal_errno "))
+        .unwrap_or_else(|| panic!("no lb_refusal_errno in /metrics:\n{text}"))
+        .to_owned()
+}
+
+#[test]
+fn service_without_endpoints_is_refused_at_once() {
+    require_root!();
+    let env = without_endpoints_env("noep", &[]);
+    for (what, a) in assert_refused_with(&env, "ECONNREFUSED") {
+        let worst = a.iter().map(|x| x.elapsed_ms).fold(0.0, f64::max);
+        eprintln!("{what}: ECONNREFUSED, slowest attempt {worst:.3} ms");
+        assert!(worst < 1000.0, "{what}: refusal took {worst} ms");
+    }
+    assert_eq!(refusal_errno_metric(&env), "111");
+}
+
+/// The programs for kernels without `bpf_set_retval` in sock_addr hooks
+/// (before 6.1), forced here: the hook's own rejection, EPERM, and the
+/// agent says so in its log and metrics.
+#[test]
+fn service_without_endpoints_is_refused_with_eperm_by_the_programs_for_older_kernels() {
+    require_root!();
+    let env = without_endpoints_env("noepperm", &["--refusal", "eperm"]);
+    assert_refused_with(&env, "EPERM");
+    assert_eq!(refusal_errno_metric(&env), "1");
+    let log = env.agent().log();
+    assert!(
+        log.contains("to a Service without endpoints fail with EPERM"),
+        "{log}"
+    );
 }
 
 #[test]

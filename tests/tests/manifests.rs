@@ -193,8 +193,7 @@ fn bad_manifests_leave_good_services_served() {
     )
     .unwrap();
     // A second definition of web: the file that loses is named.
-    m.write("web2.yaml", &[web_service().to_value()])
-        .unwrap();
+    m.write("web2.yaml", &[web_service().to_value()]).unwrap();
     // ... and a good Service after it: once that is served, the bad files
     // have been through a sync too.
     m.write("good2.yaml", &one_pod_http("good2", "10.96.0.41", 1))

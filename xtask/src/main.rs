@@ -2,6 +2,7 @@
 mod bench;
 mod build;
 mod demo;
+mod kernels;
 mod setup;
 mod test;
 
@@ -47,6 +48,13 @@ enum Cmd {
     },
     /// Run setup, build, then the lb-demo binary
     Demo,
+    /// Boot Debian's 5.10 and 6.1 kernels in VMs (virtme-ng, TCG) and run the smoke test in
+    /// each, and on this machine's kernel; writes KERNELS.md (as root, minutes per kernel)
+    Kernels {
+        /// Only write KERNELS.md from the results of the last run
+        #[arg(long)]
+        table_only: bool,
+    },
     /// Run setup, build, then the benchmark (as root); writes BENCHMARKS.md and docs/bench.png
     Bench {
         /// Small scale points, few rounds, short runs: a few minutes
@@ -64,6 +72,9 @@ fn main() -> ExitCode {
         Cmd::Build => build::build(&root).map(|_| ExitCode::SUCCESS),
         Cmd::Test { args } => test::test(&root, &args),
         Cmd::Demo => demo::demo(&root),
+        Cmd::Kernels { table_only } => {
+            kernels::kernels(&root, table_only).map(|()| ExitCode::SUCCESS)
+        }
         Cmd::Bench { quick } => bench::bench(&root, quick),
     };
     result.unwrap_or_else(|err| {

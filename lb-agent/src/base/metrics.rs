@@ -23,6 +23,12 @@ pub struct EventLabel {
     pub event: String,
 }
 
+/// A kernel feature the agent probed at start (`datapath::features`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FeatureLabel {
+    pub feature: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MapLabel {
     pub map: String,
@@ -86,6 +92,8 @@ pub struct Metrics {
     pub conntrack_expired: Counter,
     pub conntrack_udp_purged: Counter,
     pub tc_attach_failing: Gauge,
+    pub kernel_features: Family<FeatureLabel, Gauge>,
+    pub refusal_errno: Gauge,
     pub datapath_events: Family<EventLabel, Counter>,
     /// The `LB_STATS` totals last added to `datapath_events`.
     datapath_seen: Arc<std::sync::Mutex<Vec<u64>>>,
@@ -122,6 +130,8 @@ impl Metrics {
             udp_sockets_destroyed: Counter::default(),
             conntrack_entries: Gauge::default(),
             tc_attach_failing: Gauge::default(),
+            kernel_features: Family::default(),
+            refusal_errno: Gauge::default(),
             conntrack_expired: Counter::default(),
             conntrack_udp_purged: Counter::default(),
             datapath_events: Family::default(),
@@ -234,6 +244,16 @@ impl Metrics {
             m.tc_attach_failing.clone(),
         );
         registry.register(
+            "kernel_feature",
+            "1 for each kernel feature probed at start that this kernel has, 0 for each it lacks (see `lb-agent check`)",
+            m.kernel_features.clone(),
+        );
+        registry.register(
+            "refusal_errno",
+            "The error of a connect or datagram to a Service without endpoints: 111 (ECONNREFUSED), or 1 (EPERM) where the kernel has no bpf_set_retval in sock_addr programs",
+            m.refusal_errno.clone(),
+        );
+        registry.register(
             "datapath_events",
             "Kernel program events by kind (LB_STATS): translations, refusals, and every tc drop by its reason",
             m.datapath_events.clone(),
@@ -260,6 +280,18 @@ impl Metrics {
                 })
                 .inc_by(delta);
         }
+    }
+
+    /// The kernel's probed features and the refusal chosen for it.
+    pub fn record_kernel(&self, features: &[(&str, bool)], refusal_errno: i32) {
+        for (name, present) in features {
+            self.kernel_features
+                .get_or_create(&FeatureLabel {
+                    feature: (*name).to_owned(),
+                })
+                .set(i64::from(*present));
+        }
+        self.refusal_errno.set(i64::from(refusal_errno));
     }
 
     pub fn encode(&self) -> String {

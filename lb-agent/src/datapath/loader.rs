@@ -12,7 +12,7 @@ use aya::{
     maps::{HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
-        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, Program,
     },
     Ebpf, EbpfLoader,
 };
@@ -26,6 +26,7 @@ use crate::{
     base::clock::monotonic_now_ns,
     datapath::affinity::{self, AffinityPolicy},
     datapath::datagram_flows::{self, DatagramPolicy, FlowFrontend},
+    datapath::features::KernelFeatures,
     datapath::reconcile::{MaglevWriteError, MapOps},
     datapath::sweep::{self, SweepReport},
 };
@@ -83,7 +84,9 @@ impl Default for Capacity {
 /// The compiled kernel programs (`lb-ebpf`), embedded by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
 
-/// The socket programs, by the name of their function and attach point.
+/// The socket programs' hooks. Each gets one program, linked under the
+/// hook's name: the hook's own program, or for the hooks that refuse,
+/// the one of the refusal (`Refusal::program`).
 pub const SOCK_PROGRAMS: [&str; 8] = [
     "connect4",
     "connect6",
@@ -94,6 +97,56 @@ pub const SOCK_PROGRAMS: [&str; 8] = [
     "getpeername4",
     "getpeername6",
 ];
+
+/// The hooks whose programs refuse connects and datagrams to a frontend
+/// without endpoints, in one of two ways (`lb-ebpf/src/main.rs`).
+const REFUSING_HOOKS: [&str; 4] = ["connect4", "connect6", "sendmsg4", "sendmsg6"];
+
+/// How a connect or sendmsg to a Service without endpoints (or to a port
+/// its IP does not serve) fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Refusal {
+    /// `ECONNREFUSED`, as under kube-proxy: the programs call
+    /// `bpf_set_retval`, which sock_addr hooks have since Linux 6.1.
+    Econnrefused,
+    /// `EPERM`, the hook's own rejection: for older kernels.
+    Eperm,
+}
+
+impl Refusal {
+    /// The best this kernel allows.
+    pub fn for_kernel(features: &KernelFeatures) -> Self {
+        if features.set_retval_sock_addr {
+            Self::Econnrefused
+        } else {
+            Self::Eperm
+        }
+    }
+
+    pub fn errno(self) -> i32 {
+        match self {
+            Self::Econnrefused => libc::ECONNREFUSED,
+            Self::Eperm => libc::EPERM,
+        }
+    }
+
+    /// The object's program for `hook` (one of `SOCK_PROGRAMS`).
+    pub fn program(self, hook: &str) -> String {
+        match self {
+            Self::Eperm if REFUSING_HOOKS.contains(&hook) => format!("{hook}_eperm"),
+            _ => hook.to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Econnrefused => "ECONNREFUSED",
+            Self::Eperm => "EPERM",
+        })
+    }
+}
 
 /// The cgroup skb egress program that applies `loadBalancerSourceRanges` to
 /// the sockets the socket programs marked (see `lb-ebpf/src/egress.rs`).
@@ -159,6 +212,7 @@ pub struct Datapath {
     _ebpf: Ebpf,
     pin_dir: PathBuf,
     maps: PinnedMaps,
+    refusal: Refusal,
 }
 
 /// Typed handles on the pinned maps.
@@ -591,8 +645,9 @@ impl Datapath {
         pin_dir: &Path,
         cgroup: &Path,
         capacity: &Capacity,
+        refusal: Refusal,
     ) -> anyhow::Result<(Self, Adopted)> {
-        let (mut datapath, mut adopted) = Self::load_detached(pin_dir, capacity)?;
+        let (mut datapath, mut adopted) = Self::load_detached(pin_dir, capacity, refusal)?;
         adopted.replaced_links = datapath.attach(cgroup)?;
         Ok((datapath, adopted))
     }
@@ -602,7 +657,11 @@ impl Datapath {
     /// their own maps until [`attach`](Self::attach) replaces them. The
     /// agent attaches after its first sync when maps were recreated (they
     /// start empty), so that a layout change costs no failed connect.
-    pub fn load_detached(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<(Self, Adopted)> {
+    pub fn load_detached(
+        pin_dir: &Path,
+        capacity: &Capacity,
+        refusal: Refusal,
+    ) -> anyhow::Result<(Self, Adopted)> {
         ensure_bpffs(pin_dir)?;
         let links_dir = pin_dir.join("links");
         fs::create_dir_all(&links_dir)
@@ -616,17 +675,7 @@ impl Datapath {
             .iter()
             .map(|name| (*name, pin_dir.join(name)))
             .collect();
-        let mut loader = EbpfLoader::new();
-        loader
-            .map_max_entries(map_names::SERVICES, capacity.max_services)
-            .map_max_entries(map_names::SLOTS, capacity.max_slots)
-            .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
-            .map_max_entries(map_names::BACKENDS, capacity.max_backends)
-            .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
-            .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
-            .map_max_entries(map_names::DGRAM_FLOWS, capacity.max_datagram_flows)
-            .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack)
-            .map_max_entries(map_names::CONNTRACK_SYN, capacity.max_conntrack_syn);
+        let mut loader = sized_loader(capacity);
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
         }
@@ -638,8 +687,9 @@ impl Datapath {
             Err(e) => tracing::warn!(error = %e, "kernel-side logs unavailable"),
         }
 
-        for name in SOCK_PROGRAMS {
-            let program = sock_program(&mut ebpf, name)?;
+        for hook in SOCK_PROGRAMS {
+            let name = refusal.program(hook);
+            let program = sock_program(&mut ebpf, &name)?;
             verify(|| program.load()).with_context(|| format!("verifying program {name}"))?;
         }
         let egress = egress_program(&mut ebpf)?;
@@ -669,6 +719,7 @@ impl Datapath {
                 _ebpf: ebpf,
                 pin_dir: pin_dir.to_owned(),
                 maps,
+                refusal,
             },
             adopted,
         ))
@@ -682,8 +733,9 @@ impl Datapath {
         let cgroup_dir = fs::File::open(cgroup)
             .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
         let mut replaced = 0;
-        for name in SOCK_PROGRAMS {
-            let program = sock_program(&mut self._ebpf, name)?;
+        for hook in SOCK_PROGRAMS {
+            let name = self.refusal.program(hook);
+            let program = sock_program(&mut self._ebpf, &name)?;
             // bpf_link attachments coexist with other programs of the cgroup
             // whatever the mode; `Single` is the one that passes no flags,
             // which is all BPF_LINK_CREATE accepts.
@@ -692,7 +744,7 @@ impl Datapath {
                 .with_context(|| format!("attaching {name} to {}", cgroup.display()))?;
             let link = FdLink::try_from(program.take_link(link_id)?)
                 .with_context(|| format!("link of {name}"))?;
-            replaced += usize::from(pin_replacing(link, &links_dir, name, name)?);
+            replaced += usize::from(pin_replacing(link, &links_dir, hook, &name)?);
         }
         let egress = egress_program(&mut self._ebpf)?;
         let link_id = egress
@@ -732,10 +784,114 @@ impl Datapath {
             _ebpf,
             pin_dir,
             maps,
+            refusal: _,
         } = self;
         drop(maps);
         drop(_ebpf);
         remove_pins(&pin_dir)
+    }
+}
+
+/// A loader of the object with the map sizes of `capacity`.
+fn sized_loader(capacity: &Capacity) -> EbpfLoader<'static> {
+    let mut loader = EbpfLoader::new();
+    loader
+        .map_max_entries(map_names::SERVICES, capacity.max_services)
+        .map_max_entries(map_names::SLOTS, capacity.max_slots)
+        .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
+        .map_max_entries(map_names::BACKENDS, capacity.max_backends)
+        .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
+        .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
+        .map_max_entries(map_names::DGRAM_FLOWS, capacity.max_datagram_flows)
+        .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack)
+        .map_max_entries(map_names::CONNTRACK_SYN, capacity.max_conntrack_syn);
+    loader
+}
+
+/// One program as this kernel's verifier took it (`verify_programs`).
+pub struct ProgramCheck {
+    pub name: String,
+    /// Whether the agent cannot start without it.
+    pub required: bool,
+    /// The verifier's refusal: the error and the end of its log.
+    pub rejected: Option<String>,
+    /// The verifier's whole log of a refusal.
+    pub log: String,
+}
+
+/// Loads the object into this kernel with small unpinned maps and runs
+/// the verifier on every program `run` would load with `refusal`, and on
+/// the `optional` ones (the tc programs), without attaching or pinning
+/// anything: all of it goes when this returns. `Err` when the object
+/// itself (its maps) does not load.
+pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Vec<ProgramCheck>> {
+    let small = Capacity {
+        max_services: 64,
+        max_backends: 64,
+        max_slots: 128,
+        max_reverse_sockets: 64,
+        max_affinity: 64,
+        max_datagram_flows: 64,
+        max_conntrack: 64,
+        max_conntrack_syn: 64,
+    };
+    let mut ebpf = sized_loader(&small)
+        .load(EBPF_OBJECT)
+        .context("loading the object's maps")?;
+    let required = SOCK_PROGRAMS
+        .iter()
+        .map(|hook| refusal.program(hook))
+        .chain([EGRESS_PROGRAM.to_owned()])
+        .map(|name| (name, true));
+    let optional = optional.iter().map(|name| ((*name).to_owned(), false));
+    let mut checks = Vec::new();
+    for (name, required) in required.chain(optional) {
+        let program = ebpf
+            .program_mut(&name)
+            .with_context(|| format!("program {name} missing from the object"))?;
+        let loaded = match program {
+            Program::CgroupSockAddr(p) => verify(|| p.load()),
+            Program::CgroupSkb(p) => verify(|| p.load()),
+            Program::SchedClassifier(p) => verify(|| p.load()),
+            _ => bail!("program {name} is of a type the agent does not load"),
+        };
+        let (rejected, log) = match loaded {
+            Ok(()) => (None, String::new()),
+            Err(e) => (Some(verifier_refusal(&e)), verifier_log(&e)),
+        };
+        checks.push(ProgramCheck {
+            name,
+            required,
+            rejected,
+            log,
+        });
+    }
+    Ok(checks)
+}
+
+fn verifier_log(e: &aya::programs::ProgramError) -> String {
+    match e {
+        aya::programs::ProgramError::LoadError { verifier_log, .. } => verifier_log.to_string(),
+        _ => String::new(),
+    }
+}
+
+/// The error and the verifier's reason: its last lines before the
+/// statistics it ends with.
+fn verifier_refusal(e: &aya::programs::ProgramError) -> String {
+    match e {
+        aya::programs::ProgramError::LoadError { io_error, .. } => {
+            let log = verifier_log(e);
+            let stats = ["verification time", "stack depth", "processed "];
+            let lines: Vec<&str> = log
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !stats.iter().any(|s| l.starts_with(s)))
+                .collect();
+            let tail = lines[lines.len().saturating_sub(2)..].join(" / ");
+            format!("{io_error}: {tail}")
+        }
+        other => other.to_string(),
     }
 }
 
@@ -1000,6 +1156,7 @@ mod tests {
             pins: PathBuf::from(format!("/sys/fs/bpf/lb-unit-{id}")),
         };
         fs::create_dir_all(&scratch.cgroup).unwrap();
+        let refusal = Refusal::for_kernel(&KernelFeatures::probe());
         let small = Capacity {
             max_services: 64,
             max_backends: 64,
@@ -1011,7 +1168,8 @@ mod tests {
             max_conntrack: 64,
             max_conntrack_syn: 64,
         };
-        let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        let (mut dp, adopted) =
+            Datapath::load(&scratch.pins, &scratch.cgroup, &small, refusal).unwrap();
         assert!(adopted.services.is_empty() && adopted.recreated.is_empty());
         for name in map_names::ALL {
             assert!(scratch.pins.join(name).exists(), "{name} not pinned");
@@ -1061,7 +1219,8 @@ mod tests {
         );
         drop(dp);
         // A second load adopts the pinned maps and replaces the links.
-        let (mut dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &small).unwrap();
+        let (mut dp, adopted) =
+            Datapath::load(&scratch.pins, &scratch.cgroup, &small, refusal).unwrap();
         assert_eq!(adopted.services, vec![(key, value)]);
         assert_eq!(adopted.maglev, vec![7]);
         assert!(adopted.recreated.is_empty(), "{:?}", adopted.recreated);
@@ -1073,7 +1232,8 @@ mod tests {
             max_services: 128,
             ..small
         };
-        let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+        let (dp, adopted) =
+            Datapath::load(&scratch.pins, &scratch.cgroup, &bigger, refusal).unwrap();
         assert!(adopted.services.is_empty());
         // The four service maps, and the affinity and datagram flow maps,
         // whose entries name their ids.
@@ -1090,7 +1250,8 @@ mod tests {
             .args(["name", map_names::SERVICES])
             .status();
         if created.is_ok_and(|s| s.success()) {
-            let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+            let (dp, adopted) =
+                Datapath::load(&scratch.pins, &scratch.cgroup, &bigger, refusal).unwrap();
             let r = &adopted.recreated;
             assert!(
                 r.iter()
@@ -1127,7 +1288,7 @@ mod tests {
         )) && bpftool(format!(
             "map update pinned {m} key 1 0 0 0 value pinned {i}"
         )) {
-            let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+            let (dp, adopted) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger, refusal).unwrap();
             let r = &adopted.recreated;
             assert!(
                 r.iter()
@@ -1140,7 +1301,7 @@ mod tests {
             eprintln!("bpftool could not make an LB_MAGLEV of another kind: not checked");
         }
         let _ = fs::remove_file(&inner);
-        let (dp, _) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger).unwrap();
+        let (dp, _) = Datapath::load(&scratch.pins, &scratch.cgroup, &bigger, refusal).unwrap();
         dp.unload().unwrap();
         assert!(!scratch.pins.exists());
     }

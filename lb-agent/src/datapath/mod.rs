@@ -4,8 +4,8 @@
 //! conntrack (`tc`), the ageing of what the kernel records (`sweep`, for
 //! sessionAffinity in `affinity` and unconnected UDP flows in
 //! `datagram_flows`) and destruction of connected UDP sockets whose backend
-//! left (`sockets`). May use `base` and `semantics` (the desired state it
-//! programs).
+//! left (`sockets`), and what the kernel supports (`features`). May use
+//! `base` and `semantics` (the desired state it programs).
 pub mod affinity;
 pub mod batch;
 pub mod datagram_flows;

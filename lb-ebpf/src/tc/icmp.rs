@@ -244,12 +244,13 @@ pub fn error(ctx: &TcContext, p: &Pkt, kind: u8, code: u8, info: u32) -> i32 {
         } else {
             rest
         };
-        // Hidden from LLVM, which would drop the check the verifier needs.
+        // The verifier must see 1 <= n <= 64. `((n - 1) & 63) + 1` is `n`
+        // itself here, in a form whose bounds every verifier sees: before
+        // Linux 6.8 it learns nothing from `n != 0`, and refuses a length
+        // that may be 0. Hidden from LLVM, which would fold it back to `n`.
         // SAFETY: a read of a local.
         let n = unsafe { core::ptr::read_volatile(&n) };
-        if n == 0 || n > CHUNK as u32 {
-            break;
-        }
+        let n = (n.wrapping_sub(1) & (CHUNK as u32 - 1)) + 1;
         // SAFETY: `n` (1..=64) bytes into this CPU's 64-byte chunk.
         let rc = unsafe {
             bpf_skb_load_bytes(

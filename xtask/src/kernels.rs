@@ -1,0 +1,408 @@
+//! `cargo xtask kernels`: the smoke test on each kernel of a matrix, in a
+//! VM, and the table of what works where (KERNELS.md).
+//!
+//! Kernels are Debian's, by package name, fetched with `apt-get download`
+//! into `<target>/kernels` and unpacked there (never installed). Each boots
+//! under virtme-ng (qemu, TCG: no KVM) over this machine's root filesystem,
+//! read-only, without a network; inside, the smoke test is the real
+//! binaries: `lb-agent check`, then integration tests of the `tests` crate,
+//! which make their own namespaces, cgroups and pins and remove them. This
+//! machine's own kernel runs the same tests without a VM.
+use std::{
+    fs,
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context as _, Result};
+
+use crate::{build, output, run, run_status, step, target_dir};
+
+/// The matrix: Debian's kernels by release, newest ABI of each.
+const MATRIX: [Kernel; 2] = [
+    Kernel {
+        suite: "bullseye",
+        package_prefix: "linux-image-5.10.0-",
+    },
+    Kernel {
+        suite: "bookworm",
+        package_prefix: "linux-image-6.1.0-",
+    },
+];
+
+struct Kernel {
+    suite: &'static str,
+    /// The package is `<prefix><abi>-amd64-unsigned`.
+    package_prefix: &'static str,
+}
+
+/// One column of the table: an integration test, by file and name.
+struct Check {
+    column: &'static str,
+    file: &'static str,
+    test: &'static str,
+}
+
+const CHECKS: [Check; 6] = [
+    Check {
+        column: "ClusterIP TCP + getpeername",
+        file: "clusterip",
+        test: "tcp_reaches_every_backend_evenly_and_shows_the_vip",
+    },
+    Check {
+        column: "ClusterIP UDP",
+        file: "clusterip",
+        test: "udp_sockets_spread_keep_their_backend_and_answer_from_the_vip",
+    },
+    Check {
+        column: "no endpoints: ECONNREFUSED",
+        file: "clusterip",
+        test: "service_without_endpoints_is_refused_at_once",
+    },
+    Check {
+        column: "no endpoints: EPERM programs",
+        file: "clusterip",
+        test: "service_without_endpoints_is_refused_with_eperm_by_the_programs_for_older_kernels",
+    },
+    Check {
+        column: "NodePort (tc)",
+        file: "nodeport",
+        test: "nodeport_cluster_policy_every_node_every_endpoint",
+    },
+    Check {
+        column: "restart adoption",
+        file: "restart",
+        test: "sigkill_and_restart_fail_no_connect_and_rewrite_only_changes",
+    },
+];
+
+pub fn kernels(root: &Path, table_only: bool) -> Result<()> {
+    let cache = target_dir(root).join("kernels");
+    if table_only {
+        return write_table(root, &cache);
+    }
+    for tool in ["vng", "qemu-system-x86_64", "depmod", "busybox"] {
+        if Command::new("sh")
+            .args(["-c", &format!("command -v {tool}")])
+            .output()
+            .map_or(true, |o| !o.status.success())
+        {
+            bail!(
+                "{tool} is missing: pip install virtme-ng; apt-get install qemu-system-x86 kmod busybox-static"
+            );
+        }
+    }
+    let object = build::build_ebpf(root, false)?;
+    // Each package on its own, as `cargo test -p` builds it, so that cargo
+    // does not build every dependency twice over for two feature sets.
+    run(
+        "building lb-agent",
+        Command::new("cargo")
+            .current_dir(root)
+            .args(["build", "--release", "-p", "lb-agent"])
+            .env("LB_EBPF_OBJECT", &object),
+        "fix the errors above",
+    )?;
+    let tests = test_binaries(root, &object)?;
+    fs::create_dir_all(&cache)?;
+    let release = target_dir(root).join("release");
+
+    let out = cache.join("out").join("host");
+    step!("smoke test on this machine's kernel");
+    run(
+        "smoke test",
+        Command::new("sh").arg(smoke_script(&out, &release, &object, &tests)?),
+        "see the output above",
+    )?;
+
+    for k in &MATRIX {
+        let (version, dir) = fetch(k, &cache)?;
+        let out = cache.join("out").join(&version);
+        let script = smoke_script(&out, &release, &object, &tests)?;
+        let kimg = dir.join("boot").join(format!("vmlinuz-{version}"));
+        step!("booting {version} (TCG: a minute or more) for the smoke test");
+        // No --net: the guest has loopback only; the tests make namespaces.
+        // vng's exit status is not the script's: the results are in `out`.
+        let status = run_status(
+            "virtme-ng",
+            Command::new("vng")
+                .arg("--run")
+                .arg(&kimg)
+                .args(["--disable-kvm", "-m", "2G", "-p", "2"])
+                .arg("--rwdir")
+                .arg(&out)
+                .arg("--exec")
+                .arg(format!("sh {}", script.display())),
+            "pip install virtme-ng; apt-get install qemu-system-x86",
+        )?;
+        step!("{version}: virtme-ng exited with {status}");
+    }
+    write_table(root, &cache)
+}
+
+/// KERNELS.md from the results in `cache/out`: this machine's, then each
+/// kernel of the matrix that was booted.
+fn write_table(root: &Path, cache: &Path) -> Result<()> {
+    let out = cache.join("out");
+    let host = fs::read_to_string(out.join("host").join("kernel")).unwrap_or_default();
+    let mut rows = vec![Row::read(
+        &format!("{} (this machine, no VM)", host.trim()),
+        &out.join("host"),
+    )?];
+    for k in &MATRIX {
+        let mut booted: Vec<String> = fs::read_dir(&out)?
+            .filter_map(|e| Some(e.ok()?.file_name().to_string_lossy().into_owned()))
+            .filter(|n| n.starts_with(&k.package_prefix["linux-image-".len()..]))
+            .collect();
+        booted.sort_by_key(|v| abi(&format!("linux-image-{v}"), k.package_prefix));
+        if let Some(version) = booted.last() {
+            let label = format!("{version} (Debian {})", k.suite);
+            rows.push(Row::read(&label, &out.join(version))?);
+        }
+    }
+    let table = render(&rows);
+    print!("{table}");
+    fs::write(root.join("KERNELS.md"), table)?;
+    step!("wrote KERNELS.md");
+    Ok(())
+}
+
+/// Builds the integration tests (and their helper binaries) and returns
+/// the test executables by file name (`clusterip`, ...).
+fn test_binaries(root: &Path, object: &Path) -> Result<Vec<(String, PathBuf)>> {
+    let json = output(
+        Command::new("cargo")
+            .current_dir(root)
+            .args(["test", "--release", "-p", "integration-tests", "--no-run"])
+            .args(["--message-format=json"])
+            .env("LB_EBPF_OBJECT", object),
+        "fix the build errors",
+    )?;
+    let mut found = Vec::new();
+    for check in &CHECKS {
+        if found.iter().any(|(f, _)| f == check.file) {
+            continue;
+        }
+        let name = format!("\"name\":\"{}\",\"src_path\"", check.file);
+        let exe = json
+            .lines()
+            .filter(|l| l.contains(&name) && l.contains("\"kind\":[\"test\"]"))
+            .find_map(|l| {
+                let at = l.find("\"executable\":\"")? + "\"executable\":\"".len();
+                Some(l[at..].split('"').next()?.to_owned())
+            })
+            .with_context(|| format!("no test executable for tests/{}.rs", check.file))?;
+        found.push((check.file.to_owned(), PathBuf::from(exe)));
+    }
+    Ok(found)
+}
+
+/// Fetches the newest `<prefix><abi>-amd64-unsigned` of `k.suite` into
+/// `cache` and unpacks it; returns its version (`5.10.0-32-amd64`) and
+/// where it is unpacked.
+fn fetch(k: &Kernel, cache: &Path) -> Result<(String, PathBuf)> {
+    ensure_suite(k.suite)?;
+    let pattern = format!(
+        "^{}[0-9]+-amd64-unsigned$",
+        k.package_prefix.replace('.', "\\.")
+    );
+    let list = output(
+        Command::new("apt-cache").args(["search", "--names-only", &pattern]),
+        "apt-get update",
+    )?;
+    let package = list
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .max_by_key(|p| abi(p, k.package_prefix))
+        .with_context(|| format!("no package matches {pattern}; apt-get update?"))?
+        .to_owned();
+    let version = package
+        .strip_prefix("linux-image-")
+        .and_then(|p| p.strip_suffix("-unsigned"))
+        .context("unexpected package name")?
+        .to_owned();
+    let dir = cache.join(&version);
+    if !dir
+        .join("boot")
+        .join(format!("vmlinuz-{version}"))
+        .is_file()
+    {
+        run(
+            "fetching the kernel",
+            Command::new("apt-get")
+                .current_dir(cache)
+                .args(["download", &package]),
+            "check the apt sources",
+        )?;
+        let deb = fs::read_dir(cache)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .find(|p| {
+                p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{package}_")))
+            })
+            .context("the downloaded package is missing")?;
+        run(
+            "unpacking it (not installing)",
+            Command::new("dpkg").arg("-x").arg(&deb).arg(&dir),
+            "check the download",
+        )?;
+    }
+    Ok((version, dir))
+}
+
+fn abi(package: &str, prefix: &str) -> u32 {
+    package
+        .strip_prefix(prefix)
+        .and_then(|r| r.split('-').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Adds Debian `suite` to apt's sources (the mirror apt already uses) when
+/// apt knows no kernel of it yet.
+fn ensure_suite(suite: &str) -> Result<()> {
+    let policy = output(Command::new("apt-cache").arg("policy"), "apt-get update")?;
+    if policy.contains(&format!("n={suite},")) {
+        return Ok(());
+    }
+    let list = PathBuf::from(format!("/etc/apt/sources.list.d/lb-kernels-{suite}.list"));
+    step!(
+        "adding {suite} to {} (kernels are downloaded, never installed)",
+        list.display()
+    );
+    fs::write(
+        &list,
+        format!("deb http://deb.debian.org/debian {suite} main\n"),
+    )
+    .with_context(|| format!("writing {}", list.display()))?;
+    run(
+        "apt-get update",
+        Command::new("apt-get").arg("update"),
+        "check the network",
+    )
+}
+
+/// Writes the guest's script to `out/smoke.sh`: each step's result into a
+/// file of `out`, which [`Row::read`] reads.
+fn smoke_script(
+    out: &Path,
+    release: &Path,
+    object: &Path,
+    tests: &[(String, PathBuf)],
+) -> Result<PathBuf> {
+    let _ = fs::remove_dir_all(out);
+    fs::create_dir_all(out)?;
+    let o = out.display();
+    let mut s = format!(
+        "#!/bin/sh\n\
+         export LB_AGENT_BIN={agent} LB_BIN_DIR={bin} LB_EBPF_OBJECT={object}\n\
+         export LB_TEST_READY_TIMEOUT_S=300\n\
+         uname -r > {o}/kernel\n\
+         {agent} check > {o}/check.txt 2>&1; echo $? > {o}/check.rc\n",
+        agent = release.join("lb-agent").display(),
+        bin = release.display(),
+        object = object.display(),
+    );
+    for (i, c) in CHECKS.iter().enumerate() {
+        let exe = &tests.iter().find(|(f, _)| f == c.file).expect("found").1;
+        s += &format!(
+            "{} --exact {} --test-threads=1 > {o}/test{i}.txt 2>&1; echo $? > {o}/test{i}.rc\n",
+            exe.display(),
+            c.test
+        );
+    }
+    let path = out.join("smoke.sh");
+    fs::write(&path, s)?;
+    Ok(path)
+}
+
+/// One kernel's results.
+struct Row {
+    kernel: String,
+    agent_starts: String,
+    refusal: String,
+    tc_attach: String,
+    checks: Vec<String>,
+}
+
+impl Row {
+    fn read(kernel: &str, out: &Path) -> Result<Self> {
+        let read = |name: &str| fs::read_to_string(out.join(name)).unwrap_or_default();
+        let check = read("check.txt");
+        let booted = !read("kernel").is_empty();
+        let result = |i: usize| match read(&format!("test{i}.rc")).trim() {
+            "" => "not run".to_owned(),
+            "0" => "pass".to_owned(),
+            _ => "FAIL".to_owned(),
+        };
+        let agent_starts = if !booted {
+            "no: did not boot".to_owned()
+        } else if read("check.rc").trim() == "0" {
+            "yes".to_owned()
+        } else {
+            format!("no: {}", check.lines().last().unwrap_or("").trim())
+        };
+        let refusal = if check.contains("with ECONNREFUSED") {
+            "ECONNREFUSED"
+        } else if check.contains("with EPERM") {
+            "EPERM"
+        } else {
+            "?"
+        };
+        let tc_attach = if check.contains("the verifier rejects the tc programs") {
+            let why = check
+                .lines()
+                .find(|l| l.contains("tc_") && l.contains("REJECTED"))
+                .and_then(|l| l.split("): ").nth(1))
+                .unwrap_or("");
+            format!("no: tc program rejected ({why})")
+        } else if check.contains("tcx                   yes") {
+            "TCX".to_owned()
+        } else {
+            "no TCX (before 6.6)".to_owned()
+        };
+        let checks = (0..CHECKS.len())
+            .map(|i| if booted { result(i) } else { "—".to_owned() })
+            .collect();
+        Ok(Self {
+            kernel: kernel.to_owned(),
+            agent_starts,
+            refusal: refusal.to_owned(),
+            tc_attach,
+            checks,
+        })
+    }
+}
+
+fn render(rows: &[Row]) -> String {
+    let mut s = String::from(
+        "# Kernels\n\n\
+         Written by `cargo xtask kernels`: Debian's kernels booted in a VM (virtme-ng, qemu\n\
+         TCG) over this machine's root filesystem, each running `lb-agent check` and the\n\
+         integration tests named below (real packets in namespaces of the guest). The\n\
+         refusal is what `lb-agent check` says the agent does for a Service without\n\
+         endpoints; the two \"no endpoints\" columns are the tests forcing each variant.\n\n",
+    );
+    let mut head = vec!["kernel", "agent starts", "refusal", "tc attach"];
+    head.extend(CHECKS.iter().map(|c| c.column));
+    s += &format!("| {} |\n", head.join(" | "));
+    s += &format!("|{}\n", "---|".repeat(head.len()));
+    for r in rows {
+        let mut cells = vec![
+            r.kernel.clone(),
+            r.agent_starts.clone(),
+            r.refusal.clone(),
+            r.tc_attach.clone(),
+        ];
+        cells.extend(r.checks.iter().cloned());
+        s += &format!("| {} |\n", cells.join(" | "));
+    }
+    s += "\nTests: ";
+    s += &CHECKS
+        .iter()
+        .map(|c| format!("{}: `tests/tests/{}.rs` `{}`", c.column, c.file, c.test))
+        .collect::<Vec<_>>()
+        .join("; ");
+    s += ".\n";
+    s
+}
