@@ -829,6 +829,7 @@ pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Ve
         max_services: 64,
         max_backends: 64,
         max_slots: 128,
+        max_maglev_tables: 16,
         max_reverse_sockets: 64,
         max_affinity: 64,
         max_datagram_flows: 64,
