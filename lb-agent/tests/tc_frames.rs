@@ -411,17 +411,25 @@ impl Fixture {
     }
 
     fn run_bytes(&mut self, program: &str, input: &[u8]) -> (u32, Vec<u8>) {
+        let (rc, out, _) = self.run_timed(program, input);
+        (rc, out)
+    }
+
+    /// One run of `program` on `input`: its verdict, the frame it left and
+    /// how long the run took (the kernel's measure).
+    fn run_timed(&mut self, program: &str, input: &[u8]) -> (u32, Vec<u8>, u128) {
         let p: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into().unwrap();
         let mut out = vec![0u8; input.len() + 1024];
         let r = p
             .test_run(TestRunOptions {
                 data_in: Some(input),
                 data_out: Some(&mut out),
+                repeat: 1,
                 ..Default::default()
             })
             .expect("BPF_PROG_TEST_RUN");
         out.truncate(r.data_size_out as usize);
-        (r.return_value, out)
+        (r.return_value, out, r.duration.as_nanos())
     }
 
     /// The entry of this tuple, in whichever table it is.
@@ -1806,25 +1814,9 @@ fn cost_by_packet_kind() {
     let client = "192.168.77.100";
     let mut cost: std::collections::BTreeMap<&str, Vec<u128>> = Default::default();
     let mut timed = |fx: &mut Fixture, kind: &'static str, f: &Frame| -> Vec<u8> {
-        let data = f.bytes();
-        let p: &mut SchedClassifier = fx
-            .ebpf
-            .program_mut("tc_ingress")
-            .unwrap()
-            .try_into()
-            .unwrap();
-        let mut out = vec![0u8; data.len() + 1024];
-        let r = p
-            .test_run(TestRunOptions {
-                data_in: Some(&data),
-                data_out: Some(&mut out),
-                repeat: 1,
-                ..Default::default()
-            })
-            .unwrap();
-        assert_eq!(r.return_value, REDIRECT, "{kind}");
-        cost.entry(kind).or_default().push(r.duration.as_nanos());
-        out.truncate(r.data_size_out as usize);
+        let (rc, out, ns) = fx.run_timed("tc_ingress", &f.bytes());
+        assert_eq!(rc, REDIRECT, "{kind}");
+        cost.entry(kind).or_default().push(ns);
         out
     };
     for i in 0..100u16 {
@@ -1915,19 +1907,10 @@ fn cost_with_cold_caches() {
         ));
     }
     let mut flush = vec![0u8; 16 << 20];
-    let mut timed = |fx: &mut Fixture, program: &str, data: &[u8], want: u32| -> u128 {
-        let p: &mut SchedClassifier = fx.ebpf.program_mut(program).unwrap().try_into().unwrap();
-        let mut out = vec![0u8; data.len() + 1024];
-        let r = p
-            .test_run(TestRunOptions {
-                data_in: Some(data),
-                data_out: Some(&mut out),
-                repeat: 1,
-                ..Default::default()
-            })
-            .unwrap();
-        assert_eq!(r.return_value, want, "{program}");
-        r.duration.as_nanos()
+    let timed = |fx: &mut Fixture, program: &str, data: &[u8], want: u32| -> u128 {
+        let (rc, _, ns) = fx.run_timed(program, data);
+        assert_eq!(rc, want, "{program}");
+        ns
     };
     // A stride through the flows, so neighbours in memory do not follow.
     let order: Vec<usize> = (0..flows.len())

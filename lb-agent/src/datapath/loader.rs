@@ -81,6 +81,24 @@ impl Default for Capacity {
     }
 }
 
+impl Capacity {
+    /// A few entries of each map: enough to load and verify the programs
+    /// (`verify_programs`, tests) without the default sizes' memory.
+    pub fn small() -> Self {
+        Self {
+            max_services: 64,
+            max_backends: 64,
+            max_slots: 128,
+            max_maglev_tables: 16,
+            max_reverse_sockets: 64,
+            max_affinity: 64,
+            max_datagram_flows: 64,
+            max_conntrack: 64,
+            max_conntrack_syn: 64,
+        }
+    }
+}
+
 /// The compiled kernel programs (`lb-ebpf`), embedded by build.rs.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb"));
 
@@ -825,17 +843,7 @@ pub struct ProgramCheck {
 /// anything: all of it goes when this returns. `Err` when the object
 /// itself (its maps) does not load.
 pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Vec<ProgramCheck>> {
-    let small = Capacity {
-        max_services: 64,
-        max_backends: 64,
-        max_slots: 128,
-        max_maglev_tables: 16,
-        max_reverse_sockets: 64,
-        max_affinity: 64,
-        max_datagram_flows: 64,
-        max_conntrack: 64,
-        max_conntrack_syn: 64,
-    };
+    let small = Capacity::small();
     let mut ebpf = sized_loader(&small)
         .load(EBPF_OBJECT)
         .context("loading the object's maps")?;
@@ -1158,17 +1166,7 @@ mod tests {
         };
         fs::create_dir_all(&scratch.cgroup).unwrap();
         let refusal = Refusal::for_kernel(&KernelFeatures::probe());
-        let small = Capacity {
-            max_services: 64,
-            max_backends: 64,
-            max_slots: 128,
-            max_maglev_tables: 16,
-            max_reverse_sockets: 64,
-            max_affinity: 64,
-            max_datagram_flows: 64,
-            max_conntrack: 64,
-            max_conntrack_syn: 64,
-        };
+        let small = Capacity::small();
         let (mut dp, adopted) =
             Datapath::load(&scratch.pins, &scratch.cgroup, &small, refusal).unwrap();
         assert!(adopted.services.is_empty() && adopted.recreated.is_empty());
