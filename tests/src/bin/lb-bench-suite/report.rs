@@ -558,12 +558,14 @@ fn nodeport_section(o: &mut String, r: &Results) {
          The per-run figures above are about twice what those test runs suggest (~1.2 µs on \
          average), because a test run finds the maps in the CPU's caches and real traffic does \
          not. `cost_with_cold_caches` in the same file shows it (default conntrack sizes, \
-         20 000 established flows; medians with other builds running, so compare ratios): an \
-         established ACK costs ~1.0 µs in tc_ingress when one flow is sent again and again, \
-         ~1.8 µs when every flow is taken in turn (each run another bucket and entry), and \
-         ~2.6 µs when 1 MiB of memory (this machine's L2) is written between runs, as the rest \
-         of the stack does between two packets: the figure measured here. tc_egress goes the \
-         same way, ~150 ns, ~360 ns, ~580 ns (here ~480 ns). Conntrack maps a third of the \
+         20 000 established flows; medians of two runs, one on a quiet machine and one with \
+         builds running, so compare ratios): an established ACK costs 0.75–1.0 µs in \
+         tc_ingress when one flow is sent again and again, 1.0–1.8 µs when every flow is taken \
+         in turn (each run another bucket and entry), and 1.6–2.6 µs when 1 MiB of memory (this \
+         machine's L2) is written between runs, as the rest of the stack does between two \
+         packets: 2.1–2.5 times the first figure, as the per-run figure measured here is about \
+         twice the test runs'. tc_egress goes the same way, ~150 ns, 290–360 ns, 540–580 ns \
+         (here ~480 ns). Conntrack maps a third of the \
          default size did not change the figure (measured), since either is far larger than \
          the caches. A CPU profile of this experiment's lb arm (`perf record -a -g -e \
          cpu-clock`, the samples under tc_ingress) agrees: 28% the program's own instructions, \
