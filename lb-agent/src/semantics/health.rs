@@ -221,7 +221,9 @@ mod tests {
     #[test]
     fn pending_updates_older_than_the_timeout_are_unhealthy() {
         use Ev::*;
-        let cases: &[(&str, &[(u64, Ev)], u64, bool)] = &[
+        /// (name, events at their times, the time asked, healthy)
+        type Case = (&'static str, &'static [(u64, Ev)], u64, bool);
+        let cases: &[Case] = &[
             ("startup", &[], 1000, true),
             (
                 "pending but never synced: starting up",
