@@ -865,7 +865,6 @@ fn report_not_served(port: &ServicePortInfo, not_served: &[NotServed], report: &
     );
 }
 
-
 fn is_headless(spec: &ServiceSpec) -> bool {
     spec.cluster_ip.as_deref() == Some("None")
         || spec
