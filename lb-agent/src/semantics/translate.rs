@@ -2831,7 +2831,7 @@ mod tests {
             .rejected(&["Service default/sig spec.ports[0].protocol"])
             .not_served(&["int 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIP"]),
             Case::new(
-                "an SCTP-only Service: its VIP still refuses TCP and UDP on other ports",
+                "an SCTP-only Service: no frontend programmed, the SCTP one reported",
                 &["{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {clusterIP: 10.96.0.30, \
                    ports: [{name: sig, port: 80, protocol: SCTP}]}}"],
                 NONE,
