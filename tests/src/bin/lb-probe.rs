@@ -499,7 +499,10 @@ struct Answer {
 }
 
 fn tcp_once(target: SocketAddr, timeout: Duration) -> Step<Answer> {
-    stream_answer(at("connect", TcpStream::connect_timeout(&target, timeout))?, timeout)
+    stream_answer(
+        at("connect", TcpStream::connect_timeout(&target, timeout))?,
+        timeout,
+    )
 }
 
 /// A connected stream socket's peer and the server's answer, read to EOF.
