@@ -100,7 +100,8 @@ pub struct FrontendView {
     /// The agent's last sync could not program this frontend as desired
     /// (`LB_UNPROGRAMMED`). With `service_id` 0 and no backends nothing of
     /// it is in the datapath; otherwise what is shown is its previous
-    /// state, kept.
+    /// state, kept. Reason `not_served`: a frontend no datapath serves
+    /// (SCTP), never programmed.
     pub unprogrammed: Option<UnprogrammedView>,
 }
 
@@ -273,11 +274,19 @@ impl Subject for Services {
                 } else {
                     "its previous state, below, still serves"
                 };
-                let _ = writeln!(
-                    s,
-                    "{:>66}NOT PROGRAMMED for Service {}{port}: {} [{}]; {held}",
-                    "! ", u.service, u.error, u.reason
-                );
+                let _ = if u.reason == "not_served" {
+                    writeln!(
+                        s,
+                        "{:>66}NOT SERVED for Service {}{port}: {}",
+                        "! ", u.service, u.error
+                    )
+                } else {
+                    writeln!(
+                        s,
+                        "{:>66}NOT PROGRAMMED for Service {}{port}: {} [{}]; {held}",
+                        "! ", u.service, u.error, u.reason
+                    )
+                };
                 if v.service_id == 0 {
                     continue;
                 }

@@ -13,7 +13,7 @@ use prometheus_client::metrics::{counter::Counter, gauge::Gauge};
 use tokio::{signal::unix::SignalKind, sync::mpsc, time::Instant};
 
 use crate::{
-    base::metrics::{MapLabel, Metrics, ReasonLabel, RejectLabel},
+    base::metrics::{MapLabel, Metrics, NotServedLabel, ReasonLabel, RejectLabel},
     cli::{NorthSouthArgs, RunArgs},
     datapath::features::KernelFeatures,
     datapath::loader::Capacity,
@@ -517,10 +517,27 @@ impl Syncer {
         }
     }
 
-    /// What the reconciler could not program: into `LB_UNPROGRAMMED` (for
-    /// `inspect`) and `/metrics`, by reason.
+    /// What the reconciler could not program, and the frontends no
+    /// datapath serves (SCTP): into `LB_UNPROGRAMMED` (for `inspect`) and
+    /// `/metrics`, by reason and by kind. Only the former degrade `/readyz`:
+    /// the latter are what this agent does, not a failure.
     fn record_unprogrammed(&mut self) {
         let mut want = std::collections::BTreeMap::new();
+        let mut not_served: std::collections::BTreeMap<NotServedLabel, i64> = Default::default();
+        for n in self.translator.not_served() {
+            let key = crate::datapath::reconcile::service_key(&n.frontend);
+            want.insert(key, not_served_entry(n));
+            let label = NotServedLabel {
+                protocol: n.frontend.protocol.to_string(),
+                kind: n.kind.name().to_owned(),
+            };
+            *not_served.entry(label).or_default() += 1;
+        }
+        let m = &self.metrics.not_served;
+        m.clear();
+        for (label, n) in not_served {
+            m.get_or_create(&label).set(n);
+        }
         let mut by_reason: std::collections::BTreeMap<String, i64> = Default::default();
         for u in self.reconciler.unprogrammed() {
             want.insert(u.target.key(), unprogrammed_entry(u));
@@ -529,11 +546,11 @@ impl Syncer {
         for e in self.datapath.maps().sync_unprogrammed(&want) {
             tracing::warn!("{e}");
         }
-        self.ready.set_degraded((!want.is_empty()).then(|| {
+        let failed: i64 = by_reason.values().sum();
+        self.ready.set_degraded((failed > 0).then(|| {
             let reasons: Vec<String> = by_reason.iter().map(|(r, n)| format!("{n} {r}")).collect();
             format!(
-                "{} frontends not programmed ({}); see `lb-agent inspect services`",
-                want.len(),
+                "{failed} frontends not programmed ({}); see `lb-agent inspect services`",
                 reasons.join(", ")
             )
         }));
@@ -756,6 +773,25 @@ fn record_sweep(
 /// Kubernetes names fit, a namespace and a Service name being 63 bytes at
 /// most).
 fn unprogrammed_entry(u: &crate::datapath::reconcile::Unprogrammed) -> lb_common::Unprogrammed {
+    entry(&u.service, &u.port_name, u.map, u.errno)
+}
+
+/// `n` as `LB_UNPROGRAMMED` stores it.
+fn not_served_entry(n: &crate::semantics::model::NotServed) -> lb_common::Unprogrammed {
+    entry(
+        &n.service,
+        &n.port_name,
+        lb_common::unprogrammed_map::NOT_SERVED,
+        libc::EPROTONOSUPPORT,
+    )
+}
+
+fn entry(
+    service: &crate::semantics::model::ServiceName,
+    port_name: &str,
+    map: u32,
+    errno: i32,
+) -> lb_common::Unprogrammed {
     fn bytes<const N: usize>(s: &str) -> [u8; N] {
         let mut out = [0u8; N];
         let n = s.len().min(N);
@@ -763,10 +799,10 @@ fn unprogrammed_entry(u: &crate::datapath::reconcile::Unprogrammed) -> lb_common
         out
     }
     lb_common::Unprogrammed {
-        service: bytes(&u.service.to_string()),
-        port_name: bytes(&u.port_name),
-        errno: u.errno,
-        map: u.map,
+        service: bytes(&service.to_string()),
+        port_name: bytes(port_name),
+        errno,
+        map,
     }
 }
 

@@ -17,6 +17,10 @@
 pub mod proto {
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
+    /// Only in `LB_UNPROGRAMMED` keys: no program serves SCTP (the kernel
+    /// runs no connect or sendmsg hook for SCTP sockets, and the tc path
+    /// does not rewrite SCTP), so `LB_SERVICES` never holds it.
+    pub const SCTP: u8 = 132;
 }
 
 /// Which clients a `ServiceKey` entry serves (Cilium's `LB_LOOKUP_SCOPE_*`).
@@ -89,7 +93,7 @@ pub fn is_ipv4_mapped(addr: &[u8; 16]) -> bool {
 /// |--------|---------|----------------------------------------------------|
 /// | 0      | `addr`  | VIP, node address or ingress IP; IPv4 is mapped    |
 /// | 16     | `port`  | host order; 0 in a `WILDCARD` entry                 |
-/// | 18     | `proto` | `proto::TCP` or `proto::UDP`; 0 in a `WILDCARD` entry |
+/// | 18     | `proto` | `proto::TCP` or `proto::UDP`; 0 in a `WILDCARD` entry; `proto::SCTP` in `LB_UNPROGRAMMED` only |
 /// | 19     | `scope` | `scope::INTERNAL` or `scope::EXTERNAL`              |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -204,7 +208,7 @@ impl Default for MaglevEntry {
 /// | 0      | `service`   | `namespace/name` of the Service, NUL-padded       |
 /// | 128    | `port_name` | the Service port's name, NUL-padded ("" unnamed) |
 /// | 144    | `errno`     | the error of the write that failed               |
-/// | 148    | `map`       | `unprogrammed_map::*`: where it failed           |
+/// | 148    | `map`       | `unprogrammed_map::*`: where it failed, or `NOT_SERVED` |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Unprogrammed {
@@ -223,6 +227,9 @@ pub mod unprogrammed_map {
     pub const MAGLEV: u32 = 3;
     /// Creating or filling the table itself (an array of its own).
     pub const MAGLEV_TABLE: u32 = 4;
+    /// No write failed: no datapath serves the frontend's protocol (SCTP),
+    /// so it is never programmed; `errno` is `EPROTONOSUPPORT`.
+    pub const NOT_SERVED: u32 = 5;
     /// Each one's name, as logs, `/metrics` and `inspect` show it.
     pub const NAMES: [&str; 5] = [
         "LB_SERVICES",

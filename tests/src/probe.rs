@@ -92,6 +92,8 @@ pub enum Proto {
     Tcp,
     Udp,
     UdpConnected,
+    /// A one-to-one SCTP socket (the kernel must have SCTP).
+    Sctp,
 }
 
 impl Proto {
@@ -100,6 +102,7 @@ impl Proto {
             Proto::Tcp => "tcp",
             Proto::Udp => "udp",
             Proto::UdpConnected => "udp-connected",
+            Proto::Sctp => "sctp",
         }
     }
 
@@ -108,7 +111,8 @@ impl Proto {
             "tcp" => Proto::Tcp,
             "udp" => Proto::Udp,
             "udp-connected" => Proto::UdpConnected,
-            _ => bail!("unknown protocol {s:?} (tcp, udp, udp-connected)"),
+            "sctp" => Proto::Sctp,
+            _ => bail!("unknown protocol {s:?} (tcp, udp, udp-connected, sctp)"),
         })
     }
 }

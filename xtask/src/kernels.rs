@@ -43,7 +43,7 @@ struct Check {
     test: &'static str,
 }
 
-const CHECKS: [Check; 6] = [
+const CHECKS: [Check; 7] = [
     Check {
         column: "ClusterIP TCP + getpeername",
         file: "clusterip",
@@ -73,6 +73,11 @@ const CHECKS: [Check; 6] = [
         column: "restart adoption",
         file: "restart",
         test: "sigkill_and_restart_fail_no_connect_and_rewrite_only_changes",
+    },
+    Check {
+        column: "SCTP: reported, connects left alone",
+        file: "sctp",
+        test: "sctp_ports_are_reported_not_served_and_their_connects_left_alone",
     },
 ];
 
@@ -298,6 +303,7 @@ fn smoke_script(
          export LB_AGENT_BIN={agent} LB_BIN_DIR={bin} LB_EBPF_OBJECT={object}\n\
          export LB_TEST_READY_TIMEOUT_S=300\n\
          uname -r > {o}/kernel\n\
+         modprobe -q sctp || true\n\
          {agent} check > {o}/check.txt 2>&1; echo $? > {o}/check.rc\n",
         agent = release.join("lb-agent").display(),
         bin = release.display(),

@@ -41,6 +41,14 @@ pub struct ReasonLabel {
     pub reason: String,
 }
 
+/// A frontend no datapath serves: its protocol (`SCTP`) and kind
+/// (`ClusterIP`, `NodePort`, `LoadBalancer IP`, `externalIP`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, PartialOrd, Ord, EncodeLabelSet)]
+pub struct NotServedLabel {
+    pub protocol: String,
+    pub kind: String,
+}
+
 /// The field a rejected object was rejected for, indices removed
 /// (`spec.ports[1].port` → `spec.ports.port`) to keep cardinality bounded.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -81,6 +89,7 @@ pub struct Metrics {
     pub watch_errors: Family<KindLabel, Counter>,
     pub rejected: Family<RejectLabel, Gauge>,
     pub unprogrammed: Family<ReasonLabel, Gauge>,
+    pub not_served: Family<NotServedLabel, Gauge>,
     pub affinity_entries: Gauge,
     pub affinity_expired: Counter,
     pub affinity_swept: Counter,
@@ -121,6 +130,7 @@ impl Metrics {
             watch_errors: Family::default(),
             rejected: Family::default(),
             unprogrammed: Family::default(),
+            not_served: Family::default(),
             affinity_entries: Gauge::default(),
             affinity_expired: Counter::default(),
             affinity_swept: Counter::default(),
@@ -187,6 +197,13 @@ impl Metrics {
             "Desired frontends (and VIP markers) the last sync could not program as desired, by why; \
              each keeps its previous state if it had one, and is retried at every sync",
             m.unprogrammed.clone(),
+        );
+        registry.register(
+            "frontends_not_served",
+            "Frontends Services ask for that no datapath serves (SCTP: Linux runs no connect or \
+             sendmsg hook for SCTP sockets, the tc path does not rewrite SCTP), by protocol and kind; \
+             never programmed, listed by `lb-agent inspect services`",
+            m.not_served.clone(),
         );
         registry.register(
             "affinity_entries",

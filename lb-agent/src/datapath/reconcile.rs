@@ -224,7 +224,11 @@ impl Unprogrammed {
 /// `<map>_full` when the write failed because the map is full (`E2BIG`),
 /// else `<map>_error`; `<map>` is `services`, `slots`, `backends`,
 /// `maglev` (`LB_MAGLEV`) or `maglev_table` (the table itself).
+/// `not_served` for a frontend no datapath serves (SCTP).
 pub fn reason_label(map: u32, errno: i32) -> String {
+    if map == unprogrammed_map::NOT_SERVED {
+        return "not_served".to_owned();
+    }
     let name = match map {
         unprogrammed_map::SERVICES => "services",
         unprogrammed_map::SLOTS => "slots",
@@ -241,9 +245,16 @@ pub fn reason_label(map: u32, errno: i32) -> String {
     format!("{name}_{how}")
 }
 
+/// Why an SCTP frontend is not served, as `inspect` says it.
+pub const NOT_SERVED_TEXT: &str = "SCTP is not served: Linux runs no connect or sendmsg hook \
+     for SCTP sockets, and the tc path does not rewrite SCTP (its CRC32c)";
+
 /// What failed, as the log and `inspect` say it: `LB_SLOTS is full
 /// (Argument list too long (os error 7))`.
 pub fn failure_text(map: u32, errno: i32) -> String {
+    if map == unprogrammed_map::NOT_SERVED {
+        return NOT_SERVED_TEXT.to_owned();
+    }
     let name = unprogrammed_map::NAMES
         .get(map as usize)
         .copied()

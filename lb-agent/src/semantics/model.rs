@@ -16,6 +16,8 @@ use lb_common::{proto, scope};
 pub enum Protocol {
     Tcp,
     Udp,
+    /// Translated to be reported, never programmed: see [`NotServed`].
+    Sctp,
 }
 
 impl Protocol {
@@ -23,6 +25,7 @@ impl Protocol {
         match self {
             Protocol::Tcp => proto::TCP,
             Protocol::Udp => proto::UDP,
+            Protocol::Sctp => proto::SCTP,
         }
     }
 
@@ -30,6 +33,7 @@ impl Protocol {
         match n {
             proto::TCP => Some(Protocol::Tcp),
             proto::UDP => Some(Protocol::Udp),
+            proto::SCTP => Some(Protocol::Sctp),
             _ => None,
         }
     }
@@ -40,6 +44,7 @@ impl fmt::Display for Protocol {
         f.write_str(match self {
             Protocol::Tcp => "TCP",
             Protocol::Udp => "UDP",
+            Protocol::Sctp => "SCTP",
         })
     }
 }
@@ -77,6 +82,18 @@ pub enum FrontendKind {
     NodePort,
     LoadBalancer,
     ExternalIp,
+}
+
+impl FrontendKind {
+    /// As logs and `/metrics` name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "ClusterIP",
+            FrontendKind::NodePort => "NodePort",
+            FrontendKind::LoadBalancer => "LoadBalancer IP",
+            FrontendKind::ExternalIp => "externalIP",
+        }
+    }
 }
 
 /// `namespace/name` of a Service.
@@ -212,6 +229,24 @@ pub struct FrontendState {
     /// without ranges is open). On both scopes: kube-proxy checks the ranges
     /// on OUTPUT too, so pods and host processes are bound by them.
     pub source_ranges: bool,
+}
+
+/// A frontend a Service port asks for that no datapath of this agent
+/// serves: SCTP. Linux runs no connect or sendmsg hook for SCTP sockets
+/// (`sctp_inet_connect` and `sctp_sendmsg` call none; getpeername's runs,
+/// with nothing to reverse), and the tc path would have to recompute
+/// SCTP's CRC32c on every port rewrite. Reported (log, `lb-agent inspect
+/// services`, `lb_frontends_not_served`), never programmed.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
+pub struct NotServed {
+    pub frontend: Frontend,
+    pub service: ServiceName,
+    /// The Service port's name ("" when unnamed).
+    pub port_name: String,
+    pub kind: FrontendKind,
+    /// The Service's field the frontend comes from (`spec.clusterIPs[0]`,
+    /// `spec.ports[1].nodePort`, ...).
+    pub field: String,
 }
 
 impl FrontendState {

@@ -19,7 +19,7 @@ use crate::{
     input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
     semantics::model::{
         Algorithm, BackendAddr, BackendRef, Cidr, DesiredState, Frontend, FrontendKind,
-        FrontendState, Protocol, Scope, Selection, ServiceName,
+        FrontendState, NotServed, Protocol, Scope, Selection, ServiceName,
     },
 };
 
@@ -83,6 +83,8 @@ struct ServiceOut {
     /// `(frontend, state, field)` in the order the Service asks for them.
     claims: Vec<(Frontend, FrontendState, String)>,
     vips: Vec<(IpAddr, Scope)>,
+    /// Its SCTP frontends, in the order the Service asks for them.
+    not_served: Vec<NotServed>,
     /// Problems of its EndpointSlices or Endpoints, reported before the
     /// Service's own.
     endpoint_rejections: Vec<Rejection>,
@@ -94,6 +96,7 @@ struct Translated {
     /// Every frontend it claimed, won or not, in claim order.
     frontends: Vec<Frontend>,
     vips: Vec<(IpAddr, Scope)>,
+    not_served: Vec<NotServed>,
     /// Its rejections, conflicts included, in the order a full
     /// translation reports them.
     rejections: Vec<Rejection>,
@@ -149,6 +152,13 @@ impl Translator {
 
     pub fn rejections_iter(&self) -> impl Iterator<Item = &Rejection> {
         self.services.values().flat_map(|t| t.rejections.iter())
+    }
+
+    /// Every frontend a Service asks for that no datapath serves (SCTP),
+    /// in Service key order. They claim nothing: two Services may name
+    /// the same one.
+    pub fn not_served(&self) -> impl Iterator<Item = &NotServed> {
+        self.services.values().flat_map(|t| t.not_served.iter())
     }
 
     /// See `rejections_version` in the struct.
@@ -367,6 +377,7 @@ impl Translator {
         let ServiceOut {
             claims,
             vips,
+            not_served,
             endpoint_rejections,
         } = out;
         let mut frontends = Vec::with_capacity(claims.len());
@@ -390,6 +401,7 @@ impl Translator {
             Translated {
                 frontends,
                 vips,
+                not_served,
                 rejections,
             },
         );
@@ -716,11 +728,28 @@ fn translate_service(
 
     for port in &ports {
         let candidates = candidates(&groups, port, node);
+        let not_served_before = out.not_served.len();
         let mut emit = |addr: IpAddr, frontend_port: u16, kind, scope, policy, field: String| {
+            let frontend = Frontend {
+                addr,
+                port: frontend_port,
+                protocol: port.protocol,
+                scope,
+            };
+            if port.protocol == Protocol::Sctp {
+                out.not_served.push(NotServed {
+                    frontend,
+                    service: settings.service.clone(),
+                    port_name: port.name.clone(),
+                    kind,
+                    field,
+                });
+                return;
+            }
             let (active, terminating) = select(&candidates, Family::of(addr), policy, node);
             let serving = match port.protocol {
                 Protocol::Udp => serving(&candidates, Family::of(addr)),
-                Protocol::Tcp => Vec::new(),
+                Protocol::Tcp | Protocol::Sctp => Vec::new(),
             };
             // kube-proxy REJECTs when the Service has no endpoint at all,
             // and DROPs when only the traffic policy leaves none here.
@@ -729,12 +758,6 @@ fn translate_service(
                     let (a, t) = select(&candidates, Family::of(addr), Policy::Cluster, node);
                     a.is_empty() && t.is_empty()
                 };
-            let frontend = Frontend {
-                addr,
-                port: frontend_port,
-                protocol: port.protocol,
-                scope,
-            };
             let state = FrontendState {
                 service: settings.service.clone(),
                 port_name: port.name.clone(),
@@ -813,7 +836,33 @@ fn translate_service(
         for (ip, field) in &external_ips {
             north_south(*ip, port.port, FrontendKind::ExternalIp, field.clone());
         }
+        if port.protocol == Protocol::Sctp {
+            report_not_served(port, &out.not_served[not_served_before..], report);
+        }
     }
+}
+
+/// One rejection per SCTP port, naming the frontends it leaves alone (each
+/// once, whatever its scopes).
+fn report_not_served(port: &ServicePortInfo, not_served: &[NotServed], report: &mut Report) {
+    let mut named: Vec<String> = Vec::new();
+    for n in not_served {
+        let what = format!("{} {}", n.kind.name(), n.frontend);
+        if !named.contains(&what) {
+            named.push(what);
+        }
+    }
+    if named.is_empty() {
+        return;
+    }
+    report.reject(
+        format!("spec.ports[{}].protocol", port.index),
+        format!(
+            "SCTP is not served (Linux runs no connect or sendmsg hook for SCTP sockets, \
+             and the tc path does not rewrite SCTP): {} left alone",
+            named.join(", ")
+        ),
+    );
 }
 
 fn is_headless(spec: &ServiceSpec) -> bool {
@@ -935,17 +984,19 @@ fn load_balancer_ips(svc: &Service, families: &BTreeSet<Family>, report: &mut Re
     of_service_families(parsed, families, report)
 }
 
-/// The TCP and UDP entries of `spec.ports` with a valid port number.
+/// The entries of `spec.ports` with a known protocol and a valid port
+/// number (SCTP ones only to be reported: see [`NotServed`]).
 fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo> {
     let mut ports = Vec::new();
     for (index, p) in spec.ports.iter().flatten().enumerate() {
         let protocol = match p.protocol.as_deref() {
             None | Some("TCP") => Protocol::Tcp,
             Some("UDP") => Protocol::Udp,
+            Some("SCTP") => Protocol::Sctp,
             Some(other) => {
                 report.reject(
                     format!("spec.ports[{index}].protocol"),
-                    format!("protocol {other} is not supported (only TCP and UDP); port skipped"),
+                    format!("unknown protocol {other:?} (TCP, UDP or SCTP); port skipped"),
                 );
                 continue;
             }
@@ -1159,7 +1210,8 @@ fn slice_group(slice: &Slice, report: &mut Report) -> Option<EndpointGroup> {
     };
     let mut ports = Vec::new();
     for (j, p) in slice.ports.iter().enumerate() {
-        // SCTP and friends: the Service side already reports them.
+        // SCTP (never programmed) and unknown protocols: the Service side
+        // reports them.
         let Some(protocol) = endpoint_protocol(p.protocol.as_deref()) else {
             continue;
         };
@@ -1508,6 +1560,24 @@ mod tests {
             .collect()
     }
 
+    /// One line per frontend not served, in the order the Service asks
+    /// for them: `int 10.96.0.10:80/SCTP ClusterIp default/web:s spec.clusterIP`.
+    fn render_not_served<'a>(not_served: impl Iterator<Item = &'a NotServed>) -> Vec<String> {
+        not_served
+            .map(|n| {
+                let scope = match n.frontend.scope {
+                    Scope::Internal => "int",
+                    Scope::External => "ext",
+                };
+                let mut line = format!("{scope} {} {:?} {}", n.frontend, n.kind, n.service);
+                if !n.port_name.is_empty() {
+                    line += &format!(":{}", n.port_name);
+                }
+                line + " " + &n.field
+            })
+            .collect()
+    }
+
     /// `frontends` of a [`Case`] that has none.
     const NONE: &[&str] = &[];
 
@@ -1522,6 +1592,8 @@ mod tests {
         frontends: Vec<String>,
         /// `object field` of each rejection, in order.
         rejected: &'a [&'a str],
+        /// See [`render_not_served`]; none unless a case says otherwise.
+        not_served: &'a [&'a str],
     }
 
     impl<'a> Case<'a> {
@@ -1542,12 +1614,18 @@ mod tests {
                 },
                 frontends: frontends.iter().map(|f| f.as_ref().to_owned()).collect(),
                 rejected: &[],
+                not_served: &[],
             }
         }
 
         /// Expects these rejections (`object field`, in order).
         fn rejected(self, rejected: &'a [&'a str]) -> Self {
             Case { rejected, ..self }
+        }
+
+        /// Expects these frontends not served (see [`render_not_served`]).
+        fn not_served(self, not_served: &'a [&'a str]) -> Self {
+            Case { not_served, ..self }
         }
 
         /// Runs on `node` instead of `node_a()`.
@@ -1597,8 +1675,16 @@ mod tests {
     fn run(cases: Vec<Case<'_>>) {
         for case in cases {
             let node = case.node.clone().unwrap_or_else(node_a);
-            let (state, rejections) = translate(&store(case.docs), &node, &case.opts);
-            assert_eq!(render(&state), case.frontends, "{}: frontends", case.name);
+            let mut translator = Translator::default();
+            translator.full(&store(case.docs), &node, &case.opts);
+            let (state, rejections) = (translator.state(), translator.rejections());
+            assert_eq!(render(state), case.frontends, "{}: frontends", case.name);
+            assert_eq!(
+                render_not_served(translator.not_served()),
+                case.not_served,
+                "{}: not served",
+                case.name
+            );
             let got: Vec<String> = rejections
                 .iter()
                 .map(|r| format!("{} {}", r.object, r.field))
@@ -1697,9 +1783,17 @@ mod tests {
                 &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.3:8080"],
             ),
             Case::new(
-                "SCTP rejected, the TCP port kept",
+                "SCTP reported not served, the TCP port kept",
                 &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
                     spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}, {name: s, port: 9999, protocol: SCTP}]}}"],
+                &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
+            )
+            .rejected(&["Service default/web spec.ports[1].protocol"])
+            .not_served(&["int 10.96.0.10:9999/SCTP ClusterIp default/web:s spec.clusterIP"]),
+            Case::new(
+                "an unknown protocol rejected, the port skipped",
+                &["{apiVersion: v1, kind: Service, metadata: {name: web}, \
+                    spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}, {name: s, port: 9999, protocol: QUIC}]}}"],
                 &["int 10.96.0.10:80/TCP ClusterIp default/web:http => none"],
             )
             .rejected(&["Service default/web spec.ports[1].protocol"]),
@@ -2714,6 +2808,106 @@ mod tests {
         );
     }
 
+    /// SCTP: nothing is served (no socket hook runs for SCTP sockets, the
+    /// tc path does not rewrite SCTP), every frontend a port asks for is
+    /// reported, once per scope it would have, with the field it comes
+    /// from; one rejection per port names them.
+    #[test]
+    fn sctp_ports_are_reported_never_served() {
+        const SIG_SLICE: &str = "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+            metadata: {name: sig-1, labels: {kubernetes.io/service-name: sig}}, addressType: IPv4, \
+            ports: [{name: sig, port: 8080, protocol: SCTP}, {name: http, port: 8080}], \
+            endpoints: [{addresses: [10.1.0.1], nodeName: node-a}]}";
+        run(vec![
+            Case::new(
+                "ClusterIP: the SCTP port reported, the TCP port of the same number served",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {clusterIP: 10.96.0.30, \
+                     ports: [{name: sig, port: 80, protocol: SCTP, targetPort: 8080}, {name: http, port: 80, targetPort: 8080}]}}",
+                    SIG_SLICE,
+                ],
+                &["int 10.96.0.30:80/TCP ClusterIp default/sig:http => 10.1.0.1:8080(local)"],
+            )
+            .rejected(&["Service default/sig spec.ports[0].protocol"])
+            .not_served(&["int 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIP"]),
+            Case::new(
+                "an SCTP-only Service: no frontend programmed, the SCTP one reported",
+                &["{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {clusterIP: 10.96.0.30, \
+                   ports: [{name: sig, port: 80, protocol: SCTP}]}}"],
+                NONE,
+            )
+            .rejected(&["Service default/sig spec.ports[0].protocol"])
+            .not_served(&["int 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIP"]),
+            Case::new(
+                "dual-stack, NodePort, LoadBalancer IP and externalIP: each address, both scopes where it has two",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {type: LoadBalancer, \
+                     clusterIPs: [10.96.0.30, 'fd00::30'], externalIPs: [192.0.2.50], \
+                     ports: [{name: sig, port: 80, protocol: SCTP, nodePort: 30080}]}, \
+                     status: {loadBalancer: {ingress: [{ip: 203.0.113.7}]}}}",
+                    SIG_SLICE,
+                ],
+                NONE,
+            )
+            .rejected(&["Service default/sig spec.ports[0].protocol"])
+            .not_served(&[
+                "int 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIPs[0]",
+                "int [fd00::30]:80/SCTP ClusterIp default/sig:sig spec.clusterIPs[1]",
+                "ext 192.168.1.10:30080/SCTP NodePort default/sig:sig spec.ports[0].nodePort",
+                "int 192.168.1.10:30080/SCTP NodePort default/sig:sig spec.ports[0].nodePort",
+                "ext [fd00::10]:30080/SCTP NodePort default/sig:sig spec.ports[0].nodePort",
+                "int [fd00::10]:30080/SCTP NodePort default/sig:sig spec.ports[0].nodePort",
+                "ext 203.0.113.7:80/SCTP LoadBalancer default/sig:sig status.loadBalancer.ingress[0].ip",
+                "int 203.0.113.7:80/SCTP LoadBalancer default/sig:sig status.loadBalancer.ingress[0].ip",
+                "ext 192.0.2.50:80/SCTP ExternalIp default/sig:sig spec.externalIPs[0]",
+                "int 192.0.2.50:80/SCTP ExternalIp default/sig:sig spec.externalIPs[0]",
+            ]),
+            Case::new(
+                "--external-clusterip: the ClusterIP's external scope too",
+                &["{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {clusterIP: 10.96.0.30, \
+                   ports: [{name: sig, port: 80, protocol: SCTP}]}}"],
+                NONE,
+            )
+            .external_cluster_ip()
+            .rejected(&["Service default/sig spec.ports[0].protocol"])
+            .not_served(&[
+                "int 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIP",
+                "ext 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIP",
+            ]),
+            Case::new(
+                "an externalIP refused by --allowed-external-ip-cidrs is not reported as not served",
+                &["{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {clusterIP: 10.96.0.30, \
+                   externalIPs: [192.0.2.50], ports: [{name: sig, port: 80, protocol: SCTP}]}}"],
+                NONE,
+            )
+            .allowed_external_ips(&["10.0.0.0/8"])
+            .rejected(&[
+                "Service default/sig spec.externalIPs[0]",
+                "Service default/sig spec.ports[0].protocol",
+            ])
+            .not_served(&["int 10.96.0.30:80/SCTP ClusterIp default/sig:sig spec.clusterIP"]),
+            Case::new(
+                "an SCTP port with an invalid number: rejected for it, nothing reported",
+                &["{apiVersion: v1, kind: Service, metadata: {name: sig}, spec: {clusterIP: 10.96.0.30, \
+                   ports: [{name: sig, port: 70000, protocol: SCTP}]}}"],
+                NONE,
+            )
+            .rejected(&["Service default/sig spec.ports[0].port"]),
+            Case::new(
+                "headless, ExternalName and another proxy's: nothing reported",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: h}, spec: {clusterIP: None, \
+                     ports: [{port: 80, protocol: SCTP}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: x}, spec: {type: ExternalName, \
+                     externalName: example.com, ports: [{port: 80, protocol: SCTP}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: o, labels: {service.kubernetes.io/service-proxy-name: other}}, \
+                     spec: {clusterIP: 10.96.0.31, ports: [{port: 80, protocol: SCTP}]}}",
+                ],
+                NONE,
+            ),
+        ]);
+    }
+
     #[test]
     fn rejection_messages() {
         let store = store(&[
@@ -2726,7 +2920,8 @@ mod tests {
             got,
             [
                 "translate: Service default/web: spec.ports[0].port: 70000 is outside 1..65535",
-                "translate: Service default/web: spec.ports[1].protocol: protocol SCTP is not supported (only TCP and UDP); port skipped",
+                "translate: Service default/web: spec.ports[1].protocol: SCTP is not served (Linux runs no connect or sendmsg hook \
+                 for SCTP sockets, and the tc path does not rewrite SCTP): ClusterIP 10.96.0.10:9/SCTP left alone",
             ]
         );
     }
@@ -2902,10 +3097,17 @@ mod tests {
                 }
                 let before = translator.state().clone();
                 let update = translator.update(&store, &changes, &node, &opts);
-                let (want, want_rejections) = translate(&store, &node, &opts);
+                let mut full = Translator::default();
+                full.full(&store, &node, &opts);
+                let (want, want_rejections) = (full.state(), full.rejections());
                 let at = format!("seed {seed} step {step}");
-                assert_eq!(translator.state(), &want, "{at}: state");
+                assert_eq!(translator.state(), want, "{at}: state");
                 assert_eq!(translator.rejections(), want_rejections, "{at}: rejections");
+                assert_eq!(
+                    translator.not_served().collect::<Vec<_>>(),
+                    full.not_served().collect::<Vec<_>>(),
+                    "{at}: not served"
+                );
                 if want_rejections
                     .iter()
                     .any(|r| r.reason.contains("claimed by"))

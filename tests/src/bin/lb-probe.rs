@@ -1,11 +1,12 @@
 //! `lb-probe`: the traffic ends of the integration tests.
 //!
 //! - `serve --name NAME --port P [--port Q ...] [--with-port]`: on each port,
-//!   TCP and UDP on `[::]` (dual-stack). TCP: on accept, write `NAME\n` and
-//!   close. UDP: answer each datagram with `NAME`. With `--with-port` the
-//!   answer is `NAME:PORT`, PORT being the local port that was hit. Prints one
-//!   line `{"listening":true,...}` once every socket is bound.
-//! - `client --cgroup DIR --netns NS --target IP:PORT --proto tcp|udp|udp-connected
+//!   TCP and UDP on `[::]` (dual-stack), and SCTP (one-to-one) when the
+//!   kernel has it. TCP and SCTP: on accept, write `NAME\n` and close. UDP:
+//!   answer each datagram with `NAME`. With `--with-port` the answer is
+//!   `NAME:PORT`, PORT being the local port that was hit. Prints one line
+//!   `{"listening":true,"sctp":BOOL,...}` once every socket is bound.
+//! - `client --cgroup DIR --netns NS --target IP:PORT --proto tcp|udp|udp-connected|sctp
 //!   --count N [--family v4|v6|v4mapped] [--timeout-ms 2000]`: first joins the
 //!   cgroup (writes its pid to `DIR/cgroup.procs`), then enters the network
 //!   namespace `/run/netns/NS`, then makes N independent attempts, printing
@@ -250,6 +251,8 @@ enum Proto {
     Tcp,
     Udp,
     UdpConnected,
+    /// A one-to-one (`SOCK_STREAM`) SCTP socket, read like TCP.
+    Sctp,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -324,12 +327,17 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// An AF_INET6 socket on `[::]:port` that also accepts IPv4 (V6ONLY off).
-fn dual_stack_socket(ty: libc::c_int, port: u16) -> io::Result<OwnedFd> {
+/// An AF_INET6 socket on `[::]:port` that also accepts IPv4 (V6ONLY off);
+/// `protocol` 0 is the type's default.
+fn dual_stack_socket(ty: libc::c_int, protocol: libc::c_int, port: u16) -> io::Result<OwnedFd> {
     // SAFETY: plain socket calls on a descriptor we own; the sockaddr is a
     // zeroed, fully initialised sockaddr_in6 of the size passed.
     unsafe {
-        let fd = cvt(libc::socket(libc::AF_INET6, ty | libc::SOCK_CLOEXEC, 0))?;
+        let fd = cvt(libc::socket(
+            libc::AF_INET6,
+            ty | libc::SOCK_CLOEXEC,
+            protocol,
+        ))?;
         let fd = OwnedFd::from_raw_fd(fd);
         let zero: libc::c_int = 0;
         let one: libc::c_int = 1;
@@ -365,6 +373,7 @@ fn dual_stack_socket(ty: libc::c_int, port: u16) -> io::Result<OwnedFd> {
 
 fn serve(a: ServeArgs) -> Result<()> {
     let mut threads = Vec::new();
+    let mut sctp_listening = false;
     for &port in &a.ports {
         let reply = if a.with_port {
             format!("{}:{port}", a.name)
@@ -372,13 +381,20 @@ fn serve(a: ServeArgs) -> Result<()> {
             a.name.clone()
         };
         let tcp = TcpListener::from(
-            dual_stack_socket(libc::SOCK_STREAM, port)
+            dual_stack_socket(libc::SOCK_STREAM, 0, port)
                 .with_context(|| format!("TCP [::]:{port}"))?,
         );
         let udp = UdpSocket::from(
-            dual_stack_socket(libc::SOCK_DGRAM, port)
+            dual_stack_socket(libc::SOCK_DGRAM, 0, port)
                 .with_context(|| format!("UDP [::]:{port}"))?,
         );
+        // A one-to-one SCTP socket accepts and writes like a TCP one.
+        let sctp = match dual_stack_socket(libc::SOCK_STREAM, libc::IPPROTO_SCTP, port) {
+            Ok(fd) => Some(TcpListener::from(fd)),
+            Err(e) if no_sctp(&e) => None,
+            Err(e) => return Err(e).with_context(|| format!("SCTP [::]:{port}")),
+        };
+        sctp_listening = sctp.is_some();
         let with_peer = a.with_peer;
         let answer = move |reply: &str, peer: SocketAddr| -> String {
             if with_peer {
@@ -391,18 +407,21 @@ fn serve(a: ServeArgs) -> Result<()> {
                 reply.to_string()
             }
         };
-        let line = reply.clone();
-        threads.push(std::thread::spawn(move || loop {
-            match tcp.accept() {
-                Ok((mut s, peer)) => {
-                    let _ = s.write_all(format!("{}\n", answer(&line, peer)).as_bytes());
+        for (what, listener) in [("TCP", Some(tcp)), ("SCTP", sctp)] {
+            let Some(listener) = listener else { continue };
+            let line = reply.clone();
+            threads.push(std::thread::spawn(move || loop {
+                match listener.accept() {
+                    Ok((mut s, peer)) => {
+                        let _ = s.write_all(format!("{}\n", answer(&line, peer)).as_bytes());
+                    }
+                    Err(e) => {
+                        eprintln!("lb-probe serve: {what} accept on {port}: {e}");
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
                 }
-                Err(e) => {
-                    eprintln!("lb-probe serve: accept on {port}: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
-        }));
+            }));
+        }
         threads.push(std::thread::spawn(move || {
             let mut buf = [0u8; 2048];
             loop {
@@ -418,7 +437,9 @@ fn serve(a: ServeArgs) -> Result<()> {
             }
         }));
     }
-    let ready = serde_json::json!({"listening": true, "name": a.name, "ports": a.ports});
+    let ready = serde_json::json!({
+        "listening": true, "name": a.name, "ports": a.ports, "sctp": sctp_listening,
+    });
     let mut out = io::stdout().lock();
     writeln!(out, "{ready}")?;
     out.flush()?;
@@ -478,7 +499,14 @@ struct Answer {
 }
 
 fn tcp_once(target: SocketAddr, timeout: Duration) -> Step<Answer> {
-    let s = at("connect", TcpStream::connect_timeout(&target, timeout))?;
+    stream_answer(
+        at("connect", TcpStream::connect_timeout(&target, timeout))?,
+        timeout,
+    )
+}
+
+/// A connected stream socket's peer and the server's answer, read to EOF.
+fn stream_answer(s: TcpStream, timeout: Duration) -> Step<Answer> {
     let peer = at("getpeername", s.peer_addr())?;
     at("read", s.set_read_timeout(Some(timeout)))?;
     let mut reply = String::new();
@@ -491,6 +519,97 @@ fn tcp_once(target: SocketAddr, timeout: Duration) -> Step<Answer> {
         peer,
         source: None,
     })
+}
+
+/// A kernel without SCTP (`CONFIG_IP_SCTP` unset, or the module absent).
+fn no_sctp(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EPROTONOSUPPORT | libc::ESOCKTNOSUPPORT)
+    )
+}
+
+/// Like [`tcp_once`] on a one-to-one SCTP socket: connect (within
+/// `timeout`, `SO_SNDTIMEO`; SCTP's connect then fails with `EINPROGRESS`),
+/// getpeername, read the answer to EOF.
+fn sctp_once(target: SocketAddr, timeout: Duration) -> Step<Answer> {
+    let family = match target {
+        SocketAddr::V4(_) => libc::AF_INET,
+        SocketAddr::V6(_) => libc::AF_INET6,
+    };
+    // SAFETY: a socket call; the descriptor is owned at once.
+    let fd = at("socket", unsafe {
+        cvt(libc::socket(
+            family,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            libc::IPPROTO_SCTP,
+        ))
+        .map(|fd| OwnedFd::from_raw_fd(fd))
+    })?;
+    let tv = libc::timeval {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
+    };
+    let (sa, len) = sockaddr_of(target);
+    // SAFETY: setsockopt with a timeval of its size; connect with a
+    // sockaddr_storage holding `len` initialised bytes.
+    unsafe {
+        at(
+            "connect",
+            cvt(libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                &tv as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )),
+        )?;
+        at(
+            "connect",
+            cvt(libc::connect(
+                fd.as_raw_fd(),
+                &sa as *const _ as *const libc::sockaddr,
+                len,
+            )),
+        )?;
+    }
+    // Reads, writes and getpeername are those of any stream socket.
+    stream_answer(TcpStream::from(fd), timeout)
+}
+
+/// `addr` as a sockaddr for the syscalls, with its length.
+fn sockaddr_of(addr: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero is a valid sockaddr_storage; each arm writes a
+    // sockaddr that fits in it.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match addr {
+        SocketAddr::V4(a) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: a.port().to_be(),
+                sin_addr: libc::in_addr {
+                    s_addr: u32::from_ne_bytes(a.ip().octets()),
+                },
+                sin_zero: [0; 8],
+            };
+            unsafe { std::ptr::write(&mut ss as *mut _ as *mut libc::sockaddr_in, sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(a) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: a.port().to_be(),
+                sin6_flowinfo: a.flowinfo(),
+                sin6_addr: libc::in6_addr {
+                    s6_addr: a.ip().octets(),
+                },
+                sin6_scope_id: a.scope_id(),
+            };
+            unsafe { std::ptr::write(&mut ss as *mut _ as *mut libc::sockaddr_in6, sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (ss, len as libc::socklen_t)
 }
 
 fn unspecified(target: SocketAddr) -> SocketAddr {
@@ -565,6 +684,7 @@ fn client(a: ClientArgs) -> Result<()> {
             Proto::Tcp => tcp_once(target, timeout),
             Proto::Udp => udp_once(target, timeout, false),
             Proto::UdpConnected => udp_once(target, timeout, true),
+            Proto::Sctp => sctp_once(target, timeout),
         };
         let end_ns = a.timestamps.then(integration_tests::probe::monotonic_ns);
         let elapsed_ms = (start.elapsed().as_secs_f64() * 1000.0 * 1000.0).round() / 1000.0;
