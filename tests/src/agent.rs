@@ -3,7 +3,7 @@
 //! SIGTERM on drop.
 use std::{
     ffi::OsString,
-    io::{Read as _, Write as _},
+    io::{Read as _, Seek as _, SeekFrom, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
@@ -90,6 +90,10 @@ pub struct AgentOpts {
     /// Start the agent with this soft open-file limit (the hard one as
     /// ours), as a login shell's `ulimit -n 1024` would.
     pub open_files_soft_limit: Option<u64>,
+    /// Run the agent process itself in this cgroup v2 directory (one with
+    /// a `memory.max`, as a container's limit), from before its exec: the
+    /// BPF maps it creates are charged there.
+    pub process_cgroup: Option<PathBuf>,
 }
 
 impl Default for AgentOpts {
@@ -104,6 +108,7 @@ impl Default for AgentOpts {
             no_ready_wait: false,
             capabilities: None,
             open_files_soft_limit: None,
+            process_cgroup: None,
         }
     }
 }
@@ -171,6 +176,7 @@ fn spawn(
     netns: Option<&str>,
     capabilities: Option<&[String]>,
     open_files_soft_limit: Option<u64>,
+    process_cgroup: Option<&Path>,
 ) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -222,6 +228,29 @@ fn spawn(
             });
         }
     }
+    if let Some(cg) = process_cgroup {
+        use std::os::unix::{ffi::OsStrExt as _, process::CommandExt as _};
+        let procs = std::ffi::CString::new(cg.join("cgroup.procs").as_os_str().as_bytes())
+            .context("a cgroup path with a NUL byte")?;
+        // SAFETY: open, write and close are async-signal-safe; the path was
+        // allocated before the fork.
+        unsafe {
+            c.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // "0": the writing process itself.
+                let n = libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                if n != 2 {
+                    return Err(err);
+                }
+                Ok(())
+            });
+        }
+    }
     let child = cmd::die_with_parent(&mut c, libc::SIGTERM)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
@@ -243,6 +272,7 @@ pub struct Agent {
     netns: Option<String>,
     capabilities: Option<Vec<String>>,
     open_files_soft_limit: Option<u64>,
+    process_cgroup: Option<PathBuf>,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -298,6 +328,7 @@ impl Agent {
             opts.netns.as_deref(),
             opts.capabilities.as_deref(),
             opts.open_files_soft_limit,
+            opts.process_cgroup.as_deref(),
         )?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
@@ -322,6 +353,7 @@ impl Agent {
             netns: opts.netns.clone(),
             capabilities: opts.capabilities.clone(),
             open_files_soft_limit: opts.open_files_soft_limit,
+            process_cgroup: opts.process_cgroup.clone(),
             pid,
             child,
             _cleanup: handle,
@@ -424,6 +456,12 @@ impl Agent {
         self.args.extend(args.iter().map(OsString::from));
     }
 
+    /// Runs the next [`restart`](Self::restart) in cgroup `cgroup` (`None`:
+    /// where its parent is), as [`AgentOpts::process_cgroup`].
+    pub fn set_process_cgroup(&mut self, cgroup: Option<PathBuf>) {
+        self.process_cgroup = cgroup;
+    }
+
     /// Drops every argument equal to `arg` for the next
     /// [`restart`](Self::restart) (a flag turned off again).
     pub fn remove_arg(&mut self, arg: &str) {
@@ -447,6 +485,7 @@ impl Agent {
             self.netns.as_deref(),
             self.capabilities.as_deref(),
             self.open_files_soft_limit,
+            self.process_cgroup.as_deref(),
         )?;
         self.pid = child.id();
         *g = Some(child);
@@ -603,6 +642,53 @@ impl Drop for Agent {
                 self.log_path.display(),
                 self.log()
             );
+        }
+    }
+}
+
+/// What an agent logs after each sync that wrote frontends, read as its
+/// log grows (also across restarts, which append to the same file).
+pub struct SyncLog {
+    file: std::fs::File,
+    pending: String,
+}
+
+impl SyncLog {
+    /// Reads `agent`'s log from its current end.
+    pub fn open(agent: &Agent) -> Result<Self> {
+        let path = agent.log_path();
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        file.seek(SeekFrom::End(0))?;
+        Ok(Self {
+            file,
+            pending: String::new(),
+        })
+    }
+
+    /// Waits for the next "synced" line with `written=` more than 0.
+    pub fn next_write(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            while let Some(n) = self.pending.find('\n') {
+                let line: String = self.pending.drain(..=n).collect();
+                let written = line
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("written="))
+                    .and_then(|n| n.parse::<usize>().ok());
+                if line.contains(" synced") && written.is_some_and(|n| n > 0) {
+                    return Ok(());
+                }
+            }
+            let mut more = String::new();
+            self.file.read_to_string(&mut more)?;
+            if more.is_empty() {
+                if Instant::now() >= deadline {
+                    bail!("the agent did not sync a change within {timeout:?}");
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            self.pending.push_str(&more);
         }
     }
 }
