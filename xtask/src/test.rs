@@ -77,9 +77,11 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
         integration.map_or("not run (need root)", word),
         chaos.map_or("not run (need root)", word)
     );
-    Ok(if unit && integration == Some(true) && chaos == Some(true) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if unit && integration == Some(true) && chaos == Some(true) {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }

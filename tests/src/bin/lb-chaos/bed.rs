@@ -84,13 +84,18 @@ pub struct Bed {
 }
 
 fn service(name: &str, vip: &str, node_ports: bool) -> Value {
-    let mut ports = vec![json!({"name": "http", "port": HTTP_PORT, "targetPort": POD_PORT, "protocol": "TCP"})];
+    let mut ports =
+        vec![json!({"name": "http", "port": HTTP_PORT, "targetPort": POD_PORT, "protocol": "TCP"})];
     if node_ports {
         ports[0]["nodePort"] = json!(HTTP_NODEPORT);
-        ports.push(json!({"name": "dns", "port": DNS_PORT, "targetPort": POD_PORT,
-            "protocol": "UDP", "nodePort": DNS_NODEPORT}));
-        ports.push(json!({"name": "stream", "port": STREAM_PORT, "targetPort": STREAM_POD_PORT,
-            "protocol": "TCP", "nodePort": STREAM_NODEPORT}));
+        ports.push(
+            json!({"name": "dns", "port": DNS_PORT, "targetPort": POD_PORT,
+            "protocol": "UDP", "nodePort": DNS_NODEPORT}),
+        );
+        ports.push(
+            json!({"name": "stream", "port": STREAM_PORT, "targetPort": STREAM_POD_PORT,
+            "protocol": "TCP", "nodePort": STREAM_NODEPORT}),
+        );
     }
     json!({
         "apiVersion": "v1", "kind": "Service",

@@ -170,7 +170,10 @@ fn streams(label: &str, args: Vec<String>) -> Result<Streams> {
         let note = |flows: &[FlowState], failures: &mut Vec<(u64, String)>| {
             for f in flows {
                 if let Some(e) = &f.error {
-                    if !failures.iter().any(|(_, x): &(u64, String)| x.starts_with(&f.id)) {
+                    if !failures
+                        .iter()
+                        .any(|(_, x): &(u64, String)| x.starts_with(&f.id))
+                    {
                         failures.push((monotonic_ns(), format!("{} ({:?}): {e}", f.id, f.backend)));
                     }
                 }
@@ -256,7 +259,14 @@ impl Load {
             let sockets = STREAMS.to_string();
             a.extend(
                 [
-                    "--netns", netns, "--target", target, "--id", id, "--sockets", sockets.as_str(),
+                    "--netns",
+                    netns,
+                    "--target",
+                    target,
+                    "--id",
+                    id,
+                    "--sockets",
+                    sockets.as_str(),
                 ]
                 .map(String::from),
             );
@@ -358,7 +368,10 @@ impl Load {
                 if let Some(b) = &f.backend {
                     if !ok.contains(b) {
                         cf.misrouted += 1;
-                        examples.push(format!("{}: {} opened to {b}, not among {ok:?}", s.label, f.id));
+                        examples.push(format!(
+                            "{}: {} opened to {b}, not among {ok:?}",
+                            s.label, f.id
+                        ));
                     }
                 }
             }

@@ -56,15 +56,22 @@ pub struct PhaseResult {
     pub notes: Vec<String>,
     /// Why the phase could not run to its end (the fault failed).
     pub error: Option<String>,
+    /// The negative control: every figure must be non-zero.
+    #[serde(default)]
+    pub control: bool,
 }
 
 impl PhaseResult {
-    /// 0 failed, 0 reset, 0 misrouted, and the fault ran.
+    /// 0 failed, 0 reset, 0 misrouted, and the fault ran; for the control,
+    /// failures, resets and misrouted answers all seen.
     pub fn passed(&self) -> bool {
-        self.error.is_none()
-            && self.load.failed().is_empty()
+        let clean = self.load.failed().is_empty()
             && self.load.reset().is_empty()
-            && self.load.misrouted() == 0
+            && self.load.misrouted() == 0;
+        let seen = !self.load.failed().is_empty()
+            && !self.load.reset().is_empty()
+            && self.load.misrouted() > 0;
+        self.error.is_none() && if self.control { seen } else { clean }
     }
 }
 
@@ -117,7 +124,7 @@ fn run(opts: &Opts) -> Result<bool> {
         Duration::from_secs(55)
     };
     say(format!(
-        "{} mode: {} phases of {phase:?}",
+        "{} mode: {} phases and the control of {phase:?}",
         if opts.quick { "quick" } else { "full" },
         phases::PHASES.len()
     ));
@@ -131,7 +138,8 @@ fn run(opts: &Opts) -> Result<bool> {
         date: cmd_out(&["date", "-u", "+%Y-%m-%d %H:%M UTC"]),
         ..Default::default()
     };
-    for &(name, fault, f) in phases::PHASES {
+    let control = std::iter::once(&phases::CONTROL);
+    for &(name, fault, f) in phases::PHASES.iter().chain(control) {
         if !opts.only.is_empty() && !opts.only.iter().any(|o| o == name) {
             results.skipped.push(name.into());
             continue;
@@ -141,23 +149,24 @@ fn run(opts: &Opts) -> Result<bool> {
         let load = Load::start(&bed, phase)?;
         // The fault stops a second before the clients do, so that their
         // last attempts meet a settled state.
-        let events = f(&mut bed, t + phase.saturating_sub(Duration::from_secs(1)), opts.quick);
+        let events = f(
+            &mut bed,
+            t + phase.saturating_sub(Duration::from_secs(1)),
+            opts.quick,
+        );
         let figures = load.finish(&bed.timeline)?;
         let mut r = PhaseResult {
             name: name.into(),
             fault: fault.into(),
             seconds: t.elapsed().as_secs_f64(),
             load: figures,
+            control: name == phases::CONTROL.0,
             ..Default::default()
         };
         match events {
             Ok(ev) => {
                 r.restarts = ev.restarts;
-                r.recovery_ms = ev
-                    .recoveries
-                    .iter()
-                    .max()
-                    .map(|d| d.as_secs_f64() * 1e3);
+                r.recovery_ms = ev.recoveries.iter().max().map(|d| d.as_secs_f64() * 1e3);
                 r.notes = ev.notes;
             }
             Err(e) => r.error = Some(format!("{e:#}")),
@@ -171,7 +180,9 @@ fn run(opts: &Opts) -> Result<bool> {
             r.load.reset(),
             r.load.misrouted(),
             r.restarts,
-            r.error.as_ref().map_or(String::new(), |e| format!(", FAULT FAILED: {e}"))
+            r.error
+                .as_ref()
+                .map_or(String::new(), |e| format!(", FAULT FAILED: {e}"))
         ));
         for e in &r.load.examples {
             say(format!("  {e}"));

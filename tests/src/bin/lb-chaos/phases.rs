@@ -130,7 +130,10 @@ fn rolling(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
             let mut eps = bed.web.clone();
             eps.insert(old_pod.clone(), Cond::Terminating);
             ev.recoveries.push(bed.publish_web(eps)?);
-            pause(Duration::from_millis(500), deadline + Duration::from_secs(5));
+            pause(
+                Duration::from_millis(500),
+                deadline + Duration::from_secs(5),
+            );
             let mut eps = bed.web.clone();
             eps.remove(old_pod);
             ev.recoveries.push(bed.publish_web(eps)?);
@@ -360,7 +363,10 @@ fn capacity(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
             &Churn::others(bed)[..1],
         )?;
     }
-    pause(deadline.saturating_duration_since(Instant::now()) / 2, deadline);
+    pause(
+        deadline.saturating_duration_since(Instant::now()) / 2,
+        deadline,
+    );
     let (_, text) = bed.c.agents[0].metrics()?;
     let unprogrammed = metric_sum(&text, "lb_frontends_unprogrammed");
     ev.notes.push(format!(
@@ -382,9 +388,8 @@ fn capacity(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
         ev.restarts += 1;
     }
     pause(deadline.saturating_duration_since(Instant::now()), deadline);
-    ev.notes.push(
-        "recovery: SIGTERM to ready for the restarts into and out of the small maps".into(),
-    );
+    ev.notes
+        .push("recovery: SIGTERM to ready for the restarts into and out of the small maps".into());
     Ok(ev)
 }
 
@@ -392,7 +397,9 @@ fn syn_flood(bed: &mut Bed, deadline: Instant, quick: bool) -> Result<Events> {
     let mut ev = Events::default();
     let ns = bed.c.add_external("attacker", 150)?;
     let left = deadline.saturating_duration_since(Instant::now());
-    let dur = left.saturating_sub(Duration::from_secs(2)).min(Duration::from_secs(30));
+    let dur = left
+        .saturating_sub(Duration::from_secs(2))
+        .min(Duration::from_secs(30));
     let count: u64 = if quick { 20_000 } else { 100_000 };
     let probe = integration_tests::probe_bin()?;
     let mut c = std::process::Command::new(probe);
@@ -442,7 +449,11 @@ impl MemoryCgroup {
         let handle = cleanup::register(format!("remove cgroup {}", path.display()), move || {
             integration_tests::cgroup::remove_cgroup(&p)
         });
-        let file = if v2 { "memory.max" } else { "memory.limit_in_bytes" };
+        let file = if v2 {
+            "memory.max"
+        } else {
+            "memory.limit_in_bytes"
+        };
         std::fs::write(path.join(file), limit.to_string())
             .with_context(|| format!("writing {}/{file}", path.display()))?;
         Ok(MemoryCgroup {
@@ -480,8 +491,13 @@ fn memory_limit(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
         let cg = MemoryCgroup::create(&format!("chaos-mem-n{}", i + 1), DAEMONSET_MEMORY)?;
         let p = cg.path.clone();
         bed.memory.push(cg);
-        ev.recoveries
-            .push(restart_with(bed, i, |a| a.set_process_cgroup(Some(p)))?);
+        // Other map sizes: the agent recreates LB_SERVICES there, so that
+        // map is charged to the limited cgroup (maps pinned before stay
+        // charged to where they were made).
+        ev.recoveries.push(restart_with(bed, i, |a| {
+            a.set_process_cgroup(Some(p));
+            set_max_services(a, Some("4096"));
+        })?);
         ev.restarts += 1;
     }
     let mut ch = Churn::new();
@@ -499,7 +515,52 @@ fn memory_limit(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
             bed.c.agents[i].is_running()
         ));
     }
-    ev.notes
-        .push("recovery: SIGTERM to ready for the restarts into the memory cgroups".into());
+    ev.notes.push(
+        "the agents restarted into the cgroups with --max-services 4096 (LB_SERVICES \
+         recreated there); recovery: SIGTERM to ready for those restarts"
+            .into(),
+    );
+    Ok(ev)
+}
+
+/// The negative control, run last: faults the figures must show, or the
+/// instruments are blind. web moves to other pods without the move being
+/// recorded (its answers must count as misrouted), then every pod's
+/// server processes are killed (attempts must fail, streams reset).
+pub const CONTROL: (&str, &str, Fault) = (
+    "instrument check",
+    "negative control: web moved to other pods without recording it, then \
+     every pod's servers killed; every figure must be non-zero",
+    instrument_check,
+);
+
+fn instrument_check(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
+    let mut ev = Events::default();
+    let third = deadline.saturating_duration_since(Instant::now()) / 3;
+    pause(third, deadline);
+    let eps: BTreeMap<String, Cond> = Churn::others(bed)
+        .into_iter()
+        .map(|p| (p, Cond::Ready))
+        .collect();
+    bed.publish_web(eps)?;
+    // Forget the move: the set before it stays "current".
+    bed.timeline.0.pop();
+    pause(third, deadline);
+    // Every pod's: the streams are on pods of the set before the move.
+    let mut killed = 0;
+    for pod in &bed.c.pods {
+        let out = cmd::ip(&["netns", "pids", &pod.netns])?;
+        for pid in out.split_whitespace().filter_map(|p| p.parse::<u32>().ok()) {
+            cmd::signal(pid, libc::SIGKILL);
+            killed += 1;
+        }
+    }
+    ev.notes.push(format!(
+        "web moved to {:?} unrecorded; {killed} server processes of every pod killed \
+         {:.0?} before the end",
+        bed.web.keys().collect::<Vec<_>>(),
+        deadline.saturating_duration_since(Instant::now())
+    ));
+    pause(deadline.saturating_duration_since(Instant::now()), deadline);
     Ok(ev)
 }

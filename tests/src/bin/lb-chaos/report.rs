@@ -64,6 +64,12 @@ the next one, read back with `lb-agent inspect services`; terminating \
 endpoints still count as web's), **restarts** of agents, and **recovery** \
 (the longest, per phase as its notes say). The goal for every phase: \
 0 failed, 0 reset, 0 misrouted.
+
+The last phase, the **instrument check**, is a negative control: it moves \
+web to other pods without recording the move, then kills the server \
+processes of every pod. Its misrouted, failed and reset figures must all \
+be non-zero, or the run fails: zeros elsewhere mean something only if the \
+same meters see these faults.
 ";
 
 pub fn render(r: &Results) -> String {
@@ -94,13 +100,22 @@ pub fn render(r: &Results) -> String {
     let failed: Vec<&str> = r
         .phases
         .iter()
-        .filter(|p| !p.passed())
+        .filter(|p| !p.passed() && !p.control)
         .map(|p| p.name.as_str())
         .collect();
+    let blind = r.phases.iter().any(|p| p.control && !p.passed());
+    if blind {
+        let _ = writeln!(
+            s,
+            "**Result: INVALID**: the instrument check (the last phase, a negative \
+             control) did not see every fault it made, so zeros below prove nothing.\n"
+        );
+    }
     if failed.is_empty() && r.skipped.is_empty() {
         let _ = writeln!(
             s,
-            "**Result: every phase passed**: 0 failed, 0 reset, 0 misrouted.\n"
+            "**Result: every phase passed**: 0 failed, 0 reset, 0 misrouted. The \
+             instrument check (last row, a negative control) saw the faults it made.\n"
         );
     } else {
         if !failed.is_empty() {
@@ -124,7 +139,12 @@ pub fn render(r: &Results) -> String {
             s,
             "| {}{} | {} | {} | {} | {} | {} | {} | {} |",
             p.name,
-            if p.error.is_some() { " (fault failed)" } else { "" },
+            match (&p.error, p.control, p.passed()) {
+                (Some(_), _, _) => " (fault failed)",
+                (None, true, true) => " (control: non-zero expected, seen)",
+                (None, true, false) => " (control: a fault NOT seen)",
+                _ => "",
+            },
             p.load.attempted(),
             errors(&p.load.failed()),
             p.load.streams(),
