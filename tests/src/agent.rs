@@ -165,18 +165,25 @@ pub fn http_get_in(netns: Option<&str>, addr: SocketAddr, path: &str) -> Result<
         .map_err(|e| anyhow!("the HTTP thread: {e:#}"))?
 }
 
-/// Spawns `bin args...` (in network namespace `netns` through `nsenter`),
-/// its output to `log_path` (appended to with `append`); the child and its
-/// command line.
+/// How the agent process is started: [`AgentOpts`]' fields of the same
+/// names, kept for restarts.
+#[derive(Debug, Clone, Default)]
+struct Launch {
+    netns: Option<String>,
+    capabilities: Option<Vec<String>>,
+    open_files_soft_limit: Option<u64>,
+    process_cgroup: Option<PathBuf>,
+}
+
+/// Spawns `bin args...` as `launch` says (in a network namespace through
+/// `nsenter`, ...), its output to `log_path` (appended to with `append`);
+/// the child and its command line.
 fn spawn(
     bin: &Path,
     args: &[OsString],
     log_path: &Path,
     append: bool,
-    netns: Option<&str>,
-    capabilities: Option<&[String]>,
-    open_files_soft_limit: Option<u64>,
-    process_cgroup: Option<&Path>,
+    launch: &Launch,
 ) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -187,10 +194,10 @@ fn spawn(
         .with_context(|| format!("creating {}", log_path.display()))?;
     // The command line: [nsenter --net=NS] [setpriv CAPS --] lb-agent ARGS.
     let mut argv: Vec<OsString> = Vec::new();
-    if let Some(ns) = netns {
+    if let Some(ns) = &launch.netns {
         argv.extend(["nsenter".into(), format!("--net=/run/netns/{ns}").into()]);
     }
-    if let Some(caps) = capabilities {
+    if let Some(caps) = &launch.capabilities {
         let set: String = caps
             .iter()
             .map(|c| format!(",+{}", c.to_ascii_lowercase()))
@@ -208,7 +215,7 @@ fn spawn(
     // Plain log lines in the log file.
     c.args(args).env("NO_COLOR", "1");
     let line = cmd::display(&c);
-    if let Some(soft) = open_files_soft_limit {
+    if let Some(soft) = launch.open_files_soft_limit {
         use std::os::unix::process::CommandExt as _;
         // SAFETY: getrlimit and setrlimit are async-signal-safe.
         unsafe {
@@ -228,7 +235,7 @@ fn spawn(
             });
         }
     }
-    if let Some(cg) = process_cgroup {
+    if let Some(cg) = &launch.process_cgroup {
         use std::os::unix::{ffi::OsStrExt as _, process::CommandExt as _};
         let procs = std::ffi::CString::new(cg.join("cgroup.procs").as_os_str().as_bytes())
             .context("a cgroup path with a NUL byte")?;
@@ -269,10 +276,7 @@ pub struct Agent {
     health: SocketAddr,
     metrics: SocketAddr,
     log_path: PathBuf,
-    netns: Option<String>,
-    capabilities: Option<Vec<String>>,
-    open_files_soft_limit: Option<u64>,
-    process_cgroup: Option<PathBuf>,
+    launch: Launch,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -320,16 +324,13 @@ impl Agent {
         args.extend(["--health-addr".into(), health.to_string().into()]);
         args.extend(["--metrics-bind-address".into(), metrics.to_string().into()]);
         args.extend(opts.extra_args.iter().map(OsString::from));
-        let (child, line) = spawn(
-            &bin,
-            &args,
-            &log_path,
-            false,
-            opts.netns.as_deref(),
-            opts.capabilities.as_deref(),
-            opts.open_files_soft_limit,
-            opts.process_cgroup.as_deref(),
-        )?;
+        let launch = Launch {
+            netns: opts.netns.clone(),
+            capabilities: opts.capabilities.clone(),
+            open_files_soft_limit: opts.open_files_soft_limit,
+            process_cgroup: opts.process_cgroup.clone(),
+        };
+        let (child, line) = spawn(&bin, &args, &log_path, false, &launch)?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
         let (c2, p2) = (child.clone(), pin_dir.clone());
@@ -350,10 +351,7 @@ impl Agent {
             health,
             metrics,
             log_path,
-            netns: opts.netns.clone(),
-            capabilities: opts.capabilities.clone(),
-            open_files_soft_limit: opts.open_files_soft_limit,
-            process_cgroup: opts.process_cgroup.clone(),
+            launch,
             pid,
             child,
             _cleanup: handle,
@@ -377,7 +375,7 @@ impl Agent {
                     self.log()
                 );
             }
-            match http_get_in(self.netns.as_deref(), self.health, "/readyz") {
+            match http_get_in(self.launch.netns.as_deref(), self.health, "/readyz") {
                 Ok((200, _)) => return Ok(()),
                 Ok((code, body)) => last = format!("{code} {}", body.trim()),
                 Err(e) => last = e.to_string(),
@@ -408,12 +406,12 @@ impl Agent {
 
     /// GET `path` on the health address (`/healthz`, `/livez`, `/readyz`).
     pub fn get(&self, path: &str) -> Result<(u16, String)> {
-        http_get_in(self.netns.as_deref(), self.health, path)
+        http_get_in(self.launch.netns.as_deref(), self.health, path)
     }
 
     /// GET `/metrics` on the metrics address.
     pub fn metrics(&self) -> Result<(u16, String)> {
-        http_get_in(self.netns.as_deref(), self.metrics, "/metrics")
+        http_get_in(self.launch.netns.as_deref(), self.metrics, "/metrics")
     }
 
     /// The running child, taken (it is stopped next).
@@ -459,7 +457,7 @@ impl Agent {
     /// Runs the next [`restart`](Self::restart) in cgroup `cgroup` (`None`:
     /// where its parent is), as [`AgentOpts::process_cgroup`].
     pub fn set_process_cgroup(&mut self, cgroup: Option<PathBuf>) {
-        self.process_cgroup = cgroup;
+        self.launch.process_cgroup = cgroup;
     }
 
     /// Drops every argument equal to `arg` for the next
@@ -477,16 +475,7 @@ impl Agent {
                 bail!("the agent is still running");
             }
         }
-        let (child, line) = spawn(
-            &self.bin,
-            &self.args,
-            &self.log_path,
-            true,
-            self.netns.as_deref(),
-            self.capabilities.as_deref(),
-            self.open_files_soft_limit,
-            self.process_cgroup.as_deref(),
-        )?;
+        let (child, line) = spawn(&self.bin, &self.args, &self.log_path, true, &self.launch)?;
         self.pid = child.id();
         *g = Some(child);
         Ok(line)
@@ -554,7 +543,7 @@ impl Agent {
     /// `lb-agent ...` in the agent's network namespace (`nsenter --net`:
     /// the file systems stay the host's, bpffs and cgroups included).
     fn in_agent_netns(&self) -> Command {
-        match &self.netns {
+        match &self.launch.netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");
                 c.arg(format!("--net=/run/netns/{ns}")).arg(&self.bin);

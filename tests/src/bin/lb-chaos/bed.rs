@@ -303,6 +303,25 @@ impl Bed {
         Ok(())
     }
 
+    /// Every agent's `lb_datapath_events_total` samples (kernel counters in
+    /// the pinned `LB_STATS`: they outlive restarts), by node and sample.
+    pub fn datapath_events(&self) -> BTreeMap<(u8, String), f64> {
+        let mut m = BTreeMap::new();
+        for (i, agent) in self.c.agents.iter().enumerate() {
+            let Ok((_, text)) = agent.metrics() else {
+                continue;
+            };
+            for l in text.lines().filter(|l| l.starts_with("lb_datapath_events")) {
+                if let Some((name, v)) = l.rsplit_once(' ') {
+                    if let Ok(v) = v.parse() {
+                        m.insert((i as u8 + 1, name.to_string()), v);
+                    }
+                }
+            }
+        }
+        m
+    }
+
     /// `IP:PORT` of node `node`'s NodePort `port`.
     pub fn node_port(node: u8, port: u16) -> String {
         format!("{}:{port}", node_v4(node))

@@ -128,12 +128,7 @@ fn short(label: &str, client: Client, target: &str, duration: Duration) -> Resul
     let mut c = client.timeout_ms(2000).command(target, usize::MAX)?;
     c.args(["--duration-ms", &duration.as_millis().to_string()])
         .args(["--interval-us", &INTERVAL_US.to_string(), "--timestamps"]);
-    let line = cmd::display(&c);
-    let mut child = cmd::die_with_parent(&mut c, libc::SIGKILL)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()
-        .with_context(|| format!("cannot run `{line}`"))?;
+    let (mut child, line) = cmd::spawn_piped(&mut c, Stdio::null(), Stdio::inherit())?;
     let out = child.stdout.take().expect("piped");
     let reader = std::thread::spawn(move || -> Result<Vec<Attempt>> {
         let mut v = Vec::new();
@@ -223,34 +218,30 @@ impl Load {
         };
         let http = format!("{WEB_VIP}:{HTTP_PORT}");
         let dns = format!("{WEB_VIP}:{DNS_PORT}");
-        let shorts = vec![
-            short("ClusterIP TCP", cip(Proto::Tcp), &http, duration)?,
-            short("ClusterIP UDP", cip(Proto::Udp), &dns, duration)?,
-            short(
-                "ClusterIP UDP connected",
-                cip(Proto::UdpConnected),
-                &dns,
-                duration,
-            )?,
-            short(
+        let clients = [
+            ("ClusterIP TCP", cip(Proto::Tcp), http),
+            ("ClusterIP UDP", cip(Proto::Udp), dns.clone()),
+            ("ClusterIP UDP connected", cip(Proto::UdpConnected), dns),
+            (
                 "NodePort TCP at n1",
                 ext(Proto::Tcp),
-                &Bed::node_port(1, HTTP_NODEPORT),
-                duration,
-            )?,
-            short(
+                Bed::node_port(1, HTTP_NODEPORT),
+            ),
+            (
                 "NodePort TCP at n2",
                 ext(Proto::Tcp),
-                &Bed::node_port(2, HTTP_NODEPORT),
-                duration,
-            )?,
-            short(
+                Bed::node_port(2, HTTP_NODEPORT),
+            ),
+            (
                 "NodePort UDP at n2",
                 ext(Proto::Udp),
-                &Bed::node_port(2, DNS_NODEPORT),
-                duration,
-            )?,
+                Bed::node_port(2, DNS_NODEPORT),
+            ),
         ];
+        let shorts = clients
+            .into_iter()
+            .map(|(label, client, target)| short(label, client, &target, duration))
+            .collect::<Result<Vec<_>>>()?;
         let flows = |netns: &str, cgroup: Option<&std::path::Path>, target: &str, id: &str| {
             let mut a: Vec<String> = vec!["tcp-flows".into()];
             if let Some(cg) = cgroup {

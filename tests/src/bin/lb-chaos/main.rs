@@ -146,6 +146,7 @@ fn run(opts: &Opts) -> Result<bool> {
         }
         say(format!("phase {name}: {fault}"));
         let t = Instant::now();
+        let events_before = bed.datapath_events();
         let load = Load::start(&bed, phase)?;
         // The fault stops a second before the clients do, so that their
         // last attempts meet a settled state.
@@ -170,6 +171,16 @@ fn run(opts: &Opts) -> Result<bool> {
                 r.notes = ev.notes;
             }
             Err(e) => r.error = Some(format!("{e:#}")),
+        }
+        // What the kernel programs counted meanwhile (drops by reason):
+        // the cause of a failure is often there.
+        for ((node, sample), v) in bed.datapath_events() {
+            let before = events_before.get(&(node, sample.clone())).copied();
+            let delta = v - before.unwrap_or(0.0);
+            if delta > 0.0 && !sample.contains("translat") {
+                r.notes
+                    .push(format!("n{node}'s datapath: {sample} +{delta}"));
+            }
         }
         say(format!(
             "phase {name}: {} attempts, failed {:?}, {} streams, reset {:?}, {} misrouted, \

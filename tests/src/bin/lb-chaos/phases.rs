@@ -304,36 +304,36 @@ fn api_faults(bed: &mut Bed, deadline: Instant, quick: bool) -> Result<Events> {
     } else {
         Duration::from_secs(8)
     };
-    let mut rounds = 0;
-    while Instant::now() < deadline {
+    let refuse = |bed: &Bed| -> Result<()> {
         for api in &bed.apis {
             api.go_away_with(Outage::Refuse);
         }
         pause(outage, deadline + outage);
-        bed.apis_come_back()?;
-        let eps = bed.web.clone();
-        ev.recoveries.push(republish(bed, eps)?);
-        if !pause(Duration::from_millis(500), deadline) {
-            break;
-        }
-        for api in &bed.apis {
-            api.drop_connections();
-        }
-        let eps = bed.web.clone();
-        ev.recoveries.push(republish(bed, eps)?);
-        if !pause(Duration::from_millis(500), deadline) {
-            break;
-        }
+        bed.apis_come_back()
+    };
+    let cut = |bed: &Bed| -> Result<()> {
+        bed.apis.iter().for_each(|a| a.drop_connections());
+        Ok(())
+    };
+    let expire = |bed: &Bed| -> Result<()> {
         for api in &bed.apis {
             api.compact();
             api.expire_watches();
         }
-        let eps = bed.web.clone();
-        ev.recoveries.push(republish(bed, eps)?);
-        rounds += 1;
-        if !pause(Duration::from_millis(500), deadline) {
-            break;
+        Ok(())
+    };
+    let faults: [&dyn Fn(&Bed) -> Result<()>; 3] = [&refuse, &cut, &expire];
+    let mut rounds = 0;
+    'outer: while Instant::now() < deadline {
+        for fault in faults {
+            fault(bed)?;
+            let eps = bed.web.clone();
+            ev.recoveries.push(republish(bed, eps)?);
+            if !pause(Duration::from_millis(500), deadline) {
+                break 'outer;
+            }
         }
+        rounds += 1;
     }
     let relists: u64 = bed
         .apis
