@@ -68,6 +68,19 @@ impl Timeline {
             .flat_map(|(_, ch)| ch.set.iter().cloned())
             .collect()
     }
+
+    /// Whether a change that took a backend out was being published during
+    /// `[start, end]` (or up to a second before: the agent destroys the
+    /// sockets right after it programmed the change). A connected UDP
+    /// socket on that backend is then destroyed by design and its `recv`
+    /// fails with `ECONNABORTED` (as `tests/sock_stress.rs` allows too).
+    pub fn removing(&self, start: u64, end: u64) -> bool {
+        self.0.windows(2).any(|w| {
+            w[1].written <= end
+                && w[1].synced + 1_000_000_000 >= start
+                && !w[0].set.is_subset(&w[1].set)
+        })
+    }
 }
 
 pub struct Bed {

@@ -46,6 +46,10 @@ pub struct ClientFigures {
     /// Failed attempts (or streams that ended in error) by errno.
     pub failed: BTreeMap<String, u64>,
     pub misrouted: u64,
+    /// Connected UDP attempts whose socket the agent destroyed as its
+    /// backend left (`ECONNABORTED`, by design): not failures.
+    #[serde(default)]
+    pub destroyed: u64,
     /// Streams only: how many were open.
     pub streams: u64,
 }
@@ -83,6 +87,10 @@ impl LoadFigures {
     pub fn misrouted(&self) -> u64 {
         self.clients.iter().map(|c| c.misrouted).sum()
     }
+
+    pub fn destroyed(&self) -> u64 {
+        self.clients.iter().map(|c| c.destroyed).sum()
+    }
 }
 
 fn sum_errors<'a>(cs: impl Iterator<Item = &'a ClientFigures>) -> BTreeMap<String, u64> {
@@ -98,6 +106,7 @@ fn sum_errors<'a>(cs: impl Iterator<Item = &'a ClientFigures>) -> BTreeMap<Strin
 /// A running short-connection client.
 struct Short {
     label: String,
+    proto: Proto,
     reader: JoinHandle<Result<Vec<Attempt>>>,
 }
 
@@ -125,6 +134,7 @@ pub struct Load {
 
 /// `lb-probe client ... --timestamps --duration-ms` in the background.
 fn short(label: &str, client: Client, target: &str, duration: Duration) -> Result<Short> {
+    let proto = client.proto;
     let mut c = client.timeout_ms(2000).command(target, usize::MAX)?;
     c.args(["--duration-ms", &duration.as_millis().to_string()])
         .args(["--interval-us", &INTERVAL_US.to_string(), "--timestamps"]);
@@ -144,6 +154,7 @@ fn short(label: &str, client: Client, target: &str, duration: Duration) -> Resul
     });
     Ok(Short {
         label: label.into(),
+        proto,
         reader,
     })
 }
@@ -321,6 +332,12 @@ impl Load {
                                 secs(end)
                             ));
                         }
+                    }
+                    _ if s.proto == Proto::UdpConnected
+                        && a.error.as_deref() == Some("ECONNABORTED")
+                        && timeline.removing(start, end) =>
+                    {
+                        cf.destroyed += 1;
                     }
                     _ => {
                         let e = a.error.clone().unwrap_or_else(|| "no answer".into());

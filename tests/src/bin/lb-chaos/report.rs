@@ -55,7 +55,9 @@ each phase has its own figures:
 
 Figures per phase: **attempted** (short attempts; streams are counted \
 apart), **failed** (short attempts that got no answer, by errno: \
-`EAGAIN` is a receive timeout of 2 s), **streams** and **reset** (streams \
+`EAGAIN` is a receive timeout of 2 s; a connected UDP socket that the \
+agent destroyed as its backend left, `ECONNABORTED` while such a change \
+was published, is by design and counted apart), **streams** and **reset** (streams \
 that ended in error: `ECONNRESET`, `EPIPE`, a stall, or echoed bytes that \
 differ), **misrouted** (an answer, or a stream's greeting, from a pod \
 that was not in web's endpoints at any moment of the attempt: a set \
@@ -177,6 +179,15 @@ pub fn render(r: &Results) -> String {
             );
         }
         s.push('\n');
+        if p.load.destroyed() > 0 {
+            let _ = writeln!(
+                s,
+                "- {} connected UDP attempts got `ECONNABORTED` while a change took a \
+                 backend out: the agent destroyed their sockets as that backend left, by \
+                 design (docs/kube-proxy-free.md, section 5); not counted as failed",
+                p.load.destroyed()
+            );
+        }
         for n in &p.notes {
             let _ = writeln!(s, "- {n}");
         }
