@@ -309,10 +309,7 @@ impl Load {
         let mut fig = LoadFigures::default();
         let mut examples = Vec::new();
         for s in self.shorts {
-            let attempts = s
-                .reader
-                .join()
-                .map_err(|_| anyhow!("{}: reader panicked", s.label))??;
+            let attempts = joined(s.reader, &s.label)?;
             let mut cf = ClientFigures {
                 label: s.label.clone(),
                 attempted: attempts.len() as u64,
@@ -358,10 +355,7 @@ impl Load {
             s.stop.store(true, Ordering::Relaxed);
         }
         for s in self.streams {
-            let out = s
-                .thread
-                .join()
-                .map_err(|_| anyhow!("{}: stream thread panicked", s.label))??;
+            let out = joined(s.thread, &s.label)?;
             let mut cf = ClientFigures {
                 label: s.label.clone(),
                 attempted: out.flows.len() as u64,
@@ -392,4 +386,11 @@ impl Load {
         fig.examples = examples;
         Ok(fig)
     }
+}
+
+/// The result of a client's thread.
+fn joined<T>(thread: JoinHandle<Result<T>>, label: &str) -> Result<T> {
+    thread
+        .join()
+        .map_err(|_| anyhow!("{label}: its thread panicked"))?
 }

@@ -297,6 +297,9 @@ fn upgrade(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
     Ok(ev)
 }
 
+/// One fault of the API servers.
+type ApiFault<'a> = &'a dyn Fn(&Bed) -> Result<()>;
+
 fn api_faults(bed: &mut Bed, deadline: Instant, quick: bool) -> Result<Events> {
     let mut ev = Events::default();
     let outage = if quick {
@@ -322,7 +325,7 @@ fn api_faults(bed: &mut Bed, deadline: Instant, quick: bool) -> Result<Events> {
         }
         Ok(())
     };
-    let faults: [&dyn Fn(&Bed) -> Result<()>; 3] = [&refuse, &cut, &expire];
+    let faults: [ApiFault<'_>; 3] = [&refuse, &cut, &expire];
     let mut rounds = 0;
     'outer: while Instant::now() < deadline {
         for fault in faults {
