@@ -3,7 +3,7 @@
 //! SIGTERM on drop.
 use std::{
     ffi::OsString,
-    io::{Read as _, Write as _},
+    io::{Read as _, Seek as _, SeekFrom, Write as _},
     net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream},
     path::{Path, PathBuf},
     process::{Child, Command, ExitStatus, Stdio},
@@ -90,6 +90,10 @@ pub struct AgentOpts {
     /// Start the agent with this soft open-file limit (the hard one as
     /// ours), as a login shell's `ulimit -n 1024` would.
     pub open_files_soft_limit: Option<u64>,
+    /// Run the agent process itself in this cgroup v2 directory (one with
+    /// a `memory.max`, as a container's limit), from before its exec: the
+    /// BPF maps it creates are charged there.
+    pub process_cgroup: Option<PathBuf>,
 }
 
 impl Default for AgentOpts {
@@ -104,6 +108,7 @@ impl Default for AgentOpts {
             no_ready_wait: false,
             capabilities: None,
             open_files_soft_limit: None,
+            process_cgroup: None,
         }
     }
 }
@@ -160,17 +165,25 @@ pub fn http_get_in(netns: Option<&str>, addr: SocketAddr, path: &str) -> Result<
         .map_err(|e| anyhow!("the HTTP thread: {e:#}"))?
 }
 
-/// Spawns `bin args...` (in network namespace `netns` through `nsenter`),
-/// its output to `log_path` (appended to with `append`); the child and its
-/// command line.
+/// How the agent process is started: [`AgentOpts`]' fields of the same
+/// names, kept for restarts.
+#[derive(Debug, Clone, Default)]
+struct Launch {
+    netns: Option<String>,
+    capabilities: Option<Vec<String>>,
+    open_files_soft_limit: Option<u64>,
+    process_cgroup: Option<PathBuf>,
+}
+
+/// Spawns `bin args...` as `launch` says (in a network namespace through
+/// `nsenter`, ...), its output to `log_path` (appended to with `append`);
+/// the child and its command line.
 fn spawn(
     bin: &Path,
     args: &[OsString],
     log_path: &Path,
     append: bool,
-    netns: Option<&str>,
-    capabilities: Option<&[String]>,
-    open_files_soft_limit: Option<u64>,
+    launch: &Launch,
 ) -> Result<(Child, String)> {
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -181,10 +194,10 @@ fn spawn(
         .with_context(|| format!("creating {}", log_path.display()))?;
     // The command line: [nsenter --net=NS] [setpriv CAPS --] lb-agent ARGS.
     let mut argv: Vec<OsString> = Vec::new();
-    if let Some(ns) = netns {
+    if let Some(ns) = &launch.netns {
         argv.extend(["nsenter".into(), format!("--net=/run/netns/{ns}").into()]);
     }
-    if let Some(caps) = capabilities {
+    if let Some(caps) = &launch.capabilities {
         let set: String = caps
             .iter()
             .map(|c| format!(",+{}", c.to_ascii_lowercase()))
@@ -202,7 +215,7 @@ fn spawn(
     // Plain log lines in the log file.
     c.args(args).env("NO_COLOR", "1");
     let line = cmd::display(&c);
-    if let Some(soft) = open_files_soft_limit {
+    if let Some(soft) = launch.open_files_soft_limit {
         use std::os::unix::process::CommandExt as _;
         // SAFETY: getrlimit and setrlimit are async-signal-safe.
         unsafe {
@@ -217,6 +230,29 @@ fn spawn(
                 lim.rlim_cur = soft.min(lim.rlim_max);
                 if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+    if let Some(cg) = &launch.process_cgroup {
+        use std::os::unix::{ffi::OsStrExt as _, process::CommandExt as _};
+        let procs = std::ffi::CString::new(cg.join("cgroup.procs").as_os_str().as_bytes())
+            .context("a cgroup path with a NUL byte")?;
+        // SAFETY: open, write and close are async-signal-safe; the path was
+        // allocated before the fork.
+        unsafe {
+            c.pre_exec(move || {
+                let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // "0": the writing process itself.
+                let n = libc::write(fd, b"0\n".as_ptr().cast(), 2);
+                let err = std::io::Error::last_os_error();
+                libc::close(fd);
+                if n != 2 {
+                    return Err(err);
                 }
                 Ok(())
             });
@@ -240,9 +276,7 @@ pub struct Agent {
     health: SocketAddr,
     metrics: SocketAddr,
     log_path: PathBuf,
-    netns: Option<String>,
-    capabilities: Option<Vec<String>>,
-    open_files_soft_limit: Option<u64>,
+    launch: Launch,
     pid: u32,
     child: Arc<Mutex<Option<Child>>>,
     _cleanup: CleanupHandle,
@@ -290,15 +324,13 @@ impl Agent {
         args.extend(["--health-addr".into(), health.to_string().into()]);
         args.extend(["--metrics-bind-address".into(), metrics.to_string().into()]);
         args.extend(opts.extra_args.iter().map(OsString::from));
-        let (child, line) = spawn(
-            &bin,
-            &args,
-            &log_path,
-            false,
-            opts.netns.as_deref(),
-            opts.capabilities.as_deref(),
-            opts.open_files_soft_limit,
-        )?;
+        let launch = Launch {
+            netns: opts.netns.clone(),
+            capabilities: opts.capabilities.clone(),
+            open_files_soft_limit: opts.open_files_soft_limit,
+            process_cgroup: opts.process_cgroup.clone(),
+        };
+        let (child, line) = spawn(&bin, &args, &log_path, false, &launch)?;
         let pid = child.id();
         let child = Arc::new(Mutex::new(Some(child)));
         let (c2, p2) = (child.clone(), pin_dir.clone());
@@ -319,9 +351,7 @@ impl Agent {
             health,
             metrics,
             log_path,
-            netns: opts.netns.clone(),
-            capabilities: opts.capabilities.clone(),
-            open_files_soft_limit: opts.open_files_soft_limit,
+            launch,
             pid,
             child,
             _cleanup: handle,
@@ -345,7 +375,7 @@ impl Agent {
                     self.log()
                 );
             }
-            match http_get_in(self.netns.as_deref(), self.health, "/readyz") {
+            match http_get_in(self.launch.netns.as_deref(), self.health, "/readyz") {
                 Ok((200, _)) => return Ok(()),
                 Ok((code, body)) => last = format!("{code} {}", body.trim()),
                 Err(e) => last = e.to_string(),
@@ -376,12 +406,12 @@ impl Agent {
 
     /// GET `path` on the health address (`/healthz`, `/livez`, `/readyz`).
     pub fn get(&self, path: &str) -> Result<(u16, String)> {
-        http_get_in(self.netns.as_deref(), self.health, path)
+        http_get_in(self.launch.netns.as_deref(), self.health, path)
     }
 
     /// GET `/metrics` on the metrics address.
     pub fn metrics(&self) -> Result<(u16, String)> {
-        http_get_in(self.netns.as_deref(), self.metrics, "/metrics")
+        http_get_in(self.launch.netns.as_deref(), self.metrics, "/metrics")
     }
 
     /// The running child, taken (it is stopped next).
@@ -424,6 +454,12 @@ impl Agent {
         self.args.extend(args.iter().map(OsString::from));
     }
 
+    /// Runs the next [`restart`](Self::restart) in cgroup `cgroup` (`None`:
+    /// where its parent is), as [`AgentOpts::process_cgroup`].
+    pub fn set_process_cgroup(&mut self, cgroup: Option<PathBuf>) {
+        self.launch.process_cgroup = cgroup;
+    }
+
     /// Drops every argument equal to `arg` for the next
     /// [`restart`](Self::restart) (a flag turned off again).
     pub fn remove_arg(&mut self, arg: &str) {
@@ -439,15 +475,7 @@ impl Agent {
                 bail!("the agent is still running");
             }
         }
-        let (child, line) = spawn(
-            &self.bin,
-            &self.args,
-            &self.log_path,
-            true,
-            self.netns.as_deref(),
-            self.capabilities.as_deref(),
-            self.open_files_soft_limit,
-        )?;
+        let (child, line) = spawn(&self.bin, &self.args, &self.log_path, true, &self.launch)?;
         self.pid = child.id();
         *g = Some(child);
         Ok(line)
@@ -515,7 +543,7 @@ impl Agent {
     /// `lb-agent ...` in the agent's network namespace (`nsenter --net`:
     /// the file systems stay the host's, bpffs and cgroups included).
     fn in_agent_netns(&self) -> Command {
-        match &self.netns {
+        match &self.launch.netns {
             Some(ns) => {
                 let mut c = Command::new("nsenter");
                 c.arg(format!("--net=/run/netns/{ns}")).arg(&self.bin);
@@ -603,6 +631,53 @@ impl Drop for Agent {
                 self.log_path.display(),
                 self.log()
             );
+        }
+    }
+}
+
+/// What an agent logs after each sync that wrote frontends, read as its
+/// log grows (also across restarts, which append to the same file).
+pub struct SyncLog {
+    file: std::fs::File,
+    pending: String,
+}
+
+impl SyncLog {
+    /// Reads `agent`'s log from its current end.
+    pub fn open(agent: &Agent) -> Result<Self> {
+        let path = agent.log_path();
+        let mut file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        file.seek(SeekFrom::End(0))?;
+        Ok(Self {
+            file,
+            pending: String::new(),
+        })
+    }
+
+    /// Waits for the next "synced" line with `written=` more than 0.
+    pub fn next_write(&mut self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            while let Some(n) = self.pending.find('\n') {
+                let line: String = self.pending.drain(..=n).collect();
+                let written = line
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("written="))
+                    .and_then(|n| n.parse::<usize>().ok());
+                if line.contains(" synced") && written.is_some_and(|n| n > 0) {
+                    return Ok(());
+                }
+            }
+            let mut more = String::new();
+            self.file.read_to_string(&mut more)?;
+            if more.is_empty() {
+                if Instant::now() >= deadline {
+                    bail!("the agent did not sync a change within {timeout:?}");
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            self.pending.push_str(&more);
         }
     }
 }

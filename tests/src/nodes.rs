@@ -452,12 +452,20 @@ impl Cluster {
     /// Like [`start_agents`](Self::start_agents), in cluster mode against
     /// the API server at `url` (reachable from the node namespaces).
     pub fn start_agents_cluster(&mut self, url: &str, extra: &[&str]) -> Result<()> {
-        for n in self.nodes.clone() {
+        let urls = vec![url.to_string(); self.nodes.len()];
+        self.start_agents_cluster_each(&urls, extra)
+    }
+
+    /// Like [`start_agents_cluster`](Self::start_agents_cluster), node
+    /// `n{i+1}`'s agent against `urls[i]`: one API server fixture inside
+    /// each node's namespace, where the agent's `127.0.0.1` is.
+    pub fn start_agents_cluster_each(&mut self, urls: &[String], extra: &[&str]) -> Result<()> {
+        for (n, url) in self.nodes.clone().iter().zip(urls) {
             let opts = AgentOpts {
                 extra_args: extra.iter().map(|s| s.to_string()).collect(),
                 ..Default::default()
             };
-            self.start_node_agent(&n, opts, |cg, opts| {
+            self.start_node_agent(n, opts, |cg, opts| {
                 Agent::start_cluster(crate::agent::Source::ApiServer(url), cg, opts)
             })?;
         }

@@ -20,7 +20,7 @@ mod common;
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    io::{BufRead, BufReader, Read, Seek, SeekFrom},
+    io::{BufRead, BufReader},
     process::Stdio,
     sync::{
         atomic::{AtomicBool, AtomicU64, Ordering},
@@ -31,6 +31,7 @@ use std::{
 };
 
 use integration_tests::{
+    agent::SyncLog,
     cmd,
     manifests::{Endpoint, EndpointSlice, Service},
     netns::pod_v4,
@@ -189,51 +190,6 @@ fn start_load(env: &Env, duration: Duration) -> Vec<Load> {
     loads
 }
 
-/// What the agent logs after each sync that wrote frontends, read as it
-/// grows.
-struct SyncLog {
-    file: std::fs::File,
-    pending: String,
-}
-
-impl SyncLog {
-    fn open(env: &Env) -> Self {
-        let mut file = std::fs::File::open(env.agent().log_path()).expect("agent log");
-        file.seek(SeekFrom::End(0)).expect("seek");
-        Self {
-            file,
-            pending: String::new(),
-        }
-    }
-
-    /// Waits for the next "synced" line with `written=` more than 0.
-    fn next_write(&mut self, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            while let Some(n) = self.pending.find('\n') {
-                let line: String = self.pending.drain(..=n).collect();
-                let written = line
-                    .split_whitespace()
-                    .find_map(|w| w.strip_prefix("written="))
-                    .and_then(|n| n.parse::<usize>().ok());
-                if line.contains(" synced") && written.is_some_and(|n| n > 0) {
-                    return;
-                }
-            }
-            let mut more = String::new();
-            self.file.read_to_string(&mut more).expect("agent log");
-            if more.is_empty() {
-                assert!(
-                    Instant::now() < deadline,
-                    "the agent did not sync a change within {timeout:?}"
-                );
-                std::thread::sleep(Duration::from_micros(500));
-            }
-            self.pending.push_str(&more);
-        }
-    }
-}
-
 /// A manifest change: the sets it wrote, when it was written and when the
 /// agent had published it.
 struct Change {
@@ -364,7 +320,7 @@ fn env_with_agent(tag: &str, extra: &[&str], web: Set, other: Set) -> Env {
 fn backend_sets_change_under_connects(tag: &str, extra: &[&str], min_changes: usize) {
     let shift = 3;
     let env = env_with_agent(tag, extra, CYCLE[0], CYCLE[shift]);
-    let mut log = SyncLog::open(&env);
+    let mut log = SyncLog::open(env.agent()).unwrap();
     let mut changes = vec![Change {
         sets: [CYCLE[0], CYCLE[shift]],
         written: 0,
@@ -382,7 +338,8 @@ fn backend_sets_change_under_connects(tag: &str, extra: &[&str], min_changes: us
         env.manifests
             .write("stress.yaml", &manifests(sets[0], sets[1]))
             .unwrap();
-        log.next_write(Duration::from_secs(10));
+        log.next_write(Duration::from_secs(10))
+            .unwrap_or_else(|e| panic!("{e:#}"));
         changes.push(Change {
             sets,
             written,

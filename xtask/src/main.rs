@@ -1,6 +1,7 @@
 //! Developer tasks: `cargo xtask <command>` (alias in `.cargo/config.toml`).
 mod bench;
 mod build;
+mod chaos;
 mod demo;
 mod kernels;
 mod setup;
@@ -61,6 +62,13 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
     },
+    /// Run setup, build, then the chaos suite (as root): faults under load, ~10 minutes;
+    /// writes RELIABILITY.md
+    Chaos {
+        /// Short phases: about two minutes (what `cargo xtask test` runs)
+        #[arg(long)]
+        quick: bool,
+    },
 }
 
 fn main() -> ExitCode {
@@ -76,6 +84,7 @@ fn main() -> ExitCode {
             kernels::kernels(&root, table_only).map(|()| ExitCode::SUCCESS)
         }
         Cmd::Bench { quick } => bench::bench(&root, quick),
+        Cmd::Chaos { quick } => chaos::chaos(&root, quick),
     };
     result.unwrap_or_else(|err| {
         eprintln!("xtask: error: {err:#}");

@@ -1,4 +1,5 @@
-//! `cargo xtask test`: setup, build, unit tests, then the integration tests.
+//! `cargo xtask test`: setup, build, unit tests, then the integration tests
+//! and the quick chaos run.
 use std::{
     path::Path,
     process::{Command, ExitCode},
@@ -6,7 +7,7 @@ use std::{
 
 use anyhow::Result;
 
-use crate::{build, is_root, run_status, setup, step, target_dir};
+use crate::{build, chaos, is_root, run_status, setup, step, target_dir};
 
 pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
     setup::setup()?;
@@ -59,15 +60,28 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
         None
     };
 
+    // The quick chaos run (about two minutes): faults under load. Its
+    // report goes under target/, RELIABILITY.md is the full run's.
+    let chaos = if is_root() {
+        let report = target_dir(root).join("chaos").join("RELIABILITY-quick.md");
+        std::fs::create_dir_all(target_dir(root).join("chaos"))?;
+        Some(chaos::run(root, true, Some(report.as_path()))?.success())
+    } else {
+        None
+    };
+
     let word = |ok: bool| if ok { "passed" } else { "FAILED" };
     step!(
-        "summary: unit tests {}, integration tests {}",
+        "summary: unit tests {}, integration tests {}, chaos --quick {}",
         word(unit),
-        integration.map_or("not run (need root)", word)
+        integration.map_or("not run (need root)", word),
+        chaos.map_or("not run (need root)", word)
     );
-    Ok(if unit && integration == Some(true) {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    })
+    Ok(
+        if unit && integration == Some(true) && chaos == Some(true) {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        },
+    )
 }
