@@ -55,9 +55,12 @@ each phase has its own figures:
 
 Figures per phase: **attempted** (short attempts; streams are counted \
 apart), **failed** (short attempts that got no answer, by errno: \
-`EAGAIN` is a receive timeout of 2 s; a connected UDP socket that the \
+`ETIMEDOUT` at `recv` is a receive timeout of 2 s; a connected UDP socket that the \
 agent destroyed as its backend left, `ECONNABORTED` while such a change \
-was published, is by design and counted apart), **streams** and **reset** (streams \
+was published, is by design and counted apart; so is an unconnected UDP \
+datagram sent while a change takes a backend out that gets no answer or \
+meets the leaving pod up to a second after the change is in the maps, \
+the known limitation of tc-path UDP flows in README), **streams** and **reset** (streams \
 that ended in error: `ECONNRESET`, `EPIPE`, a stall, or echoed bytes that \
 differ), **misrouted** (an answer, or a stream's greeting, from a pod \
 that was not in web's endpoints at any moment of the attempt: a set \
@@ -186,6 +189,15 @@ pub fn render(r: &Results) -> String {
                  backend out: the agent destroyed their sockets as that backend left, by \
                  design (docs/kube-proxy-free.md, section 5); not counted as failed",
                 p.load.destroyed()
+            );
+        }
+        if p.load.at_removal() > 0 {
+            let _ = writeln!(
+                s,
+                "- {} unconnected UDP datagrams sent while a backend was being removed met \
+                 the leaving pod or got no answer: tc-path UDP flows are purged after the \
+                 change (README, known limitations); not counted as failed or misrouted",
+                p.load.at_removal()
             );
         }
         for n in &p.notes {
