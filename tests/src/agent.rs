@@ -160,6 +160,22 @@ pub fn http_get_in(netns: Option<&str>, addr: SocketAddr, path: &str) -> Result<
         .map_err(|e| anyhow!("the HTTP thread: {e:#}"))?
 }
 
+/// `setpriv ... --`, to run what follows with only the capabilities
+/// `caps` (names as in a Pod's `securityContext.capabilities.add`), as a
+/// container runtime grants them.
+pub fn setpriv(caps: &[String]) -> Vec<OsString> {
+    let set: String = caps
+        .iter()
+        .map(|c| format!(",+{}", c.to_ascii_lowercase()))
+        .collect();
+    vec![
+        "setpriv".into(),
+        format!("--bounding-set=-all{set}").into(),
+        "--inh-caps=-all".into(),
+        "--".into(),
+    ]
+}
+
 /// Spawns `bin args...` (in network namespace `netns` through `nsenter`),
 /// its output to `log_path` (appended to with `append`); the child and its
 /// command line.
@@ -185,16 +201,7 @@ fn spawn(
         argv.extend(["nsenter".into(), format!("--net=/run/netns/{ns}").into()]);
     }
     if let Some(caps) = capabilities {
-        let set: String = caps
-            .iter()
-            .map(|c| format!(",+{}", c.to_ascii_lowercase()))
-            .collect();
-        argv.extend([
-            "setpriv".into(),
-            format!("--bounding-set=-all{set}").into(),
-            "--inh-caps=-all".into(),
-            "--".into(),
-        ]);
+        argv.extend(setpriv(caps));
     }
     argv.push(bin.into());
     let mut c = Command::new(&argv[0]);

@@ -142,6 +142,72 @@ fn without_sys_admin_or_net_admin_stale_udp_sockets_stay() {
     }
 }
 
+/// `lb-agent check` with only `caps`, as the init container runs it: its
+/// exit status and output.
+fn check_with(caps: &[String], args: &[String]) -> (bool, String) {
+    let argv = integration_tests::agent::setpriv(caps);
+    let out = std::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .arg(integration_tests::agent_bin().unwrap())
+        .args(args)
+        .output()
+        .expect("running setpriv");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The init container `check-kernel` runs `lb-agent check` as restricted
+/// as the agent's container, with fewer capabilities: with those it passes
+/// here (every program verified), and without any one of them it fails,
+/// so each is needed and none is missing.
+#[test]
+fn the_check_init_container_passes_with_its_capabilities_and_needs_each() {
+    require_root!();
+    let spec = pod_spec();
+    let init = container(&spec["initContainers"], "check-kernel");
+    let sc = &init["securityContext"];
+    assert_ne!(sc["privileged"].as_bool(), Some(true), "{sc:?}");
+    assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
+    assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
+    assert_eq!(
+        sc["capabilities"]["drop"].as_sequence().map(|d| d.len()),
+        Some(1)
+    );
+    assert_eq!(
+        init["image"],
+        container(&spec["containers"], "lb-agent")["image"]
+    );
+    let args: Vec<String> = init["args"]
+        .as_sequence()
+        .expect("check-kernel has args")
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(args.first().map(String::as_str), Some("check"), "{args:?}");
+    let caps: Vec<String> = sc["capabilities"]["add"]
+        .as_sequence()
+        .expect("check-kernel adds capabilities")
+        .iter()
+        .map(|c| c.as_str().unwrap().to_owned())
+        .collect();
+    let agent_caps = granted();
+    assert!(caps.iter().all(|c| agent_caps.contains(c)), "{caps:?}");
+    let (ok, out) = check_with(&caps, &args);
+    assert!(ok, "with {caps:?}:\n{out}");
+    assert!(out.contains("result: lb-agent run can start"), "{out}");
+    assert!(!out.contains("REJECTED"), "{out}");
+    for missing in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != missing).cloned().collect();
+        let (ok, out) = check_with(&fewer, &args);
+        assert!(!ok, "passes without {missing}:\n{out}");
+        assert!(out.contains("cannot start here"), "{out}");
+    }
+}
+
 /// Every manifest in `deploy/` against the Kubernetes 1.34 schema, strict
 /// (no unknown fields), offline (`cargo xtask setup` installs the tool).
 #[test]
