@@ -108,10 +108,10 @@ impl Default for AgentOpts {
     }
 }
 
-/// 20 seconds, or `LB_TEST_READY_TIMEOUT_S`: `cargo xtask kernels` runs
-/// the tests in VMs without KVM, where verifying the programs alone takes
-/// longer than that.
-fn default_ready_timeout() -> Duration {
+/// How long a starting agent may take to be ready: 20 seconds, or
+/// `LB_TEST_READY_TIMEOUT_S`: `cargo xtask kernels` runs the tests in VMs
+/// without KVM, where verifying the programs alone takes longer than that.
+pub fn default_ready_timeout() -> Duration {
     let secs = std::env::var("LB_TEST_READY_TIMEOUT_S")
         .ok()
         .and_then(|s| s.parse().ok())
