@@ -637,7 +637,7 @@ mod stack {
             };
             match class {
                 // LDX: through src; ST, STX: through dst.
-                0x01 | 0x02 | 0x03 => {
+                0x01..=0x03 => {
                     let through = if class == 0x01 { src } else { dst };
                     if let Some(b) = base(through) {
                         depth = depth.max(-(b + i.off as i64));
