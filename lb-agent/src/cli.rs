@@ -31,8 +31,10 @@ pub enum Command {
         what: InspectWhat,
     },
     /// Say what this kernel supports and what `run` would do with it,
-    /// changing nothing; fails when `run` could not start here (an init
-    /// container's check).
+    /// changing nothing. Exits 0 when `run` can start here (also when it
+    /// would only do less: tc programs rejected, EPERM refusals), 1 when
+    /// something it needs is missing (BTF, cgroup v2, the maps, a socket
+    /// program): the DaemonSet's init container.
     Check(CheckArgs),
     /// Detach the programs (links and clsact filters) and remove every pin.
     Cleanup {

@@ -504,6 +504,200 @@ fn tc_programs_leave_a_quarter_of_the_verifier_budget() {
     }
 }
 
+/// The BPF stack is 512 bytes for a whole chain of calls (a program and
+/// the functions it calls, down to the deepest), and the verifiers of
+/// older kernels (5.10 and 6.1 at least) round every frame up to 32
+/// bytes; the 6.18 here rounds to 16 when it JITs, so it accepts chains
+/// those refuse ("combined stack size of 3 calls is 544. Too large").
+/// This computes every chain of every program from the object as the
+/// older verifiers do; the tc programs keep 64 bytes in reserve (the
+/// socket programs use all 512 there, in one frame). No kernel needed.
+#[test]
+fn every_call_chain_fits_the_stack_of_older_kernels() {
+    const MAX_BPF_STACK: u32 = 512;
+    const TC_LIMIT: u32 = MAX_BPF_STACK - 64;
+    let chains = stack::deepest_chains(EBPF_OBJECT);
+    assert!(
+        chains.iter().any(|(p, _, _)| p == tc::INGRESS),
+        "{chains:?}"
+    );
+    let mut over = Vec::new();
+    for (program, chain, bytes) in &chains {
+        let chain = format!("{program}: {bytes} bytes: {}", chain.join(" -> "));
+        eprintln!("{chain}");
+        let tc = program == tc::INGRESS || program == tc::EGRESS;
+        if *bytes > if tc { TC_LIMIT } else { MAX_BPF_STACK } {
+            over.push(chain);
+        }
+    }
+    assert!(
+        over.is_empty(),
+        "over {MAX_BPF_STACK} bytes of stack ({TC_LIMIT} for the tc programs): {over:#?}"
+    );
+}
+
+/// Stack use read from the object's instructions, as the verifier counts
+/// it: a function's depth is the deepest byte below its frame pointer
+/// (r10) that it touches or points a helper at.
+mod stack {
+    use std::collections::{HashMap, HashSet};
+
+    use aya_obj::{btf::BtfKind, generated::bpf_insn, Object};
+
+    const BPF_PSEUDO_CALL: u8 = 1;
+    const FP: u8 = 10;
+
+    /// Per program: its deepest chain of calls (function names) and the
+    /// stack that chain takes on a kernel that rounds frames to 32 bytes.
+    pub fn deepest_chains(object: &[u8]) -> Vec<(String, Vec<String>, u32)> {
+        let mut obj = Object::parse(object).expect("parsing the object");
+        let btf = obj.btf.clone().expect("the object has BTF");
+        let names: HashMap<u32, String> = obj
+            .functions
+            .values()
+            .filter_map(|f| {
+                let id = btf.id_by_type_name_kind(&f.name, BtfKind::Func).ok()?;
+                Some((id, f.name.clone()))
+            })
+            .collect();
+        let text: HashSet<usize> = obj.functions.keys().map(|(section, _)| *section).collect();
+        obj.relocate_calls(&text).expect("linking the calls");
+        let mut chains = Vec::new();
+        for (name, program) in &obj.programs {
+            let linked = &obj.functions[&program.function_key()];
+            let mut starts: Vec<(usize, String)> = linked
+                .func_info
+                .func_info
+                .iter()
+                .map(|i| {
+                    let off = i.insn_off as usize;
+                    let name = names.get(&i.type_id).cloned();
+                    (
+                        off,
+                        name.unwrap_or_else(|| format!("(function at insn {off})")),
+                    )
+                })
+                .collect();
+            starts.sort();
+            let insns = &linked.instructions;
+            let ends: Vec<usize> = starts
+                .iter()
+                .skip(1)
+                .map(|(s, _)| *s)
+                .chain([insns.len()])
+                .collect();
+            let frames: Vec<Frame> = starts
+                .iter()
+                .zip(&ends)
+                .map(|((start, _), end)| frame(insns, *start, *end, &starts))
+                .collect();
+            let (bytes, chain) = deepest(&frames, 0);
+            let chain = chain.iter().map(|i| starts[*i].1.clone()).collect();
+            chains.push((name.clone(), chain, bytes));
+        }
+        chains.sort();
+        chains
+    }
+
+    struct Frame {
+        depth: u32,
+        /// Indexes of the functions it calls.
+        calls: Vec<usize>,
+    }
+
+    /// The stack of the deepest chain from function `i` down, and the chain.
+    fn deepest(frames: &[Frame], i: usize) -> (u32, Vec<usize>) {
+        let (below, mut chain) = frames[i]
+            .calls
+            .iter()
+            .map(|c| deepest(frames, *c))
+            .max_by_key(|(bytes, _)| *bytes)
+            .unwrap_or_default();
+        chain.insert(0, i);
+        // As `check_max_stack_depth` of 5.10 to 6.1 (at least) counts a frame.
+        (frames[i].depth.max(1).div_ceil(32) * 32 + below, chain)
+    }
+
+    /// Function `start..end`: its depth and the functions it calls.
+    fn frame(insns: &[bpf_insn], start: usize, end: usize, starts: &[(usize, String)]) -> Frame {
+        let mut depth = 0i64;
+        // Registers holding r10 plus an offset.
+        let mut fp: HashMap<u8, i64> = HashMap::new();
+        let mut calls = Vec::new();
+        let mut pc = start;
+        while pc < end {
+            let i = &insns[pc];
+            let (class, dst, src) = (i.code & 0x07, i.dst_reg(), i.src_reg());
+            let base = |r: u8| {
+                if r == FP {
+                    Some(0)
+                } else {
+                    fp.get(&r).copied()
+                }
+            };
+            match class {
+                // LDX: through src; ST, STX: through dst.
+                0x01..=0x03 => {
+                    let through = if class == 0x01 { src } else { dst };
+                    if let Some(b) = base(through) {
+                        depth = depth.max(-(b + i.off as i64));
+                    }
+                    if class == 0x01 {
+                        fp.remove(&dst);
+                    }
+                }
+                // ALU64: mov rX, r10 (or a copy of such), add rX, imm.
+                0x07 => match i.code {
+                    0xbf => match base(src) {
+                        Some(b) => {
+                            fp.insert(dst, b);
+                        }
+                        None => {
+                            fp.remove(&dst);
+                        }
+                    },
+                    0x07 if fp.contains_key(&dst) => {
+                        let b = fp[&dst] + i.imm as i64;
+                        fp.insert(dst, b);
+                        depth = depth.max(-b);
+                    }
+                    _ => {
+                        fp.remove(&dst);
+                    }
+                },
+                0x04 => {
+                    fp.remove(&dst);
+                }
+                // LD: the 64-bit immediate takes two slots.
+                0x00 => {
+                    fp.remove(&dst);
+                    pc += 1;
+                }
+                // JMP: a call clobbers r0-r5.
+                0x05 if i.code == 0x85 => {
+                    if src == BPF_PSEUDO_CALL {
+                        let target = (pc as i64 + 1 + i.imm as i64) as usize;
+                        let callee = starts
+                            .iter()
+                            .position(|(s, _)| *s == target)
+                            .unwrap_or_else(|| panic!("call at {pc} to {target}: no function"));
+                        calls.push(callee);
+                    }
+                    for r in 0..=5 {
+                        fp.remove(&r);
+                    }
+                }
+                _ => {}
+            }
+            pc += 1;
+        }
+        Frame {
+            depth: depth as u32,
+            calls,
+        }
+    }
+}
+
 /// Local backend, per family: DNAT only, the client address kept; the
 /// reply leaves through egress with the frontend as source; later packets
 /// follow conntrack even after the backend set changed; FIN closes both

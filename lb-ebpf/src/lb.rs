@@ -58,40 +58,49 @@ fn table_backend(svc: &ServiceValue, position: u32) -> Option<u32> {
 /// the hook computes, only when it is needed) or uniformly at random.
 #[inline(always)]
 pub fn choose(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<(u32, Backend)> {
+    let id = choose_id(svc, flow_hash)?;
+    Some((id, backend_by_id(id)?))
+}
+
+/// `choose`, the backend's id only (a caller that copies the backend
+/// elsewhere itself).
+#[inline(always)]
+pub fn choose_id(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<u32> {
     let from_table = if select::uses_maglev(svc) {
         table_backend(svc, select::maglev_position(svc, flow_hash()))
     } else {
         None
     };
-    let id = match from_table {
-        Some(id) => id,
+    match from_table {
+        Some(id) => Some(id),
         // Not Maglev, or no table: maps of an agent version that kept the
         // tables in `LB_SLOTS`, until its first sync rewrites them; the
         // active backends are all there to choose from.
         // SAFETY: plain helper call.
-        None => slot_backend(svc, select::slot(svc, unsafe { bpf_get_prandom_u32() })?)?,
-    };
-    Some((id, backend_by_id(id)?))
+        None => slot_backend(svc, select::slot(svc, unsafe { bpf_get_prandom_u32() })?),
+    }
 }
 
 /// sessionAffinity ClientIP: the client under `key` keeps its backend while
 /// it keeps using it within the Service's timeout (the kernel checks the time
 /// itself); otherwise `fresh` chooses and the choice is recorded. The agent
 /// deletes entries whose backend left the Service, so a live entry is always
-/// a valid choice.
+/// a valid choice. `backend` is what the caller takes of a backend by id
+/// (`backend_by_id`), None if there is none.
 #[inline(always)]
-pub fn with_affinity(
+pub fn with_affinity<T>(
     key: &AffinityKey,
     svc: &ServiceValue,
     now: u64,
-    fresh: impl FnOnce() -> Option<(u32, Backend)>,
-) -> Option<(u32, Backend)> {
+    backend: impl FnOnce(u32) -> Option<T>,
+    fresh: impl FnOnce() -> Option<(u32, T)>,
+) -> Option<(u32, T)> {
     if let Some(entry) = LB_AFFINITY.get_ptr_mut(key) {
         // SAFETY: the pointer is valid for this program run; a concurrent
         // update of the same 8-byte timestamp is harmless.
         let e = unsafe { core::ptr::read(entry) };
         if select::affinity_live(&e, now, svc.affinity_timeout) {
-            if let Some(b) = backend_by_id(e.backend_id) {
+            if let Some(b) = backend(e.backend_id) {
                 unsafe { (*entry).last_used_ns = now };
                 count(stat::AFFINITY_HIT);
                 return Some((e.backend_id, b));

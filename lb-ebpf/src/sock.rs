@@ -167,7 +167,7 @@ fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
     // SAFETY: plain helper calls on the program's own context.
     let (netns, now) = unsafe { (bpf_get_netns_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
     let key = AffinityKey::for_netns(netns, svc.affinity_id);
-    lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
+    lb::with_affinity(&key, svc, now, lb::backend_by_id, || lb::choose(svc, hash))
 }
 
 /// A backend for a UDP socket's datagram to `frontend`: the one of its flow

@@ -36,13 +36,16 @@ use aya_ebpf::{
 };
 use lb_common::{
     conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
-    source_range, stat, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue,
+    source_range, stat, AffinityKey, Backend, BackendId, CtEntry, CtKey, ServiceKey, ServiceValue,
     SourceRangeData, TcConfig,
 };
 
 use crate::{
     lb,
-    maps::{count, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES, LB_TC_CONFIG},
+    maps::{
+        count, this_cpu, CtMap, LB_BACKENDS, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES,
+        LB_TC_CONFIG,
+    },
 };
 
 mod frag;
@@ -67,6 +70,7 @@ const FIB_SUCCESS: i64 = 0;
 const FIB_NO_NEIGH: i64 = 7;
 
 /// The parts of a packet the translation needs.
+#[repr(C)]
 struct Pkt {
     v6: bool,
     l4: usize,
@@ -111,12 +115,27 @@ fn l4_head<T: Copy>(ctx: &TcContext, l4: usize) -> Option<T> {
 const L4_V4: usize = ETH_HLEN + 20;
 const L4_V6: usize = ETH_HLEN + 40;
 
+/// This CPU's parsed packet (`parse`).
+#[btf_map]
+static LB_TC_PKT: PerCpuArray<Pkt, 1> = PerCpuArray::new();
+
+/// The packet's parts, kept in map memory rather than on the stack: held
+/// in registers, its two addresses were spilled one 8-byte stack slot per
+/// byte, and the stack (512 bytes for a whole chain of calls) ran out.
+/// Valid until the next `parse` on this CPU.
 #[inline(always)]
-fn parse(ctx: &TcContext) -> Option<Pkt> {
+fn parse(ctx: &TcContext) -> Option<&'static Pkt> {
+    let p = this_cpu(&LB_TC_PKT)?;
+    parse_into(ctx, p)?;
+    Some(p)
+}
+
+/// Writes each field into `p` as it is read (`p` is left partly written
+/// when it returns None).
+#[inline(always)]
+fn parse_into(ctx: &TcContext, p: &mut Pkt) -> Option<()> {
     let ethertype = u16::from_be(at::<u16>(ctx, 12)?);
-    let mut src = [0u8; 16];
-    let mut dst = [0u8; 16];
-    let (v6, l4, l4proto) = match ethertype {
+    match ethertype {
         ETH_P_IP => {
             let vihl: u8 = at(ctx, ETH_HLEN)?;
             let ihl = (vihl & 0x0f) as usize * 4;
@@ -128,54 +147,40 @@ fn parse(ctx: &TcContext) -> Option<Pkt> {
             if frag & 0x1fff != 0 {
                 return None;
             }
-            let p: u8 = at(ctx, ETH_HLEN + 9)?;
+            p.proto = at(ctx, ETH_HLEN + 9)?;
             let s: [u8; 4] = at(ctx, ETH_HLEN + 12)?;
             let d: [u8; 4] = at(ctx, ETH_HLEN + 16)?;
-            src[10] = 0xff;
-            src[11] = 0xff;
-            dst[10] = 0xff;
-            dst[11] = 0xff;
-            src[12..].copy_from_slice(&s);
-            dst[12..].copy_from_slice(&d);
-            (false, ETH_HLEN + ihl, p)
+            p.src = lb_common::ipv4_mapped(s);
+            p.dst = lb_common::ipv4_mapped(d);
+            p.v6 = false;
+            p.l4 = ETH_HLEN + ihl;
         }
         ETH_P_IPV6 => {
-            let p: u8 = at(ctx, ETH_HLEN + 6)?;
-            src = at(ctx, ETH_HLEN + 8)?;
-            dst = at(ctx, ETH_HLEN + 24)?;
-            let (l4, p) = frag::ipv6_l4(ctx, p)?;
-            (true, l4, p)
+            let next: u8 = at(ctx, ETH_HLEN + 6)?;
+            p.src = at(ctx, ETH_HLEN + 8)?;
+            p.dst = at(ctx, ETH_HLEN + 24)?;
+            (p.l4, p.proto) = frag::ipv6_l4(ctx, next)?;
+            p.v6 = true;
         }
         _ => return None,
-    };
-    if l4proto != proto::TCP && l4proto != proto::UDP {
+    }
+    if p.proto != proto::TCP && p.proto != proto::UDP {
         return None;
     }
     // Ports, sequence numbers and flags in one read: the first 14 bytes of
     // TCP, 4 of UDP.
-    let head: [u8; 14] = if l4proto == proto::TCP {
-        l4_head(ctx, l4)?
+    let head: [u8; 14] = if p.proto == proto::TCP {
+        l4_head(ctx, p.l4)?
     } else {
-        let h: [u8; 4] = l4_head(ctx, l4)?;
+        let h: [u8; 4] = l4_head(ctx, p.l4)?;
         [h[0], h[1], h[2], h[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     };
-    let sport = u16::from_be_bytes([head[0], head[1]]);
-    let dport = u16::from_be_bytes([head[2], head[3]]);
-    let seq = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
-    let ack = u32::from_be_bytes([head[8], head[9], head[10], head[11]]);
-    let tcp_flags = head[13];
-    Some(Pkt {
-        v6,
-        l4,
-        proto: l4proto,
-        tcp_flags,
-        seq,
-        ack,
-        sport,
-        dport,
-        src,
-        dst,
-    })
+    p.sport = u16::from_be_bytes([head[0], head[1]]);
+    p.dport = u16::from_be_bytes([head[2], head[3]]);
+    p.seq = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+    p.ack = u32::from_be_bytes([head[8], head[9], head[10], head[11]]);
+    p.tcp_flags = head[13];
+    Some(())
 }
 
 #[inline(always)]
@@ -197,6 +202,8 @@ fn config() -> Option<&'static TcConfig> {
 /// Room for the large values of a new flow: the BPF stack is 512 bytes.
 #[repr(C)]
 pub struct Scratch {
+    /// The backend `new_flow` chose (in map memory, as `parse`'s packet).
+    backend: Backend,
     forward: CtEntry,
     reply: CtEntry,
     reply_key: CtKey,
@@ -505,13 +512,14 @@ fn source_allowed(p: &Pkt) -> bool {
     }
 }
 
-/// A backend for a new flow: the tc path hashes the 5-tuple, and its client
-/// is the packet's source address.
+/// The id of a backend for a new flow: the tc path hashes the 5-tuple,
+/// and its client is the packet's source address. The backend itself is
+/// copied out by the caller, straight into map memory (see `parse`).
 #[inline(always)]
-fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
+fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
     let hash = || select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto);
     if svc.flags & service_flags::AFFINITY == 0 {
-        return lb::choose(svc, hash);
+        return lb::choose_id(svc, hash);
     }
     let key = AffinityKey {
         client: p.src,
@@ -519,7 +527,9 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<(u32, Backend)> {
         kind: lb_common::affinity_client::SOURCE_IP,
         _pad: [0; 3],
     };
-    lb::with_affinity(&key, svc, now, || lb::choose(svc, hash))
+    let exists = |id| LB_BACKENDS.get_ptr(&BackendId { id }).map(|_| ());
+    let fresh = || lb::choose_id(svc, hash).map(|id| (id, ()));
+    lb::with_affinity(&key, svc, now, exists, fresh).map(|(id, ())| id)
 }
 
 /// SNAT ports tried for a new flow before it is dropped, linearly from a
@@ -596,9 +606,18 @@ fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -
 
 /// A packet to an EXTERNAL frontend without a flow yet. Only a TCP SYN
 /// opens a TCP flow, into `LB_CT_SYN` until the backend answers; a UDP
-/// datagram opens one in `LB_CONNTRACK`.
+/// datagram opens one in `LB_CONNTRACK`. Returns [`FLOW_OPENED`] once both
+/// entries are in, else the packet's verdict; the packet itself is
+/// translated afterwards as one of the flow (see `ingress`).
 #[inline(always)]
-fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> i32 {
+fn new_flow(
+    ctx: &TcContext,
+    p: &Pkt,
+    scratch: &mut Scratch,
+    key: &CtKey,
+    now: u64,
+    cfg: &TcConfig,
+) -> i32 {
     let skey = ServiceKey {
         addr: p.dst,
         port: p.dport,
@@ -628,10 +647,15 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         count(stat::TC_DROP_INVALID);
         return TC_ACT_SHOT;
     }
-    let chosen = choose(p, &svc, now);
+    // The backend is copied straight into map memory, as the packet is
+    // (see `parse`).
+    let chosen = choose(p, &svc, now).and_then(|id| {
+        scratch.backend = lb::backend_by_id(id)?;
+        Some(id)
+    });
     // No backend (externalTrafficPolicy Local without local endpoints):
     // dropped, as kube-proxy does.
-    let Some((backend_id, b)) = chosen else {
+    let Some(backend_id) = chosen else {
         // No endpoint anywhere: REJECT, as kube-proxy does.
         if svc.flags & service_flags::REJECT != 0 {
             return icmp::reject(ctx, p);
@@ -639,13 +663,11 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         count(stat::TC_DROP_NO_BACKEND);
         return TC_ACT_SHOT;
     };
+    let b = &scratch.backend;
     if is_ipv4_mapped(&b.addr) == p.v6 {
         count(stat::TC_DROP_FAMILY);
         return TC_ACT_SHOT;
     }
-    let Some(scratch) = this_cpu(&LB_TC_SCRATCH) else {
-        return TC_ACT_SHOT;
-    };
     let table = if p.proto == proto::TCP {
         Table::Syn
     } else {
@@ -716,7 +738,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, key: &CtKey, now: u64, cfg: &TcConfig) -> 
         count(stat::TC_DROP_CT_FULL);
         return TC_ACT_SHOT;
     }
-    finish(ctx, p, &scratch.forward, true)
+    FLOW_OPENED
 }
 
 #[inline(always)]
@@ -930,12 +952,30 @@ pub(crate) fn quoted_flow(key: &CtKey) -> Option<&'static CtEntry> {
 /// function, which the verifier checks once on its own (for any packet)
 /// rather than along every path that leads to it: walked as one program,
 /// the parts' paths multiplied past the verifier's million instructions.
-/// A new flow's packet is parsed twice; only its first packet.
+///
+/// A new flow's first packet goes through `tc_ingress_flow` again once
+/// `tc_ingress_new_flow` has recorded the flow, and is translated there as
+/// any packet of a known flow: so `tc_ingress_new_flow` (the largest
+/// stack frame) never holds the translation's frames too. The BPF stack
+/// is 512 bytes for a whole chain of calls, and the verifiers of 5.10 and
+/// 6.1 round each frame up to 32 bytes: `tc_ingress_new_flow` calling
+/// `tc_reserve_snat` while it also translated took 544 there. The cost:
+/// that one packet is parsed three times and looked up once more.
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
     match tc_ingress_flow(ctx.skb.skb) {
         NOT_PARSED => tc_ingress_other(ctx.skb.skb),
-        NO_FLOW => tc_ingress_new_flow(ctx.skb.skb),
+        NO_FLOW => match tc_ingress_new_flow(ctx.skb.skb) {
+            FLOW_OPENED => match tc_ingress_flow(ctx.skb.skb) {
+                // Gone at once: evicted from a full table by another CPU.
+                NOT_PARSED | NO_FLOW => {
+                    count(stat::TC_DROP_CT_FULL);
+                    TC_ACT_SHOT
+                }
+                verdict => verdict,
+            },
+            verdict => verdict,
+        },
         verdict => verdict,
     }
 }
@@ -944,6 +984,9 @@ pub fn ingress(ctx: &TcContext) -> i32 {
 const NOT_PARSED: i32 = -1000;
 /// `tc_ingress_flow`: no live flow of the packet's tuple.
 const NO_FLOW: i32 = -1001;
+/// `tc_ingress_new_flow`: the flow's entries are recorded; the packet is
+/// to be translated as one of it.
+const FLOW_OPENED: i32 = -1002;
 
 /// A packet of a known flow: translated as its entry says.
 #[no_mangle]
@@ -953,9 +996,9 @@ pub extern "C" fn tc_ingress_flow(skb: *mut __sk_buff) -> i32 {
     let Some(p) = parse(ctx) else {
         return NOT_PARSED;
     };
-    frag::mark(ctx, &p);
+    frag::mark(ctx, p);
     // CVE-2020-8558: nothing from the wire is served on a loopback address.
-    if is_loopback(&p) {
+    if is_loopback(p) {
         count(stat::TC_DROP_LOOPBACK);
         return TC_ACT_SHOT;
     }
@@ -964,11 +1007,11 @@ pub extern "C" fn tc_ingress_flow(skb: *mut __sk_buff) -> i32 {
     let Some(cfg) = config() else {
         return TC_ACT_UNSPEC;
     };
-    let key = key_of(&p);
-    let Some(found) = lookup(&key, &p) else {
+    let key = key_of(p);
+    let Some(found) = lookup(&key, p) else {
         return NO_FLOW;
     };
-    follow(ctx, &p, &key, found, now, cfg, true).unwrap_or(NO_FLOW)
+    follow(ctx, p, &key, found, now, cfg, true).unwrap_or(NO_FLOW)
 }
 
 /// A packet to an EXTERNAL frontend without a flow yet (`new_flow`).
@@ -981,10 +1024,10 @@ pub extern "C" fn tc_ingress_new_flow(skb: *mut __sk_buff) -> i32 {
     };
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    let Some(cfg) = config() else {
+    let (Some(cfg), Some(scratch)) = (config(), this_cpu(&LB_TC_SCRATCH)) else {
         return TC_ACT_UNSPEC;
     };
-    new_flow(ctx, &p, &key_of(&p), now, cfg)
+    new_flow(ctx, p, scratch, &key_of(p), now, cfg)
 }
 
 /// Later fragments, and ICMP errors about a flow's replies.
@@ -1007,8 +1050,8 @@ pub fn egress(ctx: &TcContext) -> i32 {
     let Some(p) = parse(ctx) else {
         return frag::later(ctx, false).unwrap_or(TC_ACT_UNSPEC);
     };
-    let key = key_of(&p);
-    let Some(found) = lookup(&key, &p) else {
+    let key = key_of(p);
+    let Some(found) = lookup(&key, p) else {
         return TC_ACT_UNSPEC;
     };
     // Only reply entries are followed here; a forward entry's key is the
@@ -1022,5 +1065,5 @@ pub fn egress(ctx: &TcContext) -> i32 {
     };
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    follow(ctx, &p, &key, found, now, cfg, false).unwrap_or(TC_ACT_UNSPEC)
+    follow(ctx, p, &key, found, now, cfg, false).unwrap_or(TC_ACT_UNSPEC)
 }

@@ -113,10 +113,10 @@ impl Default for AgentOpts {
     }
 }
 
-/// 20 seconds, or `LB_TEST_READY_TIMEOUT_S`: `cargo xtask kernels` runs
-/// the tests in VMs without KVM, where verifying the programs alone takes
-/// longer than that.
-fn default_ready_timeout() -> Duration {
+/// How long a starting agent may take to be ready: 20 seconds, or
+/// `LB_TEST_READY_TIMEOUT_S`: `cargo xtask kernels` runs the tests in VMs
+/// without KVM, where verifying the programs alone takes longer than that.
+pub fn default_ready_timeout() -> Duration {
     let secs = std::env::var("LB_TEST_READY_TIMEOUT_S")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -165,6 +165,22 @@ pub fn http_get_in(netns: Option<&str>, addr: SocketAddr, path: &str) -> Result<
         .map_err(|e| anyhow!("the HTTP thread: {e:#}"))?
 }
 
+/// `setpriv ... --`, to run what follows with only the capabilities
+/// `caps` (names as in a Pod's `securityContext.capabilities.add`), as a
+/// container runtime grants them.
+pub fn setpriv(caps: &[String]) -> Vec<OsString> {
+    let set: String = caps
+        .iter()
+        .map(|c| format!(",+{}", c.to_ascii_lowercase()))
+        .collect();
+    vec![
+        "setpriv".into(),
+        format!("--bounding-set=-all{set}").into(),
+        "--inh-caps=-all".into(),
+        "--".into(),
+    ]
+}
+
 /// How the agent process is started: [`AgentOpts`]' fields of the same
 /// names, kept for restarts.
 #[derive(Debug, Clone, Default)]
@@ -198,16 +214,7 @@ fn spawn(
         argv.extend(["nsenter".into(), format!("--net=/run/netns/{ns}").into()]);
     }
     if let Some(caps) = &launch.capabilities {
-        let set: String = caps
-            .iter()
-            .map(|c| format!(",+{}", c.to_ascii_lowercase()))
-            .collect();
-        argv.extend([
-            "setpriv".into(),
-            format!("--bounding-set=-all{set}").into(),
-            "--inh-caps=-all".into(),
-            "--".into(),
-        ]);
+        argv.extend(setpriv(caps));
     }
     argv.push(bin.into());
     let mut c = Command::new(&argv[0]);

@@ -28,22 +28,25 @@ fn container<'a>(list: &'a Value, name: &str) -> &'a Value {
         .unwrap_or_else(|| panic!("no container {name} in deploy/daemonset.yaml"))
 }
 
-/// `capabilities.add` of the agent's container.
-fn granted() -> Vec<String> {
-    let spec = pod_spec();
-    container(&spec["containers"], "lb-agent")["securityContext"]["capabilities"]["add"]
+/// `capabilities.add` of a container.
+fn added(c: &Value) -> Vec<String> {
+    c["securityContext"]["capabilities"]["add"]
         .as_sequence()
-        .expect("the lb-agent container adds capabilities")
+        .unwrap_or_else(|| panic!("{:?} adds no capabilities", c["name"]))
         .iter()
         .map(|c| c.as_str().unwrap().to_string())
         .collect()
 }
 
-#[test]
-fn the_agent_container_is_not_privileged() {
-    let spec = pod_spec();
-    let agent = container(&spec["containers"], "lb-agent");
-    let sc = &agent["securityContext"];
+/// `capabilities.add` of the agent's container.
+fn granted() -> Vec<String> {
+    added(container(&pod_spec()["containers"], "lb-agent"))
+}
+
+/// Not privileged, no privilege escalation, a read-only root, the
+/// runtime's seccomp profile, every capability dropped but those added.
+fn assert_restricted(c: &Value) {
+    let sc = &c["securityContext"];
     assert_ne!(sc["privileged"].as_bool(), Some(true), "{sc:?}");
     assert_eq!(sc["allowPrivilegeEscalation"].as_bool(), Some(false));
     assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true));
@@ -56,6 +59,13 @@ fn the_agent_container_is_not_privileged() {
         .map(|d| d.iter().filter_map(Value::as_str).collect())
         .unwrap_or_default();
     assert_eq!(drop, ["ALL"]);
+}
+
+#[test]
+fn the_agent_container_is_not_privileged() {
+    let spec = pod_spec();
+    let agent = container(&spec["containers"], "lb-agent");
+    assert_restricted(agent);
     // Kubernetes allows Bidirectional propagation in privileged
     // containers only: the agent's container takes the host's bpffs as it
     // is, the init container mounts one if there is none.
@@ -142,6 +152,64 @@ fn without_sys_admin_or_net_admin_stale_udp_sockets_stay() {
     }
 }
 
+fn stdout_and_stderr(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// `lb-agent check` with only `caps`, as the init container runs it: its
+/// exit status and output.
+fn check_with(caps: &[String], args: &[String]) -> (bool, String) {
+    let argv = integration_tests::agent::setpriv(caps);
+    let out = std::process::Command::new(&argv[0])
+        .args(&argv[1..])
+        .arg(integration_tests::agent_bin().unwrap())
+        .args(args)
+        .output()
+        .expect("running setpriv");
+    let text = stdout_and_stderr(&out);
+    (out.status.success(), text)
+}
+
+/// The init container `check-kernel` runs `lb-agent check` as restricted
+/// as the agent's container, with fewer capabilities: with those it passes
+/// here (every program verified), and without any one of them it fails,
+/// so each is needed and none is missing.
+#[test]
+fn the_check_init_container_passes_with_its_capabilities_and_needs_each() {
+    require_root!();
+    let spec = pod_spec();
+    let init = container(&spec["initContainers"], "check-kernel");
+    assert_restricted(init);
+    assert_eq!(
+        init["image"],
+        container(&spec["containers"], "lb-agent")["image"]
+    );
+    let args: Vec<String> = init["args"]
+        .as_sequence()
+        .expect("check-kernel has args")
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(args.first().map(String::as_str), Some("check"), "{args:?}");
+    let caps = added(init);
+    let agent_caps = granted();
+    assert!(caps.iter().all(|c| agent_caps.contains(c)), "{caps:?}");
+    let (ok, out) = check_with(&caps, &args);
+    assert!(ok, "with {caps:?}:\n{out}");
+    assert!(out.contains("result: lb-agent run can start"), "{out}");
+    assert!(!out.contains("REJECTED"), "{out}");
+    for missing in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != missing).cloned().collect();
+        let (ok, out) = check_with(&fewer, &args);
+        assert!(!ok, "passes without {missing}:\n{out}");
+        assert!(out.contains("cannot start here"), "{out}");
+    }
+}
+
 /// Every manifest in `deploy/` against the Kubernetes 1.34 schema, strict
 /// (no unknown fields), offline (`cargo xtask setup` installs the tool).
 #[test]
@@ -157,11 +225,7 @@ fn the_deployment_validates_against_kubernetes_1_34() {
         .args(&files)
         .output()
         .expect("kubernetes-validate is not installed: run `cargo xtask setup`");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = stdout_and_stderr(&out);
     assert!(out.status.success(), "{text}");
     assert!(
         text.contains("daemonset/lb-agent against version 1.34"),

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use integration_tests::{
+    agent::default_ready_timeout,
     apiserver::ApiServer,
     cluster::{paced_client, poll_tcp, ready_slice},
     manifests::Service,
@@ -56,9 +57,14 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
     assert_all_ok("before", &env.tcp("10.96.0.11:80", 5));
 
     // Twice: a crash with nothing changed meanwhile, then one with a change.
+    // Where starting takes long (LB_TEST_READY_TIMEOUT_S, a VM without
+    // KVM), the client is paced slower so that it still runs when the
+    // restarted agent is ready: the restart must fall inside its run.
+    let slow = (default_ready_timeout().as_secs() / 20).max(1);
+    let interval_us = if slow > 1 { 3000 * slow } else { 1500 };
     for round in 0..2 {
         let count = 2000;
-        let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", count, 1500).unwrap();
+        let client = paced_client(&env, Proto::Tcp, "10.96.0.10:80", count, interval_us).unwrap();
         let t = Instant::now();
         // Let the client get going, then crash the agent under it.
         std::thread::sleep(Duration::from_millis(500));
@@ -74,7 +80,7 @@ fn sigkill_and_restart_fail_no_connect_and_rewrite_only_changes() {
                 .unwrap();
         }
         let agent = env.agent.as_mut().unwrap();
-        agent.restart(Duration::from_secs(20)).unwrap();
+        agent.restart(default_ready_timeout()).unwrap();
         let ready_at = t.elapsed();
         let attempts = client.join().expect("client thread");
         let took = t.elapsed();
@@ -158,7 +164,7 @@ fn restart_while_the_api_server_is_away_keeps_the_pinned_state() {
     );
 
     api.come_back();
-    agent.wait_ready(Duration::from_secs(20)).unwrap();
+    agent.wait_ready(default_ready_timeout()).unwrap();
     let took = poll_tcp(&env, "10.96.0.10:80", 10, Duration::from_secs(10), |s| {
         s.count("b3") == s.total
     })
@@ -204,7 +210,7 @@ fn udp_sockets_of_backends_that_left_while_the_agent_was_down_are_destroyed() {
     env.agent
         .as_mut()
         .unwrap()
-        .restart(Duration::from_secs(20))
+        .restart(default_ready_timeout())
         .unwrap();
     let (err, _) = probe.until_error(100).unwrap_or_else(|e| {
         panic!(
@@ -236,7 +242,7 @@ fn a_restart_that_recreates_the_maps_fails_no_connect() {
     agent.kill().unwrap();
     agent.add_args(&["--max-services", "4096"]);
     let t = Instant::now();
-    agent.restart(Duration::from_secs(20)).unwrap();
+    agent.restart(default_ready_timeout()).unwrap();
     eprintln!("upgraded agent ready after {:?}", t.elapsed());
     let attempts = client.join().expect("client");
     eprintln!("connects across the upgrade:\n{}", Spread::of(&attempts));
