@@ -1,4 +1,6 @@
 //! `cargo xtask test`: setup, build, unit tests, then the integration tests.
+//! The unit tests include the fuzz targets' short runs (`fuzz_*`, see
+//! `cargo xtask fuzz` for longer ones).
 use std::{
     path::Path,
     process::{Command, ExitCode},
