@@ -281,10 +281,14 @@ fn check_decoding(r: &Rejection) -> Result<(), TestCaseError> {
     Ok(())
 }
 
-/// A translation's rejection names the Service and the field.
+/// A translation's rejection names the object (a Service, or the
+/// EndpointSlice or Endpoints it ignored) and the field.
 fn check_translation(r: &Rejection) -> Result<(), TestCaseError> {
     prop_assert!(!r.source.is_empty(), "{}", r);
-    prop_assert!(r.object.starts_with("Service "), "object: {}", r);
+    let named = ["Service ", "EndpointSlice ", "Endpoints "]
+        .iter()
+        .any(|k| r.object.starts_with(k) && r.object.contains('/'));
+    prop_assert!(named, "object: {}", r);
     prop_assert!(!r.field.is_empty(), "no field: {}", r);
     Ok(())
 }
