@@ -4,6 +4,12 @@
 //! programs) and print a loud SKIPPED without it.
 use std::net::IpAddr;
 
+/// The fuzz target of these programs (`cargo xtask fuzz`).
+#[path = "tc_frames/fuzz.rs"]
+mod fuzz;
+#[path = "../fuzz/mutate.rs"]
+mod mutate;
+
 use aya::{
     maps::{Array, HashMap, HashOfMaps, MapData, PerCpuArray},
     programs::{SchedClassifier, TestRun, TestRunOptions},
@@ -418,18 +424,25 @@ impl Fixture {
     /// One run of `program` on `input`: its verdict, the frame it left and
     /// how long the run took (the kernel's measure).
     fn run_timed(&mut self, program: &str, input: &[u8]) -> (u32, Vec<u8>, u128) {
+        self.test_run(program, input).expect("BPF_PROG_TEST_RUN")
+    }
+
+    /// [`run_timed`](Self::run_timed), or the error of BPF_PROG_TEST_RUN.
+    fn test_run(
+        &mut self,
+        program: &str,
+        input: &[u8],
+    ) -> Result<(u32, Vec<u8>, u128), aya::programs::ProgramError> {
         let p: &mut SchedClassifier = self.ebpf.program_mut(program).unwrap().try_into().unwrap();
         let mut out = vec![0u8; input.len() + 1024];
-        let r = p
-            .test_run(TestRunOptions {
-                data_in: Some(input),
-                data_out: Some(&mut out),
-                repeat: 1,
-                ..Default::default()
-            })
-            .expect("BPF_PROG_TEST_RUN");
+        let r = p.test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat: 1,
+            ..Default::default()
+        })?;
         out.truncate(r.data_size_out as usize);
-        (r.return_value, out, r.duration.as_nanos())
+        Ok((r.return_value, out, r.duration.as_nanos()))
     }
 
     /// The entry of this tuple, in whichever table it is.

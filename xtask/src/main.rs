@@ -3,6 +3,7 @@ mod bench;
 mod build;
 mod chaos;
 mod demo;
+mod fuzz;
 mod kernels;
 mod setup;
 mod test;
@@ -47,6 +48,19 @@ enum Cmd {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Run the fuzz targets (manifests, translation and reconciler; HTTP
+    /// servers; tc programs, as root) longer than `cargo xtask test` does
+    Fuzz {
+        /// Each target's short case count times 40 (minutes)
+        #[arg(long, conflicts_with = "cases")]
+        long: bool,
+        /// This many cases for every target
+        #[arg(long)]
+        cases: Option<u32>,
+        /// Repeat rounds of fresh cases until this many seconds have passed
+        #[arg(long, value_name = "SECONDS")]
+        time: Option<u64>,
+    },
     /// Run setup, build, then the lb-demo binary
     Demo,
     /// Boot Debian's 5.10 and 6.1 kernels in VMs (virtme-ng, TCG) and run the smoke test in
@@ -79,6 +93,7 @@ fn main() -> ExitCode {
         Cmd::BuildEbpf { debug } => build::build_ebpf(&root, debug).map(|_| ExitCode::SUCCESS),
         Cmd::Build => build::build(&root).map(|_| ExitCode::SUCCESS),
         Cmd::Test { args } => test::test(&root, &args),
+        Cmd::Fuzz { long, cases, time } => fuzz::fuzz(&root, fuzz::Budget { long, cases, time }),
         Cmd::Demo => demo::demo(&root),
         Cmd::Kernels { table_only } => {
             kernels::kernels(&root, table_only).map(|()| ExitCode::SUCCESS)

@@ -1,5 +1,6 @@
 //! `cargo xtask test`: setup, build, unit tests, then the integration tests
-//! and the quick chaos run.
+//! and the quick chaos run. The unit tests include the fuzz targets' short
+//! runs (`fuzz_*`, see `cargo xtask fuzz` for longer ones).
 use std::{
     path::Path,
     process::{Command, ExitCode},

@@ -4,6 +4,10 @@
 //! layer records into (`serve` exposes it on `/metrics`).
 pub mod addr;
 pub mod clock;
+/// The fuzz targets' seeds and mutations, shared with `tests/tc_frames.rs`.
+#[cfg(test)]
+#[path = "../../fuzz/mutate.rs"]
+pub mod fuzz;
 pub mod metrics;
 #[cfg(test)]
 pub mod testing;

@@ -10,6 +10,8 @@ pub mod affinity;
 pub mod batch;
 pub mod datagram_flows;
 pub mod features;
+#[cfg(test)]
+mod fuzz;
 pub mod loader;
 pub mod reconcile;
 pub mod sockets;

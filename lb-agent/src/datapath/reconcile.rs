@@ -1625,7 +1625,7 @@ impl Reconciler {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::collections::HashMap;
 
     use super::*;
@@ -1636,18 +1636,18 @@ mod tests {
     /// Maglev table, all resolve to backends. The capacities make a map
     /// "full" to test failures; a table is never written in place.
     #[derive(Default)]
-    struct FakeMaps {
-        services: HashMap<ServiceKey, ServiceValue>,
-        slots: HashMap<BackendSlotKey, BackendSlot>,
-        backends: HashMap<BackendId, Backend>,
-        maglev: HashMap<u32, Vec<u32>>,
+    pub(in crate::datapath) struct FakeMaps {
+        pub(in crate::datapath) services: HashMap<ServiceKey, ServiceValue>,
+        pub(in crate::datapath) slots: HashMap<BackendSlotKey, BackendSlot>,
+        pub(in crate::datapath) backends: HashMap<BackendId, Backend>,
+        pub(in crate::datapath) maglev: HashMap<u32, Vec<u32>>,
         service_capacity: Option<usize>,
         slot_capacity: Option<usize>,
         backend_capacity: Option<usize>,
         maglev_capacity: Option<usize>,
         /// `put_maglev` cannot make a table (as ENOMEM would).
         no_table_memory: bool,
-        writes: usize,
+        pub(in crate::datapath) writes: usize,
         /// For states that are broken on purpose, and for sizes the check
         /// after every write would make quadratic.
         unchecked: bool,
@@ -1871,7 +1871,7 @@ mod tests {
 
     /// A retire scheduled after everything queued so far, as the agent's
     /// loop runs it when no change comes in between.
-    fn retire_all(r: &mut Reconciler, m: &mut FakeMaps) -> Vec<String> {
+    pub(in crate::datapath) fn retire_all(r: &mut Reconciler, m: &mut FakeMaps) -> Vec<String> {
         r.schedule_retire();
         r.retire(m)
     }

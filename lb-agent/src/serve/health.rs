@@ -222,8 +222,12 @@ async fn serve_limited(
     use hyper_util::rt::{TokioIo, TokioTimer};
     let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
     let mut http = hyper::server::conn::http1::Builder::new();
+    // half_close: a client that shuts its side down after the request
+    // (`nc -N`, some load balancers' checks) still gets the answer, as
+    // from kube-proxy's Go server; hyper would close without one.
     http.timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
+        .header_read_timeout(limits.header_read_timeout)
+        .half_close(true);
     let mut refused_logged = false;
     loop {
         let stream = match listener.accept().await {

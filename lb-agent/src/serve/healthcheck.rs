@@ -66,9 +66,13 @@ fn http(code: u16, body: &str) -> String {
 
 type Shared = Arc<Mutex<(ServiceName, usize)>>;
 
+/// How long a request head may take before the answer goes out anyway.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// Listeners per health-check node port, following the Services.
 pub struct HealthCheckServers {
     health: ProxyHealthHandle,
+    head_timeout: Duration,
     bind: Bind,
     servers: BTreeMap<u16, (Shared, Vec<JoinHandle<()>>)>,
 }
@@ -102,7 +106,12 @@ fn bind(how: &Bind, port: u16) -> std::io::Result<Vec<tokio::net::TcpListener>> 
     }
 }
 
-async fn serve(listener: tokio::net::TcpListener, state: Shared, health: ProxyHealthHandle) {
+async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Shared,
+    health: ProxyHealthHandle,
+    head_timeout: Duration,
+) {
     loop {
         let Ok((mut s, _)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -113,7 +122,7 @@ async fn serve(listener: tokio::net::TcpListener, state: Shared, health: ProxyHe
             // Read the request head (any path is answered alike).
             let mut buf = [0u8; 2048];
             let mut seen = Vec::new();
-            let _ = tokio::time::timeout(Duration::from_secs(2), async {
+            let _ = tokio::time::timeout(head_timeout, async {
                 while let Ok(n) = s.read(&mut buf).await {
                     if n == 0 {
                         break;
@@ -137,9 +146,17 @@ impl HealthCheckServers {
     pub fn new(health: ProxyHealthHandle) -> Self {
         Self {
             health,
+            head_timeout: HEAD_TIMEOUT,
             bind: Bind::All,
             servers: BTreeMap::new(),
         }
+    }
+
+    /// A shorter wait for request heads, for the fuzz target's many cases.
+    #[cfg(test)]
+    pub(crate) fn with_head_timeout(mut self, timeout: Duration) -> Self {
+        self.head_timeout = timeout;
+        self
     }
 
     /// Serves exactly `checks` on `bind`: new ports start listening, gone
@@ -191,7 +208,10 @@ impl HealthCheckServers {
             let state: Shared = Arc::new(Mutex::new((c.service.clone(), c.local_endpoints)));
             let tasks = listeners
                 .into_iter()
-                .map(|l| tokio::spawn(serve(l, state.clone(), self.health.clone())))
+                .map(|l| {
+                    let health = self.health.clone();
+                    tokio::spawn(serve(l, state.clone(), health, self.head_timeout))
+                })
                 .collect();
             tracing::info!(port, service = %c.service, bind = ?self.bind, "serving health-check node port");
             self.servers.insert(port, (state, tasks));

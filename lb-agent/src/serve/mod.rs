@@ -2,5 +2,7 @@
 //! the health address and `/metrics` on its own (`health`), and the
 //! health-check node ports of `externalTrafficPolicy: Local` Services
 //! (`healthcheck`). May use `base` and `semantics`.
+#[cfg(test)]
+mod fuzz;
 pub mod health;
 pub mod healthcheck;
