@@ -69,6 +69,14 @@ impl Attempt {
         self.peer.as_deref()?.parse().ok().map(unmap)
     }
 
+    /// A reply that did not come within the interval (`recv` `ETIMEDOUT`):
+    /// a lost or late datagram, not an error of the socket.
+    pub fn is_lost_reply(&self) -> bool {
+        !self.ok
+            && self.stage.as_deref() == Some("recv")
+            && self.error.as_deref() == Some("ETIMEDOUT")
+    }
+
     /// `source` parsed and unmapped like [`peer_addr`](Self::peer_addr).
     pub fn source_addr(&self) -> Option<SocketAddr> {
         self.source.as_deref()?.parse().ok().map(unmap)

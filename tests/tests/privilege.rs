@@ -95,7 +95,8 @@ fn web_without(env: &Env, gone: &str) -> Vec<serde_json::Value> {
 }
 
 /// An agent with `caps` serving `web`; a connected UDP socket to it, then
-/// its backend leaves. Whether the agent destroyed the socket, and the log.
+/// its backend leaves. Whether the agent destroyed the socket, and what the
+/// probe and the agent said.
 fn udp_socket_destroyed_with(tag: &str, caps: Vec<String>) -> (bool, String) {
     let mut env = Env::new(tag, 2).unwrap();
     env.manifests.write("web.yaml", &web(&env)).unwrap();
@@ -114,12 +115,15 @@ fn udp_socket_destroyed_with(tag: &str, caps: Vec<String>) -> (bool, String) {
         .write("web.yaml", &web_without(&env, &on))
         .unwrap();
     // With the right capabilities the socket is destroyed within a sync;
-    // 30 replies at 100 ms are 3 s.
-    let destroyed = match probe.until_error(30) {
-        Ok((a, _)) => a.error.as_deref() == Some("ECONNABORTED"),
-        Err(_) => false,
+    // 50 attempts at 100 ms are 5 s.
+    let (destroyed, seen) = match probe.until_error(50) {
+        Ok((a, _)) => (a.error.as_deref() == Some("ECONNABORTED"), format!("{a:?}")),
+        Err(e) => (false, format!("{e:#}")),
     };
-    (destroyed, env.agent().log())
+    (
+        destroyed,
+        format!("probe: {seen}\nagent:\n{}", env.agent().log()),
+    )
 }
 
 #[test]
