@@ -354,6 +354,15 @@ impl Fixture {
         self.config.set(0, Self::config(min, max), 0).unwrap();
     }
 
+    /// Established TCP flows expire after `s` seconds. A test that expires
+    /// an entry by backdating it to the clock's start (CLOCK_MONOTONIC, from
+    /// boot) needs a timeout shorter than the machine's uptime.
+    fn tcp_timeout(&mut self, s: u32) {
+        let mut c = self.config.get(&0, 0).unwrap();
+        c.tcp_timeout_s = s;
+        self.config.set(0, c, 0).unwrap();
+    }
+
     fn backend(&mut self, id: u32, addr: &str, port: u16, proto: u8, local: bool) {
         let b = Backend {
             addr: addr_bytes(ip(addr)),
@@ -1937,6 +1946,9 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
     let (pod, local_pod) = ("10.244.2.10", "10.244.1.10");
     let mut fx = Fixture::new();
     fx.snat_ports(61_000, 61_000);
+    // The default hour is more than a fresh machine's uptime: an entry
+    // stamped 1 ns after boot would still be live.
+    fx.tcp_timeout(5);
     fx.backend(1, pod, 8080, proto::TCP, false);
     fx.backend(2, local_pod, 8080, proto::TCP, true);
     fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
