@@ -285,12 +285,22 @@ pub struct ReverseSockValue {
     pub service_id: u32,
 }
 
+/// A socket, by its `bpf_get_socket_cookie` (unique for the kernel's
+/// uptime, never reused). Key of `LB_SOCK_PEER`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SockCookie {
+    pub cookie: u64,
+}
+
 /// What a TCP socket's connect was rewritten to: value of `LB_SOCK_PEER`,
-/// socket-local storage (`BPF_MAP_TYPE_SK_STORAGE`, key: the socket). A TCP
-/// socket has one peer, so its reverse view lives with the socket and is
-/// freed with it: no shared LRU insert, no evictions under connect churn.
-/// UDP keeps `LB_REV_SOCK`, since one unconnected socket may address many
-/// frontends and the agent looks its sockets up by cookie.
+/// keyed by the socket's cookie. A TCP socket has one peer; connect
+/// writes the entry and the `sock_release` program deletes it when the
+/// socket is closed, so the preallocated hash holds the sockets open now:
+/// an insert takes a preallocated element (no allocation, unlike the
+/// socket-local storage this replaced, which cost ~0.4 µs a connect) and
+/// never evicts. UDP keeps `LB_REV_SOCK`, since one unconnected socket may
+/// address many frontends.
 ///
 /// | offset | field           | meaning                              |
 /// |--------|-----------------|--------------------------------------|
@@ -299,8 +309,9 @@ pub struct ReverseSockValue {
 /// | 32     | `backend_port`  | host order                           |
 /// | 34     | `frontend_port` | host order                           |
 ///
-/// No Service id: socket storage cannot be listed from userspace, so only
-/// `getpeername` ever reads it.
+/// Full (more TCP sockets open through frontends than `--max-sock-peers`),
+/// a connect is still rewritten but not recorded (`stat::SOCK_PEER_LOST`):
+/// that socket's `getpeername` shows the backend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SockPeer {
@@ -758,7 +769,11 @@ pub mod stat {
     /// packet to a LoadBalancer frontend from outside its
     /// `loadBalancerSourceRanges` (kube-proxy drops it on OUTPUT).
     pub const SOCK_DROP_SOURCE_RANGE: u32 = 21;
-    pub const COUNT: u32 = 22;
+    /// Socket path: a TCP connect rewritten whose reverse view could not
+    /// be recorded (`LB_SOCK_PEER` full): its `getpeername` shows the
+    /// backend, not the frontend.
+    pub const SOCK_PEER_LOST: u32 = 22;
+    pub const COUNT: u32 = 23;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -783,6 +798,7 @@ pub mod stat {
         "tc_drop_fragment",
         "tc_pass_no_flow",
         "sock_drop_source_range",
+        "sock_peer_lost",
     ];
 }
 
@@ -834,6 +850,8 @@ pub mod capacity {
     pub const SLOTS: u32 = 524_288;
     pub const BACKENDS: u32 = 262_144;
     pub const REV_SOCK: u32 = 262_144;
+    /// TCP sockets open through a frontend at once (`LB_SOCK_PEER`).
+    pub const SOCK_PEERS: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
     /// Flows of UDP sockets to frontends (one per socket and frontend), as
     /// many as `LB_REV_SOCK` has reverse entries.
@@ -869,6 +887,7 @@ const _: () = {
     assert!(core::mem::size_of::<ReverseSockKey>() == 32);
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
     assert!(core::mem::size_of::<SockPeer>() == 36);
+    assert!(core::mem::size_of::<SockCookie>() == 8);
     assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
@@ -901,6 +920,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockKey {}
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for SockPeer {}
+    unsafe impl aya::Pod for SockCookie {}
     unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}

@@ -16,11 +16,10 @@ use aya_ebpf::{
     programs::SkBuffContext,
 };
 use lb_common::{
-    ipv4_mapped, proto, source_check, source_range, stat, SockPeer, SockSourceCheck,
-    SourceRangeData,
+    ipv4_mapped, proto, source_check, source_range, stat, SockSourceCheck, SourceRangeData,
 };
 
-use crate::maps::{count, LB_SOCK_CHECK, LB_SOCK_PEER, LB_SOURCE_RANGES};
+use crate::maps::{count, LB_SOCK_CHECK, LB_SOURCE_RANGES};
 
 const PASS: i32 = 1;
 const DROP: i32 = 0;
@@ -71,7 +70,7 @@ pub fn egress(ctx: &SkBuffContext) -> i32 {
         count(stat::SOCK_DROP_SOURCE_RANGE);
         return DROP;
     };
-    let Some((addr, port)) = frontend(ctx, sk, &p) else {
+    let Some((addr, port)) = frontend(ctx, &p) else {
         // Not to the backend of a translated frontend (a socket reconnected
         // past the hooks, say): not ours to filter.
         return PASS;
@@ -99,23 +98,17 @@ pub fn egress(ctx: &SkBuffContext) -> i32 {
 
 /// The frontend the socket addressed for this packet's destination.
 #[inline(always)]
-fn frontend(ctx: &SkBuffContext, sk: *mut bpf_sock, p: &Packet) -> Option<([u8; 16], u16)> {
+fn frontend(ctx: &SkBuffContext, p: &Packet) -> Option<([u8; 16], u16)> {
+    // SAFETY: helper on the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };
     if p.proto == proto::TCP {
-        // SAFETY: `sk` is a full socket.
-        let peer: *mut SockPeer = unsafe { storage(&LB_SOCK_PEER, sk) };
-        if peer.is_null() {
-            return None;
-        }
-        // SAFETY: non-null storage of this socket, copied out at once.
-        let peer = unsafe { ptr::read(peer) };
+        let peer = crate::sock::tcp_peer(cookie)?;
         return (peer.backend_addr == p.dst && peer.backend_port == p.dport)
             .then_some((peer.frontend_addr, peer.frontend_port));
     }
     if p.proto != proto::UDP {
         return None;
     }
-    // SAFETY: helper on the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.skb.skb.cast()) };
     crate::sock::frontend_of_datagram_peer(cookie, p.dst, p.dport)
 }
 

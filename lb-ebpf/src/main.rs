@@ -8,6 +8,7 @@
 //! (`bpf_set_retval`, Linux 6.1), `connect4_eperm` with the hook's own
 //! `EPERM`, for older kernels; the agent loads one of them.
 //!
+//! `sock_release` forgets a closed TCP socket's peer (`LB_SOCK_PEER`).
 //! `cgroup_egress` applies `loadBalancerSourceRanges` to the sockets the
 //! hooks sent to a restricted frontend, once their source is known.
 //!
@@ -23,8 +24,8 @@ mod sock;
 mod tc;
 
 use aya_ebpf::{
-    macros::{cgroup_skb, cgroup_sock_addr, classifier},
-    programs::{SkBuffContext, SockAddrContext, TcContext},
+    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, classifier},
+    programs::{SkBuffContext, SockAddrContext, SockContext, TcContext},
 };
 
 #[classifier]
@@ -95,6 +96,11 @@ pub fn getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
     sock::reverse(&ctx, sock::Family::V6)
+}
+
+#[cgroup_sock(sock_release)]
+pub fn sock_release(ctx: SockContext) -> i32 {
+    sock::release(&ctx)
 }
 
 #[cgroup_skb(egress)]

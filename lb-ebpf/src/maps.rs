@@ -8,8 +8,8 @@ use aya_ebpf::{
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
     CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, MaglevEntry, ReverseSockKey,
-    ReverseSockValue, ServiceKey, ServiceValue, SockPeer, SockSourceCheck, SourceRangeData,
-    TcConfig, Unprogrammed,
+    ReverseSockValue, ServiceKey, ServiceValue, SockCookie, SockPeer, SockSourceCheck,
+    SourceRangeData, TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -53,9 +53,11 @@ pub static LB_REV_SOCK: LruHashMap<
     { capacity::REV_SOCK as usize },
 > = LruHashMap::new();
 
-/// The reverse view of connected TCP sockets, stored with the socket.
+/// The reverse view of connected TCP sockets, by socket cookie: written at
+/// connect, deleted by `sock_release` when the socket is closed.
 #[btf_map]
-pub static LB_SOCK_PEER: SkStorage<SockPeer> = SkStorage::new();
+pub static LB_SOCK_PEER: HashMap<SockCookie, SockPeer, { capacity::SOCK_PEERS as usize }> =
+    HashMap::new();
 
 /// Sockets whose packets `cgroup_egress` checks against
 /// `LB_SOURCE_RANGES`, stored with the socket.

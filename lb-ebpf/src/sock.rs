@@ -1,7 +1,7 @@
 //! Socket-layer translation at the cgroup sock_addr hooks.
 //!
 //! `forward` (connect, sendmsg): frontend -> backend, remembering the pair per
-//! socket: with the socket itself for TCP (`LB_SOCK_PEER`), in `LB_REV_SOCK`
+//! socket: by its cookie for TCP (`LB_SOCK_PEER`, until `release`), in `LB_REV_SOCK`
 //! for UDP, whose flow to the frontend keeps its backend (`LB_DGRAM_FLOWS`)
 //! for every datagram. `reverse` (recvmsg, getpeername): backend -> frontend,
 //! from that memory. Addresses are handled as the 16-byte form of
@@ -9,13 +9,13 @@
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
     helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
-    programs::SockAddrContext,
+    programs::{SockAddrContext, SockContext},
     EbpfContext,
 };
 use lb_common::{
     ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check, stat,
     AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue, ServiceKey,
-    ServiceValue, SockPeer,
+    ServiceValue, SockCookie, SockPeer,
 };
 
 use crate::{
@@ -271,7 +271,8 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
     true
 }
 
-/// A TCP socket's one peer, kept with the socket and freed with it.
+/// A TCP socket's one peer, until `release` forgets it. A second connect
+/// of the same socket overwrites the first's peer.
 #[inline(always)]
 fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend) {
     let peer = SockPeer {
@@ -280,14 +281,30 @@ fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend) 
         backend_port: backend.port,
         frontend_port: frontend.port,
     };
-    // SAFETY: the helper takes the context's own socket; a null result
-    // (allocation failed) only loses the reverse view, never the connection.
-    let slot = unsafe { LB_SOCK_PEER.get_or_insert_ptr_mut(ctx, None) };
-    if !slot.is_null() {
-        // SAFETY: non-null storage of this socket, sized for a SockPeer. A
-        // second connect of the same socket overwrites the first's peer.
-        unsafe { *slot = peer };
+    // SAFETY: plain helper call on the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // A full map only loses the reverse view, never the connection.
+    if LB_SOCK_PEER
+        .insert(&SockCookie { cookie }, &peer, BPF_ANY as u64)
+        .is_err()
+    {
+        count(stat::SOCK_PEER_LOST);
     }
+}
+
+/// `sock_release`: a closed TCP socket's peer is forgotten, so that
+/// `LB_SOCK_PEER` holds only open sockets. Other sockets have none.
+#[inline(always)]
+pub fn release(ctx: &SockContext) -> i32 {
+    // SAFETY: `protocol` is readable in every cgroup sock program.
+    let proto = unsafe { core::ptr::read_volatile(&(*ctx.sock).protocol) };
+    if proto == proto::TCP as u32 {
+        // SAFETY: plain helper call on the program's own context.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+        // Most TCP sockets never connected through a frontend: not found.
+        let _ = LB_SOCK_PEER.remove(&SockCookie { cookie });
+    }
+    PROCEED
 }
 
 /// A UDP socket may address many frontends: one entry per (socket, backend).
@@ -336,17 +353,21 @@ pub fn reverse(ctx: &SockAddrContext, family: Family) -> i32 {
 
 #[inline(always)]
 fn tcp_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)> {
-    // SAFETY: lookup only (no create) on the context's own socket.
-    let slot = unsafe { LB_SOCK_PEER.get_ptr_mut(ctx) };
-    if slot.is_null() {
-        return None;
-    }
-    // SAFETY: non-null storage of this socket; copied out at once.
-    let peer = unsafe { core::ptr::read(slot) };
+    // SAFETY: plain helper call on the program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let peer = tcp_peer(cookie)?;
     // Only the peer we connected it to: a socket connected directly (or
     // reconnected past us) keeps its real peer.
     (peer.backend_addr == src.addr && peer.backend_port == src.port)
         .then_some((peer.frontend_addr, peer.frontend_port))
+}
+
+/// What the TCP socket `cookie` was connected to, from `LB_SOCK_PEER`.
+#[inline(always)]
+pub fn tcp_peer(cookie: u64) -> Option<SockPeer> {
+    let peer = LB_SOCK_PEER.get_ptr(&SockCookie { cookie })?;
+    // SAFETY: copied out at once; only this socket's connect writes it.
+    Some(unsafe { core::ptr::read(peer) })
 }
 
 #[inline(always)]

@@ -12,7 +12,7 @@ use aya::{
     maps::{HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
-        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSockAddr, Program,
+        CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
     },
     Ebpf, EbpfLoader,
 };
@@ -49,6 +49,11 @@ pub struct Capacity {
     pub max_maglev_tables: u32,
     #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
     pub max_reverse_sockets: u32,
+    /// TCP sockets open through a frontend at once (`LB_SOCK_PEER`, the
+    /// frontend `getpeername` shows): beyond it connects still work but
+    /// show the backend (`sock_peer_lost`).
+    #[arg(long, default_value_t = lb_common::capacity::SOCK_PEERS)]
+    pub max_sock_peers: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
     pub max_affinity: u32,
     /// Flows of UDP sockets to frontends (one per socket and frontend):
@@ -73,6 +78,7 @@ impl Default for Capacity {
             max_slots: lb_common::capacity::SLOTS,
             max_maglev_tables: lb_common::capacity::MAGLEV,
             max_reverse_sockets: lb_common::capacity::REV_SOCK,
+            max_sock_peers: lb_common::capacity::SOCK_PEERS,
             max_affinity: lb_common::capacity::AFFINITY,
             max_datagram_flows: lb_common::capacity::DGRAM_FLOWS,
             max_conntrack: lb_common::capacity::CONNTRACK,
@@ -91,6 +97,7 @@ impl Capacity {
             max_slots: 128,
             max_maglev_tables: 16,
             max_reverse_sockets: 64,
+            max_sock_peers: 64,
             max_affinity: 64,
             max_datagram_flows: 64,
             max_conntrack: 64,
@@ -169,6 +176,9 @@ impl std::fmt::Display for Refusal {
 /// The cgroup skb egress program that applies `loadBalancerSourceRanges` to
 /// the sockets the socket programs marked (see `lb-ebpf/src/egress.rs`).
 pub const EGRESS_PROGRAM: &str = "cgroup_egress";
+
+/// The program that forgets a closed TCP socket's peer (`LB_SOCK_PEER`).
+pub const RELEASE_PROGRAM: &str = "sock_release";
 
 /// The mount point whose filesystem type is `fstype`, from /proc/mounts.
 pub fn find_mount(fstype: &str) -> anyhow::Result<Option<PathBuf>> {
@@ -448,7 +458,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 16] {
             LRU_HASH,
             c.max_reverse_sockets,
         ),
-        layout::<i32, SockPeer>(map_names::SOCK_PEER, SK_STORAGE, 0),
+        layout::<lb_common::SockCookie, SockPeer>(map_names::SOCK_PEER, HASH, c.max_sock_peers),
         layout::<i32, lb_common::SockSourceCheck>(map_names::SOCK_CHECK, SK_STORAGE, 0),
         layout::<AffinityKey, AffinityEntry>(map_names::AFFINITY, LRU_HASH, c.max_affinity),
         layout::<u32, u64>(map_names::STATS, PERCPU_ARRAY, lb_common::stat::COUNT),
@@ -625,6 +635,13 @@ fn sock_program<'a>(ebpf: &'a mut Ebpf, name: &str) -> anyhow::Result<&'a mut Cg
         .with_context(|| format!("program {name} is not a cgroup sock_addr program"))
 }
 
+fn release_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut CgroupSock> {
+    ebpf.program_mut(RELEASE_PROGRAM)
+        .with_context(|| format!("program {RELEASE_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("program {RELEASE_PROGRAM} is not a cgroup sock program"))
+}
+
 fn egress_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut CgroupSkb> {
     ebpf.program_mut(EGRESS_PROGRAM)
         .with_context(|| format!("program {EGRESS_PROGRAM} missing from the object"))?
@@ -712,6 +729,9 @@ impl Datapath {
         }
         let egress = egress_program(&mut ebpf)?;
         verify(|| egress.load()).with_context(|| format!("verifying program {EGRESS_PROGRAM}"))?;
+        let release = release_program(&mut ebpf)?;
+        verify(|| release.load())
+            .with_context(|| format!("verifying program {RELEASE_PROGRAM}"))?;
 
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name)
@@ -750,7 +770,20 @@ impl Datapath {
         let links_dir = self.pin_dir.join("links");
         let cgroup_dir = fs::File::open(cgroup)
             .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
-        let mut replaced = 0;
+        // Before connect: no socket's peer is recorded that no program
+        // would forget.
+        let release = release_program(&mut self._ebpf)?;
+        let link_id = release
+            .attach(&cgroup_dir, CgroupAttachMode::Single)
+            .with_context(|| format!("attaching {RELEASE_PROGRAM} to {}", cgroup.display()))?;
+        let link = FdLink::try_from(release.take_link(link_id)?)
+            .with_context(|| format!("link of {RELEASE_PROGRAM}"))?;
+        let mut replaced = usize::from(pin_replacing(
+            link,
+            &links_dir,
+            RELEASE_PROGRAM,
+            RELEASE_PROGRAM,
+        )?);
         for hook in SOCK_PROGRAMS {
             let name = self.refusal.program(hook);
             let program = sock_program(&mut self._ebpf, &name)?;
@@ -819,6 +852,7 @@ fn sized_loader(capacity: &Capacity) -> EbpfLoader<'static> {
         .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
         .map_max_entries(map_names::BACKENDS, capacity.max_backends)
         .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
+        .map_max_entries(map_names::SOCK_PEER, capacity.max_sock_peers)
         .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
         .map_max_entries(map_names::DGRAM_FLOWS, capacity.max_datagram_flows)
         .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack)
@@ -850,7 +884,7 @@ pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Ve
     let required = SOCK_PROGRAMS
         .iter()
         .map(|hook| refusal.program(hook))
-        .chain([EGRESS_PROGRAM.to_owned()])
+        .chain([EGRESS_PROGRAM.to_owned(), RELEASE_PROGRAM.to_owned()])
         .map(|name| (name, true));
     let optional = optional.iter().map(|name| ((*name).to_owned(), false));
     let mut checks = Vec::new();
@@ -861,6 +895,7 @@ pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Ve
         let loaded = match program {
             Program::CgroupSockAddr(p) => verify(|| p.load()),
             Program::CgroupSkb(p) => verify(|| p.load()),
+            Program::CgroupSock(p) => verify(|| p.load()),
             Program::SchedClassifier(p) => verify(|| p.load()),
             _ => bail!("program {name} is of a type the agent does not load"),
         };

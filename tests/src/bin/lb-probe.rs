@@ -77,6 +77,18 @@ enum Cmd {
     /// One datagram from each of N UDP source ports: N idle UDP flows in
     /// the tc path's conntrack.
     UdpFill(UdpFillArgs),
+    /// Open N TCP connections and keep them: one JSON line with each
+    /// one's `getpeername` (or error), then, at a line on stdin (or EOF),
+    /// close them all and print `{"closed": N}`.
+    HoldTcp(HoldTcpArgs),
+}
+
+#[derive(Debug, Args)]
+struct HoldTcpArgs {
+    #[command(flatten)]
+    at: Place,
+    #[arg(long, default_value_t = 10)]
+    sockets: usize,
 }
 
 #[derive(Debug, Args)]
@@ -302,6 +314,7 @@ fn main() -> Result<()> {
         Cmd::TcpServe(a) => integration_tests::tcpflow::serve(&a.name, a.port, &a.cpus),
         Cmd::TcpClient(a) => tcp_client(a),
         Cmd::TcpFlows(a) => tcp_flows(a),
+        Cmd::HoldTcp(a) => hold_tcp(a),
         Cmd::SynFlood(a) => syn_flood(a),
         Cmd::UdpFill(a) => {
             let target = resolve_target(&a.at.target, None)?;
@@ -1019,6 +1032,37 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
             other => bail!("unknown command {other:?}: ping, rst or close"),
         }
     }
+}
+
+fn hold_tcp(a: HoldTcpArgs) -> Result<()> {
+    let target = resolve_target(&a.at.target, None)?;
+    a.at.enter()?;
+    let conns: Vec<io::Result<TcpStream>> = (0..a.sockets.min(10_000))
+        .map(|_| TcpStream::connect_timeout(&target, Duration::from_secs(2)))
+        .collect();
+    let peers: Vec<serde_json::Value> = conns
+        .iter()
+        .map(|c| {
+            match c
+                .as_ref()
+                .map_err(|e| errno_name(e, "connect"))
+                .and_then(|s| s.peer_addr().map_err(|e| errno_name(&e, "getpeername")))
+            {
+                Ok(peer) => {
+                    serde_json::json!({"peer": integration_tests::probe::unmap(peer).to_string()})
+                }
+                Err(e) => serde_json::json!({ "error": e }),
+            }
+        })
+        .collect();
+    println!("{}", serde_json::json!({ "sockets": peers }));
+    io::stdout().flush()?;
+    let mut line = String::new();
+    let _ = io::stdin().read_line(&mut line);
+    let n = conns.iter().filter(|c| c.is_ok()).count();
+    drop(conns);
+    println!("{}", serde_json::json!({ "closed": n }));
+    Ok(())
 }
 
 fn syn_flood(a: SynFloodArgs) -> Result<()> {
