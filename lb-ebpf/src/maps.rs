@@ -7,9 +7,9 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, MaglevEntry, ReverseSockKey,
-    ReverseSockValue, ServiceKey, ServiceValue, SockCookie, SockPeer, SockSourceCheck,
-    SourceRangeData, TcConfig, Unprogrammed,
+    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry,
+    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockCookie, SockPeer,
+    SockSourceCheck, SourceRangeData, TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -59,6 +59,12 @@ pub static LB_REV_SOCK: LruHashMap<
 pub static LB_SOCK_PEER: HashMap<SockCookie, SockPeer, { capacity::SOCK_PEERS as usize }> =
     HashMap::new();
 
+/// This CPU's `SockPeer` as connect records it: built here rather than on
+/// the stack, which the IPv6 hooks' chains of calls fill (512 bytes, as
+/// the verifiers of 5.10 and 6.1 count them). Not pinned.
+#[btf_map]
+pub static LB_SOCK_SCRATCH: PerCpuArray<SockPeer, 1> = PerCpuArray::new();
+
 /// Sockets whose packets `cgroup_egress` checks against
 /// `LB_SOURCE_RANGES`, stored with the socket.
 #[btf_map]
@@ -103,6 +109,11 @@ pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeData, u32, { capacity::SOURCE_RA
 #[btf_map]
 pub static LB_FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
+
+/// tc path: the ports local backends serve on (see `LocalPort`), which
+/// `tc_egress` checks before anything else.
+#[btf_map]
+pub static LB_LOCAL_PORTS: Array<LocalPort, { capacity::LOCAL_PORTS as usize }> = Array::new();
 
 /// tc path: masquerade addresses and timeouts, written by the agent; the
 /// socket path reads its UDP timeout (`LB_DGRAM_FLOWS`).

@@ -20,7 +20,9 @@ use lb_common::{
 
 use crate::{
     lb,
-    maps::{count, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER},
+    maps::{
+        count, this_cpu, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER, LB_SOCK_SCRATCH,
+    },
 };
 
 /// Let the syscall proceed (with whatever address the program left).
@@ -275,7 +277,11 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 /// of the same socket overwrites the first's peer.
 #[inline(always)]
 fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend) {
-    let peer = SockPeer {
+    let Some(peer) = this_cpu(&LB_SOCK_SCRATCH) else {
+        count(stat::SOCK_PEER_LOST);
+        return;
+    };
+    *peer = SockPeer {
         backend_addr: backend.addr,
         frontend_addr: frontend.addr,
         backend_port: backend.port,
@@ -285,7 +291,7 @@ fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend) 
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // A full map only loses the reverse view, never the connection.
     if LB_SOCK_PEER
-        .insert(&SockCookie { cookie }, &peer, BPF_ANY as u64)
+        .insert(&SockCookie { cookie }, &*peer, BPF_ANY as u64)
         .is_err()
     {
         count(stat::SOCK_PEER_LOST);

@@ -433,7 +433,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 16] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -479,6 +479,11 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 16] {
             map_names::DGRAM_FLOWS,
             LRU_HASH,
             c.max_datagram_flows,
+        ),
+        layout::<u32, lb_common::LocalPort>(
+            map_names::LOCAL_PORTS,
+            ARRAY,
+            lb_common::capacity::LOCAL_PORTS,
         ),
     ]
 }
@@ -1258,7 +1263,8 @@ mod tests {
         assert_eq!(adopted.services, vec![(key, value)]);
         assert_eq!(adopted.maglev, vec![7]);
         assert!(adopted.recreated.is_empty(), "{:?}", adopted.recreated);
-        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 1);
+        // The socket programs, cgroup_egress and sock_release.
+        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 2);
         assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
         drop(dp);
         // Other capacities: the service maps are recreated, and reported.
