@@ -344,8 +344,16 @@ impl Syncer {
         self.set_node_eligible(eligible);
         let read_translate = started.elapsed();
         let applying = Instant::now();
-        let maps = self.datapath.maps();
         let desired = self.translator.state();
+        // Before a frontend can send a flow to a local backend, tc_egress
+        // must know the backend's port to translate its replies.
+        if let Some(tc) = &mut self.tc {
+            let ports = crate::datapath::tc::local_backend_ports(desired);
+            for e in tc.local_ports.mark(ports) {
+                tracing::error!("{e}");
+            }
+        }
+        let maps = self.datapath.maps();
         let mut report = if update.full {
             self.reconciler.apply(desired, maps)
         } else {

@@ -17,7 +17,7 @@ use aya::{
 };
 use lb_common::{
     backend_flags, ct_flags, ct_state, map_names, proto, scope, stat, Backend, BackendId,
-    BackendSlot, BackendSlotKey, CtEntry, CtKey, ServiceKey, ServiceValue, TcConfig,
+    BackendSlot, BackendSlotKey, CtEntry, CtKey, LocalPort, ServiceKey, ServiceValue, TcConfig,
 };
 
 use lb_agent::{
@@ -241,6 +241,7 @@ struct Fixture {
     conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
     stats: PerCpuArray<MapData, u64>,
     config: Array<MapData, TcConfig>,
+    local_ports: Array<MapData, LocalPort>,
     next_set: u32,
 }
 
@@ -331,6 +332,7 @@ impl Fixture {
             conntrack_syn: HashMap::try_from(take(&mut ebpf, map_names::CONNTRACK_SYN)).unwrap(),
             stats: PerCpuArray::try_from(take(&mut ebpf, map_names::STATS)).unwrap(),
             config,
+            local_ports: Array::try_from(take(&mut ebpf, map_names::LOCAL_PORTS)).unwrap(),
             ebpf,
             next_set: 1,
         }
@@ -371,6 +373,13 @@ impl Fixture {
             flags: if local { backend_flags::LOCAL } else { 0 },
         };
         self.backends.insert(BackendId { id }, b, 0).unwrap();
+        // As the agent does before it publishes a local backend.
+        if local {
+            let marked = self.local_ports.get(&u32::from(port), 0).unwrap();
+            self.local_ports
+                .set(u32::from(port), marked.with(proto), 0)
+                .unwrap();
+        }
     }
 
     /// An EXTERNAL frontend with these backend ids (a fresh set each time).
@@ -2014,6 +2023,44 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
         parse(&out).src,
         ip(NODE4),
         "the reply gets its frontend back"
+    );
+}
+
+/// tc_egress decides "not ours" from the packet's source port before its
+/// conntrack lookup: only a port `LB_LOCAL_PORTS` marks for the protocol
+/// can carry a local backend's reply. A reply whose port the agent did not
+/// mark is passed untranslated even though its flow is tracked; once the
+/// port is marked (for that protocol) the same reply is translated.
+#[test]
+fn egress_looks_up_only_packets_from_local_backend_ports() {
+    if skip() {
+        return;
+    }
+    let (pod, client) = ("10.244.1.10", "192.168.77.100");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 7, &[1]);
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    assert_eq!(rc, OK);
+    let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
+    for marked in [LocalPort::default(), LocalPort::default().with(proto::UDP)] {
+        fx.local_ports.set(8080, marked, 0).unwrap();
+        let (rc, out) = fx.run("tc_egress", &reply);
+        assert_eq!(rc, UNSPEC, "{marked:?}");
+        assert_eq!(parse(&out).src, ip(pod), "{marked:?}: untouched");
+    }
+    fx.local_ports
+        .set(8080, LocalPort::default().with(proto::TCP), 0)
+        .unwrap();
+    let (rc, out) = fx.run("tc_egress", &reply);
+    assert_eq!(rc, OK);
+    assert_eq!(
+        (parse(&out).src, parse(&out).sport),
+        (ip(NODE4), 30080),
+        "translated once the port is marked"
     );
 }
 

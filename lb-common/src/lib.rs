@@ -638,6 +638,49 @@ pub struct FragEntry {
     pub _pad: [u8; 3],
 }
 
+/// Value of `LB_LOCAL_PORTS`, indexed by port (host order): whether a
+/// backend on this node serves TCP or UDP on that port. A packet leaving
+/// a device can be the reply of a translated flow only if it comes from
+/// such a port (the tc path's other packets are translated at ingress), so
+/// `tc_egress` passes every other packet after one array read, before its
+/// conntrack lookup. The agent marks a port before it publishes a backend
+/// on it and never clears one while its pins last: a flow may outlive its
+/// backend's place in every Service.
+///
+/// | offset | field | meaning                                |
+/// |--------|-------|----------------------------------------|
+/// | 0      | `tcp` | 1: a local TCP backend serves on it    |
+/// | 1      | `udp` | 1: a local UDP backend serves on it    |
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LocalPort {
+    pub tcp: u8,
+    pub udp: u8,
+    pub _pad: [u8; 2],
+}
+
+impl LocalPort {
+    /// Whether a local backend of protocol `proto` serves on the port.
+    #[inline(always)]
+    pub fn serves(&self, proto: u8) -> bool {
+        match proto {
+            proto::TCP => self.tcp != 0,
+            proto::UDP => self.udp != 0,
+            _ => false,
+        }
+    }
+
+    /// This entry with `proto` marked too.
+    pub fn with(mut self, proto: u8) -> Self {
+        match proto {
+            proto::TCP => self.tcp = 1,
+            proto::UDP => self.udp = 1,
+            _ => {}
+        }
+        self
+    }
+}
+
 /// Settings of the tc path, and the UDP timeout the socket path's
 /// datagram flows (`LB_DGRAM_FLOWS`) share with it. The single element of
 /// `LB_TC_CONFIG`.
@@ -820,10 +863,11 @@ pub mod map_names {
     pub const DGRAM_FLOWS: &str = "LB_DGRAM_FLOWS";
     pub const MAGLEV: &str = "LB_MAGLEV";
     pub const UNPROGRAMMED: &str = "LB_UNPROGRAMMED";
+    pub const LOCAL_PORTS: &str = "LB_LOCAL_PORTS";
     /// The name each Maglev table (an inner map of `LB_MAGLEV`) is created
     /// under; not pinned, reached through `LB_MAGLEV`.
     pub const MAGLEV_TABLE: &str = "LB_MAGLEV_TABLE";
-    pub const ALL: [&str; 16] = [
+    pub const ALL: [&str; 17] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -840,6 +884,7 @@ pub mod map_names {
         DGRAM_FLOWS,
         MAGLEV,
         UNPROGRAMMED,
+        LOCAL_PORTS,
     ];
 }
 
@@ -871,6 +916,8 @@ pub mod capacity {
     pub const MAGLEV: u32 = 65_536;
     /// Frontends `LB_UNPROGRAMMED` can list; allocated per entry.
     pub const UNPROGRAMMED: u32 = 65_536;
+    /// One `LB_LOCAL_PORTS` element per port.
+    pub const LOCAL_PORTS: u32 = 65_536;
 }
 
 const _: () = {
@@ -888,6 +935,7 @@ const _: () = {
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
     assert!(core::mem::size_of::<SockPeer>() == 36);
     assert!(core::mem::size_of::<SockCookie>() == 8);
+    assert!(core::mem::size_of::<LocalPort>() == 4);
     assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
@@ -921,6 +969,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for SockPeer {}
     unsafe impl aya::Pod for SockCookie {}
+    unsafe impl aya::Pod for LocalPort {}
     unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}

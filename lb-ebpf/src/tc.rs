@@ -43,8 +43,8 @@ use lb_common::{
 use crate::{
     lb,
     maps::{
-        count, this_cpu, CtMap, LB_BACKENDS, LB_CONNTRACK, LB_CT_SYN, LB_SOURCE_RANGES,
-        LB_TC_CONFIG,
+        count, this_cpu, CtMap, LB_BACKENDS, LB_CONNTRACK, LB_CT_SYN, LB_LOCAL_PORTS,
+        LB_SOURCE_RANGES, LB_TC_CONFIG,
     },
 };
 
@@ -1050,6 +1050,15 @@ pub fn egress(ctx: &TcContext) -> i32 {
     let Some(p) = parse(ctx) else {
         return frag::later(ctx, false).unwrap_or(TC_ACT_UNSPEC);
     };
+    // Only a local backend's reply can be ours: most of what leaves a
+    // device is decided here, on one array read, without the conntrack
+    // lookup that misses for it.
+    if !LB_LOCAL_PORTS
+        .get(p.sport as u32)
+        .is_some_and(|port| port.serves(p.proto))
+    {
+        return TC_ACT_UNSPEC;
+    }
     let key = key_of(p);
     let Some(found) = lookup(&key, p) else {
         return TC_ACT_UNSPEC;

@@ -27,8 +27,8 @@ use aya::{
     Ebpf,
 };
 use lb_common::{
-    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, SourceRangeData,
-    TcConfig,
+    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, LocalPort,
+    SourceRangeData, TcConfig,
 };
 
 use crate::{
@@ -37,7 +37,7 @@ use crate::{
     base::clock::monotonic_now_ns,
     datapath::loader::pin_replacing,
     datapath::sweep::Table,
-    semantics::model::{BackendAddr, Cidr, Frontend},
+    semantics::model::{BackendAddr, Cidr, DesiredState, Frontend, Scope},
 };
 
 pub const INGRESS: &str = "tc_ingress";
@@ -621,6 +621,83 @@ pub struct TcMaps {
     last_config: Option<TcConfig>,
     snat_ports: (u16, u16),
     ports_reserved: bool,
+    pub local_ports: LocalPorts,
+}
+
+/// `LB_LOCAL_PORTS`: the ports local backends serve on, which `tc_egress`
+/// checks before its conntrack lookup. Ports are marked, never cleared,
+/// while the pins last: a flow from a local backend may outlive the
+/// backend's place in every Service (an established connection keeps its
+/// conntrack entries), and its replies must still be translated. So the
+/// marks are at most every port a local backend ever served on.
+pub struct LocalPorts {
+    map: Array<MapData, LocalPort>,
+    /// What this process read or wrote of the map, by port.
+    known: BTreeMap<u16, LocalPort>,
+}
+
+impl LocalPorts {
+    fn open(dir: &Path) -> anyhow::Result<Self> {
+        Ok(Self {
+            map: Array::try_from(open(dir, map_names::LOCAL_PORTS)?)?,
+            known: BTreeMap::new(),
+        })
+    }
+
+    /// Marks each (port, protocol) not marked yet, keeping what the map
+    /// holds for the port (an earlier process's marks). The errors, for
+    /// the log: a port that could not be marked is tried again next time.
+    pub fn mark(&mut self, ports: impl IntoIterator<Item = (u16, u8)>) -> Vec<String> {
+        let mut errors = Vec::new();
+        for (port, proto) in ports {
+            let now = match self.known.get(&port) {
+                Some(p) => *p,
+                None => match self.map.get(&u32::from(port), 0) {
+                    Ok(p) => p,
+                    Err(e) => {
+                        errors.push(format!("reading {}[{port}]: {e}", map_names::LOCAL_PORTS));
+                        continue;
+                    }
+                },
+            };
+            if now.serves(proto) {
+                self.known.insert(port, now);
+                continue;
+            }
+            let marked = now.with(proto);
+            match self.map.set(u32::from(port), marked, 0) {
+                Ok(()) => {
+                    self.known.insert(port, marked);
+                }
+                Err(e) => errors.push(format!("marking {}[{port}]: {e}", map_names::LOCAL_PORTS)),
+            }
+        }
+        errors
+    }
+}
+
+/// The (port, protocol) of every local backend of a frontend the tc path
+/// serves (`Scope::External`): what [`LocalPorts`] must hold before those
+/// frontends are published.
+pub fn local_backend_ports(desired: &DesiredState) -> BTreeSet<(u16, u8)> {
+    desired
+        .frontends
+        .iter()
+        .filter(|(f, _)| f.scope == Scope::External)
+        .flat_map(|(_, s)| s.active.iter().chain(&s.terminating))
+        .filter(|b| b.local)
+        .map(|b| (b.backend.port, b.backend.protocol.number()))
+        .collect()
+}
+
+/// The source (port, protocol) of every reply entry of `entries`: the
+/// ports flows already translated at egress come from.
+pub fn reply_ports(entries: impl IntoIterator<Item = (CtKey, CtEntry)>) -> BTreeSet<(u16, u8)> {
+    entries
+        .into_iter()
+        .filter(|(_, e)| e.flags & ct_flags::REPLY != 0)
+        .map(|(k, _)| (k.sport, k.proto))
+        .collect()
 }
 
 /// `LB_SOURCE_RANGES` and what it holds.
@@ -691,9 +768,27 @@ pub fn entry_backend(key: &CtKey, e: &CtEntry) -> (IpAddr, u16) {
 
 impl TcMaps {
     pub fn open(dir: &Path) -> anyhow::Result<Self> {
+        let conntrack: HashMap<MapData, CtKey, CtEntry> =
+            HashMap::try_from(open(dir, map_names::CONNTRACK)?)?;
+        let conntrack_syn: HashMap<MapData, CtKey, CtEntry> =
+            HashMap::try_from(open(dir, map_names::CONNTRACK_SYN)?)?;
+        // Flows of an earlier process (the map may be new to this version)
+        // keep their replies translated once this version's tc_egress
+        // replaces the earlier one.
+        let mut local_ports = LocalPorts::open(dir)?;
+        let flows = reply_ports(
+            conntrack
+                .entries()
+                .into_iter()
+                .chain(conntrack_syn.entries()),
+        );
+        for e in local_ports.mark(flows) {
+            tracing::error!("{e}");
+        }
         Ok(Self {
-            conntrack: HashMap::try_from(open(dir, map_names::CONNTRACK)?)?,
-            conntrack_syn: HashMap::try_from(open(dir, map_names::CONNTRACK_SYN)?)?,
+            conntrack,
+            conntrack_syn,
+            local_ports,
             ranges: SourceRangeWriter::adopt(LpmTrie::try_from(open(
                 dir,
                 map_names::SOURCE_RANGES,
@@ -980,6 +1075,68 @@ fn range_changes(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_ports_are_those_of_local_backends_of_external_frontends() {
+        use crate::semantics::model::{
+            Algorithm, BackendRef, FrontendKind, FrontendState, Protocol, ServiceName,
+        };
+        let b = |port, protocol, local| BackendRef {
+            backend: BackendAddr {
+                addr: "10.244.1.10".parse().unwrap(),
+                port,
+                protocol,
+            },
+            local,
+        };
+        let state = |active: Vec<BackendRef>, terminating: Vec<BackendRef>| FrontendState {
+            service: ServiceName {
+                namespace: "demo".into(),
+                name: "web".into(),
+            },
+            port_name: String::new(),
+            kind: FrontendKind::NodePort,
+            active,
+            terminating,
+            serving: vec![],
+            affinity_timeout: None,
+            selection: Default::default(),
+            algorithm: Algorithm::Random,
+            reject: false,
+            source_ranges: false,
+        };
+        let f = |port, protocol, scope| Frontend {
+            addr: "192.168.77.1".parse().unwrap(),
+            port,
+            protocol,
+            scope,
+        };
+        let (tcp, udp) = (Protocol::Tcp, Protocol::Udp);
+        let mut desired = DesiredState::default();
+        for (frontend, st) in [
+            // Local and remote backends of a NodePort: the local one's port.
+            (
+                f(30080, tcp, Scope::External),
+                state(vec![b(8080, tcp, true), b(8081, tcp, false)], vec![]),
+            ),
+            // A terminating local backend still sends replies.
+            (
+                f(30053, udp, Scope::External),
+                state(vec![], vec![b(5353, udp, true)]),
+            ),
+            // The socket path's copy: not the tc path's.
+            (
+                f(30081, tcp, Scope::Internal),
+                state(vec![b(9090, tcp, true)], vec![]),
+            ),
+        ] {
+            desired.frontends.insert(frontend, st);
+        }
+        assert_eq!(
+            local_backend_ports(&desired),
+            BTreeSet::from([(5353, proto::UDP), (8080, proto::TCP)])
+        );
+    }
 
     #[test]
     fn snat_ports_avoid_the_local_range_and_node_ports() {
