@@ -244,7 +244,7 @@ fn goals(r: &Results) -> Vec<Goal> {
                 _ => "–".into(),
             }
         ),
-        limit: "Each connect() runs connect4 (~0.64 µs, see the program cost) on top of a ~20–25 µs connect+close cycle, which alone caps the ratio at ~0.97; the rest is noise: the rr control, where no load balancer is involved, scatters as much (a shared 2-core VM). The curve is flat: nothing on the socket path depends on the number of Services.".into(),
+        limit: "Each connect() runs connect4 (see the program cost) on top of a ~20–25 µs connect+close cycle, which alone caps the ratio at ~0.97; the rest is noise: the rr control, where no load balancer is involved, scatters as much (a shared 2-core VM). The curve is flat: nothing on the socket path depends on the number of Services.".into(),
     });
     // 2. ≥ 5× iptables at 10 000.
     for base in [ArmKind::IptablesNft, ArmKind::IptablesLegacy] {
@@ -289,14 +289,14 @@ fn goals(r: &Results) -> Vec<Goal> {
         .filter_map(|n| Some((*n, cost(r, *n)?)))
         .collect();
     g.push(Goal {
-        what: "connect4 program cost < 200 ns per run",
-        met: (!costs.is_empty()).then(|| costs.iter().all(|(_, s)| s.med < 200.0)),
+        what: "connect4 program cost ≤ 300 ns per run (issue 13; issue 6 asked < 200 ns)",
+        met: (!costs.is_empty()).then(|| costs.iter().all(|(_, s)| s.med <= 300.0)),
         measured: costs
             .iter()
             .map(|(n, s)| format!("{}: {:.0} ns", thousands(*n), s.med))
             .collect::<Vec<_>>()
             .join(", "),
-        limit: "run_time_ns / run_cnt of connect4 under BPF_ENABLE_STATS. About 0.22 µs of it is the lookup and the choice (three hash lookups: frontend, slot, backend; bpf_get_prandom_u32; a per-CPU counter); the other ~0.42 µs is allocating the socket-local storage (LB_SOCK_PEER, BPF_MAP_TYPE_SK_STORAGE) that keeps a TCP socket's frontend for getpeername (both measured on this machine by building connect4 without that storage). It replaced an insert into the LB_REV_SOCK LRU that cost more and grew to ~1.1 µs once the LRU was full and every insert evicted. Under 200 ns would mean giving up getpeername showing the ClusterIP, which kube-proxy's DNAT keeps, so we keep it.".into(),
+        limit: "run_time_ns / run_cnt of connect4 under BPF_ENABLE_STATS (whose own clock reads are in it). It no longer allocates: the reverse view for getpeername went from socket-local storage (BPF_MAP_TYPE_SK_STORAGE, ~0.4 µs a connect for its allocation) to LB_SOCK_PEER, a preallocated hash by socket cookie whose entries the sock_release program deletes (measured in one run before and after on this machine: 1230–1625 ns before, 587–1104 ns after). What is left: three hash lookups (frontend, slot, backend), that insert, bpf_get_prandom_u32 and a per-CPU counter, each a likely cache miss after the ~20 µs of kernel work between two connects on this shared 2-core VM; the round-to-round spread is as large as the figure. Slot and backend lookups in arrays (verifier-inlined) are the next step.".into(),
     });
     if let Some(cp) = &r.control {
         let scale = format!("{} × {}", thousands(cp.services), cp.endpoints);
@@ -627,7 +627,7 @@ fn markdown(r: &Results) -> String {
         The chart plots each arm's median per-round ratio to direct, times direct's median rate over \
         the whole run, so that drift of the machine between rounds does not show as a slope.\n\n");
     o.push_str(
-        "## Goals (issue 6)\n\n| goal | result | measured | what limits it |\n|---|---|---|---|\n",
+        "## Goals (issues 6 and 13)\n\n| goal | result | measured | what limits it |\n|---|---|---|---|\n",
     );
     for g in goals(r) {
         let res = match g.met {
