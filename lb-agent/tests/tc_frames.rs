@@ -2026,6 +2026,46 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
     );
 }
 
+/// A masqueraded packet whose next hop's MAC the FIB lookup knows leaves
+/// with both MACs written by the program and a plain `bpf_redirect`, so
+/// the kernel does no second route and neighbour lookup after it; with the
+/// neighbour unresolved `bpf_redirect_neigh` still does that work (and the
+/// frame keeps its MACs until then).
+#[test]
+fn a_resolved_next_hop_gets_its_macs_from_the_program() {
+    if skip() {
+        return;
+    }
+    let (resolved, unresolved) = ("10.244.2.10", "10.244.3.10");
+    let mut fx = Fixture::new();
+    let (node_mac, pod_mac) = ([0x02, 0, 0, 0, 0x77, 1], [0x02, 0, 0, 0, 0x02, 0x0a]);
+    for args in [
+        "link set d0 address 02:00:00:00:77:01".to_string(),
+        format!("neigh add {resolved} lladdr 02:00:00:00:02:0a dev d0 nud permanent"),
+    ] {
+        let st = std::process::Command::new("ip")
+            .args(args.split(' '))
+            .status()
+            .expect("ip");
+        assert!(st.success(), "ip {args}");
+    }
+    fx.backend(1, resolved, 8080, proto::TCP, false);
+    fx.backend(2, unresolved, 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    fx.frontend(NODE4, 30081, proto::TCP, 2, &[2]);
+    let syn = Frame::tcp("192.168.77.100", 40000, NODE4, 30080, TCP_SYN);
+    let (rc, out) = fx.run("tc_ingress", &syn);
+    assert_eq!(rc, REDIRECT);
+    assert_eq!(parse(&out).dst, ip(resolved));
+    assert_eq!((&out[..6], &out[6..12]), (&pod_mac[..], &node_mac[..]));
+    let syn = Frame::tcp("192.168.77.100", 40001, NODE4, 30081, TCP_SYN);
+    let input = syn.bytes();
+    let (rc, out) = fx.run("tc_ingress", &syn);
+    assert_eq!(rc, REDIRECT);
+    assert_eq!(parse(&out).dst, ip(unresolved));
+    assert_eq!(&out[..12], &input[..12], "left to bpf_redirect_neigh");
+}
+
 /// tc_egress decides "not ours" from the packet's source port before its
 /// conntrack lookup: only a port `LB_LOCAL_PORTS` marks for the protocol
 /// can carry a local backend's reply. A reply whose port the agent did not

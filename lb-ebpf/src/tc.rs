@@ -9,8 +9,8 @@
 //! source is masqueraded to the node's address and a free port. Both
 //! directions are recorded, so the flow keeps its backend for its life.
 //! Local deliveries go up the stack; masqueraded packets and the replies of
-//! remote backends are sent with `bpf_redirect_neigh` after a FIB lookup
-//! (their source is a local address, which the stack would drop as martian).
+//! remote backends are sent out after a FIB lookup (`route`; their source
+//! is a local address, which the stack would drop as martian).
 //!
 //! `egress`: replies of local backends leaving towards the client get their
 //! frontend back as source.

@@ -1,10 +1,12 @@
-//! The FIB lookup before a translated packet is sent with
-//! `bpf_redirect_neigh`, and what it can say: sent, too big for the next
-//! hop (the MTU of the route or device, checked against the packet's
-//! length, or its segments' when it is a GSO packet), or no route.
+//! The FIB lookup before a translated packet is sent, and what it can say:
+//! sent, too big for the next hop (the MTU of the route or device, checked
+//! against the packet's length, or its segments' when it is a GSO packet),
+//! or no route. With the next hop's MAC known, the program writes both MACs
+//! and the packet leaves with `bpf_redirect`; otherwise `bpf_redirect_neigh`
+//! resolves the neighbour (and repeats the route lookup) after the program.
 use aya_ebpf::{
     bindings::bpf_fib_lookup,
-    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect_neigh},
+    helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext,
 };
@@ -16,7 +18,7 @@ use crate::maps::this_cpu;
 const FIB_FRAG_NEEDED: i64 = 8;
 
 pub enum Fib {
-    /// The verdict of `bpf_redirect_neigh`.
+    /// The verdict of `bpf_redirect` or `bpf_redirect_neigh`.
     Sent(i32),
     /// Too big for the next hop, whose MTU this is.
     TooBig(u16),
@@ -90,7 +92,14 @@ pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
         )
     };
     match rc {
-        // SAFETY: plain helper call; a NULL neighbour makes it look up the next hop.
+        // The next hop's MAC and the device's, from the lookup (map memory,
+        // as the helper takes it): the Ethernet header is complete.
+        FIB_SUCCESS if ctx.store(0, &fib.dmac, 0).is_ok() && ctx.store(6, &fib.smac, 0).is_ok() => {
+            // SAFETY: plain helper call; the packet leaves by that device.
+            Fib::Sent(unsafe { bpf_redirect(fib.ifindex, 0) } as i32)
+        }
+        // SAFETY: plain helper call; a NULL neighbour makes it look up the
+        // next hop and write the MACs itself.
         FIB_SUCCESS | FIB_NO_NEIGH => {
             Fib::Sent(
                 unsafe { bpf_redirect_neigh(fib.ifindex, core::ptr::null_mut(), 0, 0) } as i32,
