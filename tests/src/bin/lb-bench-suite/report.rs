@@ -564,8 +564,14 @@ fn nodeport_section(o: &mut String, r: &Results) {
          in turn (each run another bucket and entry), and 1.6–2.6 µs when 1 MiB of memory (this \
          machine's L2) is written between runs, as the rest of the stack does between two \
          packets: 2.1–2.5 times the first figure, as the per-run figure measured here is about \
-         twice the test runs'. tc_egress goes the same way, ~150 ns, 290–360 ns, 540–580 ns \
-         (here ~480 ns). Conntrack maps a third of the \
+         twice the test runs'. tc_egress went the same way (~150 ns, 290–360 ns, 540–580 ns; \
+         ~480 ns per run here) until it decided \"not ours\" from the source port \
+         (`LB_LOCAL_PORTS`) before its conntrack lookup: 240 → 171 ns, 351 → 271 ns, 540 → 351 ns \
+         in one run of `cost_with_cold_caches` before and after (issue 13; docs/maps.md). \
+         Since issue 13 a masqueraded packet whose next hop is resolved also leaves with the \
+         MACs the program writes and `bpf_redirect`, not `bpf_redirect_neigh`, so the route \
+         and neighbour lookup after the program is gone and the two stores are in tc_ingress's \
+         figure. Conntrack maps a third of the \
          default size did not change the figure (measured), since either is far larger than \
          the caches. A CPU profile of this experiment's lb arm (`perf record -a -g -e \
          cpu-clock`, the samples under tc_ingress) agrees: 28% the program's own instructions, \
@@ -574,9 +580,12 @@ fn nodeport_section(o: &mut String, r: &Results) {
          writes two into `LB_CT_SYN`, its SYN-ACK moves both to `LB_CONNTRACK`), 5% zeroing \
          entries, 5% the L4 checksum helper, 5% the service, slot and backend lookups, 4% \
          storing bytes, 2% reading the clock; in tc_egress 66% is the bucket walk of its one \
-         conntrack lookup, a miss for most packets there. What makes the tc path cheaper is \
-         therefore touching less memory per packet (fewer tables per flow, tc_egress deciding \
-         \"not ours\" before its lookup: issue 13), more than fewer instructions.\n",
+         conntrack lookup, a miss for most packets there (profiled before `LB_LOCAL_PORTS`). \
+         What makes the tc path cheaper is therefore touching less memory per packet (fewer \
+         tables per flow, tc_egress deciding \"not ours\" before any lookup), more than fewer \
+         instructions: replacing the per-field checksum helpers of an established packet by \
+         one difference for the addresses and one for the ports, computed in the program, \
+         measured 911 → 901 ns (`cost_by_packet_kind`), within the noise, and was not kept.\n",
     );
     if np.ours_stats.iter().any(|s| s.2 > 0) {
         o.push_str(
