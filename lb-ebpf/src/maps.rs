@@ -59,12 +59,6 @@ pub static LB_REV_SOCK: LruHashMap<
 pub static LB_SOCK_PEER: HashMap<SockCookie, SockPeer, { capacity::SOCK_PEERS as usize }> =
     HashMap::new();
 
-/// This CPU's `SockPeer` as connect records it: built here rather than on
-/// the stack, which the IPv6 hooks' chains of calls fill (512 bytes, as
-/// the verifiers of 5.10 and 6.1 count them). Not pinned.
-#[btf_map]
-pub static LB_SOCK_SCRATCH: PerCpuArray<SockPeer, 1> = PerCpuArray::new();
-
 /// Sockets whose packets `cgroup_egress` checks against
 /// `LB_SOURCE_RANGES`, stored with the socket.
 #[btf_map]

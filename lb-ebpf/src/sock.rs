@@ -20,9 +20,7 @@ use lb_common::{
 
 use crate::{
     lb,
-    maps::{
-        count, this_cpu, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER, LB_SOCK_SCRATCH,
-    },
+    maps::{count, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER},
 };
 
 /// Let the syscall proceed (with whatever address the program left).
@@ -248,7 +246,9 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
         return R::refuse(ctx);
     }
     if proto == proto::TCP {
-        remember_peer(ctx, &dst, &backend);
+        // SAFETY: plain helper call on the program's own context.
+        let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+        remember_peer(cookie, &dst, &backend);
     } else {
         remember_datagram_peer(ctx, &dst, &backend, svc.id);
     }
@@ -275,23 +275,23 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 
 /// A TCP socket's one peer, until `release` forgets it. A second connect
 /// of the same socket overwrites the first's peer.
-#[inline(always)]
-fn remember_peer(ctx: &SockAddrContext, frontend: &SockAddr, backend: &Backend) {
-    let Some(peer) = this_cpu(&LB_SOCK_SCRATCH) else {
-        count(stat::SOCK_PEER_LOST);
-        return;
-    };
-    *peer = SockPeer {
+///
+/// A function of its own (not inlined): the record is built on its own
+/// stack frame, beside the hook's chain of calls, which has no room left
+/// for it (512 bytes as the verifiers of 5.10 and 6.1 count). A per-CPU
+/// scratch is no place for it: sock_addr programs run in process context,
+/// where another task may preempt this one on its CPU.
+#[inline(never)]
+fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend) {
+    let peer = SockPeer {
         backend_addr: backend.addr,
         frontend_addr: frontend.addr,
         backend_port: backend.port,
         frontend_port: frontend.port,
     };
-    // SAFETY: plain helper call on the program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // A full map only loses the reverse view, never the connection.
     if LB_SOCK_PEER
-        .insert(&SockCookie { cookie }, &*peer, BPF_ANY as u64)
+        .insert(&SockCookie { cookie }, &peer, BPF_ANY as u64)
         .is_err()
     {
         count(stat::SOCK_PEER_LOST);
