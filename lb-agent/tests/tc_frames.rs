@@ -542,7 +542,7 @@ fn tc_programs_leave_a_quarter_of_the_verifier_budget() {
 /// those refuse ("combined stack size of 3 calls is 544. Too large").
 /// This computes every chain of every program from the object as the
 /// older verifiers do; the tc programs keep 64 bytes in reserve (the
-/// socket programs use all 512 there, in one frame). No kernel needed.
+/// socket programs may use all 512). No kernel needed.
 #[test]
 fn every_call_chain_fits_the_stack_of_older_kernels() {
     const MAX_BPF_STACK: u32 = 512;
