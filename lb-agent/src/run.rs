@@ -348,7 +348,8 @@ impl Syncer {
         // Before a frontend can send a flow to a local backend, tc_egress
         // must know the backend's port to translate its replies.
         if let Some(tc) = &mut self.tc {
-            let ports = crate::datapath::tc::local_backend_ports(desired);
+            let touched = (!update.full).then_some(&update.touched);
+            let ports = crate::datapath::tc::local_backend_ports(desired, touched);
             for e in tc.local_ports.mark(ports) {
                 tracing::error!("{e}");
             }

@@ -277,8 +277,8 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 /// of the same socket overwrites the first's peer.
 ///
 /// A function of its own (not inlined): the record is built on its own
-/// stack frame, beside the hook's chain of calls, which has no room left
-/// for it (512 bytes as the verifiers of 5.10 and 6.1 count). A per-CPU
+/// stack frame, beside the hook's deepest chain of calls, which it would
+/// push past 512 bytes as the verifiers of 5.10 and 6.1 count. A per-CPU
 /// scratch is no place for it: sock_addr programs run in process context,
 /// where another task may preempt this one on its CPU.
 #[inline(never)]

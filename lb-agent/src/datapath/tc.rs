@@ -37,7 +37,7 @@ use crate::{
     base::clock::monotonic_now_ns,
     datapath::loader::pin_replacing,
     datapath::sweep::Table,
-    semantics::model::{BackendAddr, Cidr, DesiredState, Frontend, Scope},
+    semantics::model::{BackendAddr, Cidr, DesiredState, Frontend, FrontendState, Scope},
 };
 
 pub const INGRESS: &str = "tc_ingress";
@@ -678,11 +678,21 @@ impl LocalPorts {
 
 /// The (port, protocol) of every local backend of a frontend the tc path
 /// serves (`Scope::External`): what [`LocalPorts`] must hold before those
-/// frontends are published.
-pub fn local_backend_ports(desired: &DesiredState) -> BTreeSet<(u16, u8)> {
-    desired
-        .frontends
-        .iter()
+/// frontends are published. With `touched`, of those frontends only (an
+/// incremental sync: the others' ports were marked when they were last
+/// written, and marks stay).
+pub fn local_backend_ports(
+    desired: &DesiredState,
+    touched: Option<&BTreeSet<Frontend>>,
+) -> BTreeSet<(u16, u8)> {
+    let states: Box<dyn Iterator<Item = (&Frontend, &FrontendState)>> = match touched {
+        Some(t) => Box::new(
+            t.iter()
+                .filter_map(|f| Some((f, desired.frontends.get(f)?))),
+        ),
+        None => Box::new(desired.frontends.iter()),
+    };
+    states
         .filter(|(f, _)| f.scope == Scope::External)
         .flat_map(|(_, s)| s.active.iter().chain(&s.terminating))
         .filter(|b| b.local)
@@ -1078,9 +1088,7 @@ mod tests {
 
     #[test]
     fn local_ports_are_those_of_local_backends_of_external_frontends() {
-        use crate::semantics::model::{
-            Algorithm, BackendRef, FrontendKind, FrontendState, Protocol, ServiceName,
-        };
+        use crate::semantics::model::{Algorithm, BackendRef, FrontendKind, Protocol, ServiceName};
         let b = |port, protocol, local| BackendRef {
             backend: BackendAddr {
                 addr: "10.244.1.10".parse().unwrap(),
@@ -1133,8 +1141,18 @@ mod tests {
             desired.frontends.insert(frontend, st);
         }
         assert_eq!(
-            local_backend_ports(&desired),
+            local_backend_ports(&desired, None),
             BTreeSet::from([(5353, proto::UDP), (8080, proto::TCP)])
+        );
+        // An incremental sync: only the touched frontends (one removed
+        // since, which has none).
+        let touched = BTreeSet::from([
+            f(30053, udp, Scope::External),
+            f(30099, tcp, Scope::External),
+        ]);
+        assert_eq!(
+            local_backend_ports(&desired, Some(&touched)),
+            BTreeSet::from([(5353, proto::UDP)])
         );
     }
 
