@@ -638,6 +638,149 @@ impl Sniffer {
     }
 }
 
+impl Sniffer {
+    /// A sniffer on `dev` that is handed only IPv4 TCP segments with SYN,
+    /// FIN or RST set (a classic BPF filter on the socket): the openings
+    /// and endings of every connection, none of the bulk between them.
+    pub fn tcp_control(dev: &str) -> io::Result<Self> {
+        use std::os::fd::AsRawFd as _;
+        let s = Self::new(dev)?;
+        const DROP: u8 = 11;
+        let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
+            code: code as u16,
+            jt,
+            jf,
+            k,
+        };
+        let prog = [
+            op(libc::BPF_LD | libc::BPF_B | libc::BPF_ABS, 0, 0, 0),
+            op(libc::BPF_ALU | libc::BPF_AND | libc::BPF_K, 0, 0, 0xf0),
+            op(
+                libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K,
+                0,
+                DROP - 3,
+                0x40,
+            ),
+            op(libc::BPF_LD | libc::BPF_B | libc::BPF_ABS, 0, 0, 9),
+            op(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, 0, DROP - 5, 6),
+            op(libc::BPF_LD | libc::BPF_H | libc::BPF_ABS, 0, 0, 6),
+            // Fragments after the first carry no TCP header.
+            op(
+                libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K,
+                DROP - 7,
+                0,
+                0x1fff,
+            ),
+            op(libc::BPF_LDX | libc::BPF_B | libc::BPF_MSH, 0, 0, 0),
+            op(libc::BPF_LD | libc::BPF_B | libc::BPF_IND, 0, 0, 13),
+            op(
+                libc::BPF_JMP | libc::BPF_JSET | libc::BPF_K,
+                0,
+                DROP - 10,
+                0x07,
+            ),
+            op(libc::BPF_RET | libc::BPF_K, 0, 0, 0x40000),
+            op(libc::BPF_RET | libc::BPF_K, 0, 0, 0),
+        ];
+        let fprog = libc::sock_fprog {
+            len: prog.len() as u16,
+            filter: prog.as_ptr() as *mut libc::sock_filter,
+        };
+        // SAFETY: the program outlives the call, which copies it.
+        let rc = unsafe {
+            libc::setsockopt(
+                s.0.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_ATTACH_FILTER,
+                &fprog as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::sock_fprog>() as u32,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // Packets queued between bind and attach passed no filter.
+        let mut buf = [0u8; 256];
+        while s.next_nowait(&mut buf) {}
+        Ok(s)
+    }
+
+    fn next_nowait(&self, buf: &mut [u8]) -> bool {
+        use std::os::fd::AsRawFd as _;
+        // SAFETY: buffer sized as passed.
+        let n = unsafe {
+            libc::recv(
+                self.0.as_raw_fd(),
+                buf.as_mut_ptr() as *mut libc::c_void,
+                buf.len(),
+                libc::MSG_DONTWAIT,
+            )
+        };
+        n > 0
+    }
+}
+
+/// The RSTs one end of many TCP connections sends, told apart by what
+/// they answer. A passive closer's socket is gone once the ACK of its FIN
+/// arrives; a second copy of that ACK (the peer re-sends it when this
+/// end's FIN was retransmitted, e.g. on a loaded machine) then meets no
+/// socket and is answered with an RST whose sequence number is that ACK's
+/// (RFC 9293 3.10.7.1): the end of this side's FIN. That RST is TCP
+/// working, after both ends had every byte. Any other RST (a segment of a
+/// connection this end never had, an abort) is `other`.
+#[derive(Debug, Default)]
+pub struct RstClassifier {
+    ends: std::collections::HashMap<(Ipv4Addr, u16, Ipv4Addr, u16), Ends>,
+    pub after_close: u64,
+    pub other: Vec<String>,
+}
+
+/// What one connection (by this end's tuple) has shown of its closing.
+#[derive(Debug, Default, Clone, Copy)]
+struct Ends {
+    /// The sequence number just past this end's FIN.
+    own_fin_end: Option<u32>,
+    peer_fin: bool,
+}
+
+impl RstClassifier {
+    /// One IPv4 packet (IP header first), sent by this end or received.
+    pub fn packet(&mut self, p: &[u8], outgoing: bool) {
+        let Some((src, dst, sport, dport, seq, ack, flags, len)) = parse_tcp4(p) else {
+            return;
+        };
+        let key = if outgoing {
+            (src, sport, dst, dport)
+        } else {
+            (dst, dport, src, sport)
+        };
+        if flags & TCP_SYN != 0 {
+            // A new connection on the tuple: its ending starts afresh.
+            self.ends.insert(key, Ends::default());
+            return;
+        }
+        let ends = self.ends.entry(key).or_default();
+        if flags & TCP_FIN != 0 {
+            if outgoing {
+                ends.own_fin_end = Some(seq.wrapping_add(len as u32).wrapping_add(1));
+            } else {
+                ends.peer_fin = true;
+            }
+        }
+        if outgoing && flags & TCP_RST != 0 {
+            if ends.peer_fin && ends.own_fin_end == Some(seq) {
+                self.after_close += 1;
+            } else {
+                self.other.push(format!(
+                    "{src}:{sport} -> {dst}:{dport} RST seq {seq} ack {ack} flags {flags:#04x} \
+                     (this end's FIN ended at {:?}, peer's FIN seen: {})",
+                    ends.own_fin_end, ends.peer_fin
+                ));
+            }
+        }
+    }
+}
+
 /// The TCP fields of an IPv4 packet: (src, dst, sport, dport, seq, ack,
 /// flags, payload length).
 #[allow(clippy::type_complexity)]
@@ -1285,4 +1428,98 @@ pub fn out_rsts(netns: &str) -> Result<u64> {
         .find(|(n, _)| *n == "OutRsts")
         .and_then(|(_, v)| v.parse().ok())
         .ok_or_else(|| anyhow!("no OutRsts in {netns}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
+    const PEER: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
+    const ACK: u8 = 0x10;
+
+    fn from_pod(seq: u32, ack: u32, flags: u8) -> (Vec<u8>, bool) {
+        (
+            tcp4_packet(POD, PEER, 8080, 40000, seq, ack, flags, 1000),
+            true,
+        )
+    }
+
+    fn to_pod(seq: u32, ack: u32, flags: u8) -> (Vec<u8>, bool) {
+        (
+            tcp4_packet(PEER, POD, 40000, 8080, seq, ack, flags, 1000),
+            false,
+        )
+    }
+
+    fn classify(packets: &[(Vec<u8>, bool)]) -> RstClassifier {
+        let mut c = RstClassifier::default();
+        for (p, out) in packets {
+            c.packet(p, *out);
+        }
+        c
+    }
+
+    #[test]
+    fn rsts_are_told_apart_by_what_they_answer() {
+        let open = [to_pod(100, 0, TCP_SYN), from_pod(500, 101, TCP_SYN | ACK)];
+        let cases: [(&str, Vec<(Vec<u8>, bool)>, u64, usize); 5] = [
+            (
+                "passive close, then the peer's second copy of the last ACK",
+                vec![
+                    to_pod(900, 700, TCP_FIN | ACK),
+                    from_pod(700, 901, TCP_FIN | ACK),
+                    from_pod(702, 0, TCP_RST),
+                ],
+                0,
+                1,
+            ),
+            (
+                "passive close, RST at the FIN's end",
+                vec![
+                    to_pod(900, 700, TCP_FIN | ACK),
+                    from_pod(700, 901, TCP_FIN | ACK),
+                    from_pod(701, 0, TCP_RST),
+                ],
+                1,
+                0,
+            ),
+            (
+                "mid-flow segment of a connection never seen",
+                vec![from_pod(5000, 0, TCP_RST)],
+                0,
+                1,
+            ),
+            (
+                "abort before any FIN",
+                vec![from_pod(650, 300, TCP_RST | ACK)],
+                0,
+                1,
+            ),
+            (
+                "own FIN, but no FIN from the peer",
+                vec![from_pod(700, 300, TCP_FIN | ACK), from_pod(701, 0, TCP_RST)],
+                0,
+                1,
+            ),
+        ];
+        for (what, rest, after_close, other) in cases {
+            let mut all = open.to_vec();
+            all.extend(rest);
+            let c = classify(&all);
+            assert_eq!(c.after_close, after_close, "{what}: {:?}", c.other);
+            assert_eq!(c.other.len(), other, "{what}: {:?}", c.other);
+        }
+    }
+
+    #[test]
+    fn a_syn_starts_the_tuples_ending_afresh() {
+        let c = classify(&[
+            to_pod(900, 700, TCP_FIN | ACK),
+            from_pod(700, 901, TCP_FIN | ACK),
+            to_pod(5000, 0, TCP_SYN),
+            from_pod(701, 0, TCP_RST),
+        ]);
+        assert_eq!((c.after_close, c.other.len()), (0, 1), "{:?}", c.other);
+    }
 }

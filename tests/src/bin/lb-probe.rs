@@ -81,6 +81,20 @@ enum Cmd {
     /// one's `getpeername` (or error), then, at a line on stdin (or EOF),
     /// close them all and print `{"closed": N}`.
     HoldTcp(HoldTcpArgs),
+    /// Watch the RSTs a namespace sends on a device (a filtered
+    /// `AF_PACKET` socket: SYN, FIN and RST segments only): prints
+    /// `{"ready": true}`, then at a line on stdin (or EOF)
+    /// `{"after_close": N, "other": [...]}` (see `tcpflow::RstClassifier`).
+    RstWatch(RstWatchArgs),
+}
+
+#[derive(Debug, Args)]
+struct RstWatchArgs {
+    /// Network namespace (`ip netns` name).
+    #[arg(long)]
+    netns: String,
+    #[arg(long, default_value = "eth0")]
+    dev: String,
 }
 
 #[derive(Debug, Args)]
@@ -315,6 +329,7 @@ fn main() -> Result<()> {
         Cmd::TcpClient(a) => tcp_client(a),
         Cmd::TcpFlows(a) => tcp_flows(a),
         Cmd::HoldTcp(a) => hold_tcp(a),
+        Cmd::RstWatch(a) => rst_watch(a),
         Cmd::SynFlood(a) => syn_flood(a),
         Cmd::UdpFill(a) => {
             let target = resolve_target(&a.at.target, None)?;
@@ -1062,6 +1077,50 @@ fn hold_tcp(a: HoldTcpArgs) -> Result<()> {
     let n = conns.iter().filter(|c| c.is_ok()).count();
     drop(conns);
     println!("{}", serde_json::json!({ "closed": n }));
+    Ok(())
+}
+
+fn rst_watch(a: RstWatchArgs) -> Result<()> {
+    use integration_tests::tcpflow::{RstClassifier, Sniffer};
+    use std::sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    };
+    integration_tests::netns::enter(None, Some(&a.netns))?;
+    let sniffer =
+        Sniffer::tcp_control(&a.dev).with_context(|| format!("AF_PACKET socket on {}", a.dev))?;
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = io::stdin().read_line(&mut line);
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+    println!("{}", serde_json::json!({ "ready": true }));
+    io::stdout().flush()?;
+    let mut rsts = RstClassifier::default();
+    let mut buf = vec![0u8; 65_536];
+    // Packets already queued when the stop comes are read too: the
+    // sniffer's 100 ms timeout ends the loop once it is idle (or 2 s on).
+    let mut stopped: Option<Instant> = None;
+    loop {
+        let got = sniffer.next(&mut buf);
+        if let Some((n, outgoing)) = got {
+            rsts.packet(&buf[..n], outgoing);
+        }
+        if stop.load(Ordering::Relaxed) {
+            let at = *stopped.get_or_insert_with(Instant::now);
+            if got.is_none() || at.elapsed() > Duration::from_secs(2) {
+                break;
+            }
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({ "after_close": rsts.after_close, "other": rsts.other })
+    );
     Ok(())
 }
 
