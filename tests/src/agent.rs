@@ -38,8 +38,21 @@ pub fn ensure_bpffs() -> Result<()> {
 
 /// A free TCP port on 127.0.0.1 (free when asked; good enough for tests).
 pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
-    Ok(l.local_addr()?.port())
+    // The kernel may give a port it gave before once that listener is
+    // closed (two picks in a row, or two tests at once): never hand out
+    // the same port twice in this process, or two servers of one agent
+    // (health and metrics) would share it.
+    static GIVEN: std::sync::Mutex<std::collections::BTreeSet<u16>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    for _ in 0..1000 {
+        let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("binding 127.0.0.1:0")?;
+        let port = l.local_addr()?.port();
+        if given.insert(port) {
+            return Ok(port);
+        }
+    }
+    bail!("no port this process has not handed out already")
 }
 
 /// A plain HTTP/1.0 GET; the status code and the body.

@@ -140,6 +140,48 @@ pub fn run_status(what: &str, cmd: &mut Command, fix: &str) -> Result<ExitStatus
         .with_context(|| format!("could not start `{}`; {fix}", cmdline(cmd)))
 }
 
+/// `run_status` with `cmd`'s stdout passed through line by line, and the
+/// panic messages of the tests that failed in it kept (the test's name,
+/// the `panicked at` line and up to 15 lines of message after it): CI
+/// shows the head and tail of a long log, and these go at its tail.
+pub fn run_teed(what: &str, cmd: &mut Command, fix: &str) -> Result<(ExitStatus, Vec<String>)> {
+    use std::io::{BufRead as _, Write as _};
+    step!("{what}: {}", cmdline(cmd));
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .with_context(|| format!("could not start `{}`; {fix}", cmdline(cmd)))?;
+    let stdout = child.stdout.take().context("piped stdout")?;
+    let mut failures = Vec::new();
+    let mut test = String::new();
+    let mut taking = 0;
+    let mut out = std::io::stdout();
+    for line in std::io::BufReader::new(stdout).split(b'\n') {
+        let line = line?;
+        out.write_all(&line)?;
+        out.write_all(b"\n")?;
+        let line = String::from_utf8_lossy(&line).into_owned();
+        if let Some(name) = line
+            .strip_prefix("---- ")
+            .and_then(|l| l.strip_suffix(" stdout ----"))
+        {
+            test = name.to_string();
+        } else if line.contains("' panicked at ") {
+            failures.push(format!("{test}: {line}"));
+            taking = 15;
+        } else if taking > 0 {
+            if line.starts_with("stack backtrace:") || line.starts_with("note: ") {
+                taking = 0;
+            } else {
+                failures.push(format!("    {line}"));
+                taking -= 1;
+            }
+        }
+    }
+    out.flush()?;
+    Ok((child.wait()?, failures))
+}
+
 /// Runs `cmd` quietly and returns its stdout, or fails with its stderr and `fix`.
 pub fn output(cmd: &mut Command, fix: &str) -> Result<String> {
     let out = cmd

@@ -8,7 +8,7 @@ use std::{
 
 use anyhow::Result;
 
-use crate::{build, chaos, is_root, run_status, setup, step, target_dir};
+use crate::{build, chaos, is_root, run_status, run_teed, setup, step, target_dir};
 
 pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
     setup::setup()?;
@@ -32,8 +32,9 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
     )?
     .success();
 
+    let mut failures = Vec::new();
     let integration = if is_root() {
-        let status = run_status(
+        let (status, failed) = run_teed(
             "integration tests",
             Command::new("cargo")
                 .current_dir(root)
@@ -52,6 +53,7 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
                 .env("LB_EBPF_OBJECT", &object),
             "fix the errors above",
         )?;
+        failures = failed;
         Some(status.success())
     } else {
         eprintln!(
@@ -71,6 +73,12 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
         None
     };
 
+    if !failures.is_empty() {
+        step!("the integration tests' failures, in brief:");
+        for l in &failures {
+            println!("{l}");
+        }
+    }
     let word = |ok: bool| if ok { "passed" } else { "FAILED" };
     step!(
         "summary: unit tests {}, integration tests {}, chaos --quick {}",
