@@ -360,7 +360,9 @@ fn backend_sets_change_under_connects(tag: &str, extra: &[&str], min_changes: us
 #[test]
 fn backend_sets_change_under_connects_random() {
     integration_tests::require_root!();
-    backend_sets_change_under_connects("stress-rand", &[], 100);
+    // 150 to 290 changes on a quiet 2-CPU machine, 95 to 180 with two
+    // more busy loops beside the clients (CI once had fewer than 100).
+    backend_sets_change_under_connects("stress-rand", &[], 40);
 }
 
 #[test]
@@ -368,7 +370,8 @@ fn backend_sets_change_under_connects_maglev() {
     integration_tests::require_root!();
     // Each change waits for RCU grace periods (`LB_MAGLEV` is a map of
     // maps), which take 100 ms to seconds with both CPUs this busy.
-    backend_sets_change_under_connects("stress-maglev", &["--algorithm", "maglev"], 20);
+    // 180 changes on a quiet machine, 56 to 91 with two busy loops beside.
+    backend_sets_change_under_connects("stress-maglev", &["--algorithm", "maglev"], 15);
 }
 
 #[test]
