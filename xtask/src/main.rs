@@ -69,6 +69,11 @@ enum Cmd {
         /// Only write KERNELS.md from the results of the last run
         #[arg(long)]
         table_only: bool,
+        /// Only `lb-agent check` on each kernel (every program loaded and
+        /// verified, minutes instead of most of an hour per kernel); prints
+        /// its output and leaves KERNELS.md alone
+        #[arg(long, conflicts_with = "table_only")]
+        check_only: bool,
     },
     /// Run setup, build, then the benchmark (as root); writes BENCHMARKS.md and docs/bench.png
     Bench {
@@ -95,9 +100,10 @@ fn main() -> ExitCode {
         Cmd::Test { args } => test::test(&root, &args),
         Cmd::Fuzz { long, cases, time } => fuzz::fuzz(&root, fuzz::Budget { long, cases, time }),
         Cmd::Demo => demo::demo(&root),
-        Cmd::Kernels { table_only } => {
-            kernels::kernels(&root, table_only).map(|()| ExitCode::SUCCESS)
-        }
+        Cmd::Kernels {
+            table_only,
+            check_only,
+        } => kernels::kernels(&root, table_only, check_only).map(|()| ExitCode::SUCCESS),
         Cmd::Bench { quick } => bench::bench(&root, quick),
         Cmd::Chaos { quick } => chaos::chaos(&root, quick),
     };
