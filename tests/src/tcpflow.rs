@@ -1438,21 +1438,24 @@ mod tests {
     const PEER: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 1);
     const ACK: u8 = 0x10;
 
-    fn from_pod(seq: u32, ack: u32, flags: u8) -> (Vec<u8>, bool) {
+    fn from_pod(seq: u32, ack: u32, flags: u8) -> Seen {
         (
             tcp4_packet(POD, PEER, 8080, 40000, seq, ack, flags, 1000),
             true,
         )
     }
 
-    fn to_pod(seq: u32, ack: u32, flags: u8) -> (Vec<u8>, bool) {
+    fn to_pod(seq: u32, ack: u32, flags: u8) -> Seen {
         (
             tcp4_packet(PEER, POD, 40000, 8080, seq, ack, flags, 1000),
             false,
         )
     }
 
-    fn classify(packets: &[(Vec<u8>, bool)]) -> RstClassifier {
+    /// A packet and whether this end sent it.
+    type Seen = (Vec<u8>, bool);
+
+    fn classify(packets: &[Seen]) -> RstClassifier {
         let mut c = RstClassifier::default();
         for (p, out) in packets {
             c.packet(p, *out);
@@ -1463,7 +1466,8 @@ mod tests {
     #[test]
     fn rsts_are_told_apart_by_what_they_answer() {
         let open = [to_pod(100, 0, TCP_SYN), from_pod(500, 101, TCP_SYN | ACK)];
-        let cases: [(&str, Vec<(Vec<u8>, bool)>, u64, usize); 5] = [
+        // (what, packets after the opening, RSTs after close, other RSTs)
+        let cases: [(&str, Vec<Seen>, u64, usize); 5] = [
             (
                 "passive close, then the peer's second copy of the last ACK",
                 vec![

@@ -34,6 +34,8 @@ use std::{
     net::IpAddr,
 };
 
+use rustc_hash::FxHashMap;
+
 use lb_common::{
     backend_flags, service_flags, unprogrammed_map, Backend, BackendId, BackendSlot,
     BackendSlotKey, ServiceKey, ServiceValue,
@@ -493,7 +495,7 @@ pub struct Reconciler {
     retiring: Vec<Retired>,
     /// How the desired frontends of the last `apply` use each backend,
     /// which decides its flags without looking at every frontend.
-    uses: HashMap<BackendAddr, BackendUse>,
+    uses: FxHashMap<BackendAddr, BackendUse>,
     /// The maps may differ from the last desired state (a write failed, or
     /// entries were adopted): `apply_touched` must look at everything.
     needs_full: bool,
@@ -533,17 +535,20 @@ impl BackendUse {
 }
 
 /// Adds (`add`) or takes away the backend uses of one frontend, noting the
-/// backends whose use changed.
+/// backends whose use changed in `affected` (a full count needs no note:
+/// every backend left in `uses` is affected).
 fn count_uses(
-    uses: &mut HashMap<BackendAddr, BackendUse>,
+    uses: &mut FxHashMap<BackendAddr, BackendUse>,
     state: &FrontendState,
     add: bool,
-    affected: &mut BTreeSet<BackendAddr>,
+    mut affected: Option<&mut BTreeSet<BackendAddr>>,
 ) {
     let lists = [(&state.active, false), (&state.terminating, true)];
     for (list, terminating) in lists {
         for r in list {
-            affected.insert(r.backend);
+            if let Some(affected) = affected.as_deref_mut() {
+                affected.insert(r.backend);
+            }
             let entry = uses.entry(r.backend).or_default();
             let step = |n: &mut u32, on: bool| {
                 if on {
@@ -661,7 +666,7 @@ impl Reconciler {
             affinity_refs: BTreeMap::new(),
             next_affinity: 1,
             retiring: Vec::new(),
-            uses: HashMap::new(),
+            uses: FxHashMap::default(),
             needs_full: true,
             stray_backends: false,
             unprogrammed: BTreeMap::new(),
@@ -877,11 +882,15 @@ impl Reconciler {
         let wanted: Vec<(BackendAddr, Backend)> = match touched {
             None => {
                 self.uses.clear();
-                let mut all = BTreeSet::new();
                 for state in desired.frontends.values() {
-                    count_uses(&mut self.uses, state, true, &mut all);
+                    count_uses(&mut self.uses, state, true, None);
                 }
-                all.iter().map(|a| (*a, self.uses[a].value(a))).collect()
+                // In address order, as the touched path gives them (new
+                // ids are handed out in this order).
+                let mut all: Vec<(BackendAddr, Backend)> =
+                    self.uses.iter().map(|(a, u)| (*a, u.value(a))).collect();
+                all.sort_unstable_by_key(|(a, _)| *a);
+                all
             }
             Some(touched) => {
                 let mut affected = BTreeSet::new();
@@ -889,10 +898,10 @@ impl Reconciler {
                     // Without a failed write since, what is programmed is
                     // what the last desired state held.
                     if let Some(old) = self.frontends.get(f).and_then(|p| p.state.as_ref()) {
-                        count_uses(&mut self.uses, old, false, &mut affected);
+                        count_uses(&mut self.uses, old, false, Some(&mut affected));
                     }
                     if let Some(new) = desired.frontends.get(f) {
-                        count_uses(&mut self.uses, new, true, &mut affected);
+                        count_uses(&mut self.uses, new, true, Some(&mut affected));
                     }
                 }
                 affected
