@@ -17,7 +17,8 @@ use aya::{
 };
 use lb_common::{
     backend_flags, ct_flags, ct_state, map_names, proto, scope, stat, Backend, BackendId,
-    BackendSlot, BackendSlotKey, CtEntry, CtKey, LocalPort, ServiceKey, ServiceValue, TcConfig,
+    BackendSlot, BackendSlotKey, CtEntry, CtKey, KeyCheck, LocalPort, ServiceKey, ServiceValue,
+    TcConfig,
 };
 
 use lb_agent::{
@@ -371,6 +372,7 @@ impl Fixture {
             port,
             proto,
             flags: if local { backend_flags::LOCAL } else { 0 },
+            key_check: BackendId { id }.key_check(),
         };
         self.backends.insert(BackendId { id }, b, 0).unwrap();
         // As the agent does before it publishes a local backend.
@@ -387,16 +389,15 @@ impl Fixture {
         let set = self.next_set;
         self.next_set += 1;
         for (i, id) in ids.iter().enumerate() {
-            self.slots
-                .insert(
-                    BackendSlotKey {
-                        backend_set: set,
-                        slot: i as u32,
-                    },
-                    BackendSlot { backend_id: *id },
-                    0,
-                )
-                .unwrap();
+            let key = BackendSlotKey {
+                backend_set: set,
+                slot: i as u32,
+            };
+            let slot = BackendSlot {
+                backend_id: *id,
+                key_check: key.key_check(),
+            };
+            self.slots.insert(key, slot, 0).unwrap();
         }
         let key = ServiceKey {
             addr: addr_bytes(ip(addr)),
@@ -413,6 +414,7 @@ impl Fixture {
             maglev_size: 0,
             affinity_timeout: 0,
             affinity_id: service_id,
+            key_check: key.key_check(),
         };
         self.services.insert(key, value, 0).unwrap();
     }
@@ -819,6 +821,99 @@ fn local_backend_dnat_reply_and_conntrack() {
         let (_, out) = fx.run("tc_ingress", &syn);
         assert_eq!(parse(&out).dst, ip(other_pod), "reused port re-selects");
         assert!(fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
+    }
+}
+
+/// A preallocated hash map reuses a replaced element for the next update
+/// on the writer's CPU at once, so a program that looked a key up just
+/// before can copy another key's value (docs/maps.md, "Recycled
+/// elements"); `sock_stress` saw a connect to one Service answered by
+/// another's pod. Each value carries its key's `KeyCheck`: a value
+/// written for another key, in any of the three maps, is never used
+/// (counted as `foreign_value`), and the right one is used again once it
+/// is back.
+#[test]
+fn a_value_written_for_another_key_is_never_used() {
+    if skip() {
+        return;
+    }
+    let (client, node, pod1, pod2) = ("192.168.77.100", NODE4, "10.244.1.10", "10.244.1.11");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod1, 8080, proto::TCP, true);
+    fx.backend(2, pod2, 8080, proto::TCP, true);
+    fx.frontend(node, 30080, proto::TCP, 7, &[1]);
+    fx.frontend(node, 30081, proto::TCP, 8, &[2]);
+    let key = |port| ServiceKey {
+        addr: addr_bytes(ip(node)),
+        port,
+        proto: proto::TCP,
+        scope: scope::EXTERNAL,
+    };
+    let (a, b) = (key(30080), key(30081));
+    let a_value = fx.services.get(&a, 0).unwrap();
+    let b_value = fx.services.get(&b, 0).unwrap();
+    let a_slot = BackendSlotKey {
+        backend_set: a_value.backend_set,
+        slot: 0,
+    };
+    let b_slot = BackendSlotKey {
+        backend_set: b_value.backend_set,
+        slot: 0,
+    };
+    let (a_slot_value, b_slot_value) = (
+        fx.slots.get(&a_slot, 0).unwrap(),
+        fx.slots.get(&b_slot, 0).unwrap(),
+    );
+    let (backend1, backend2) = (
+        fx.backends.get(&BackendId { id: 1 }, 0).unwrap(),
+        fx.backends.get(&BackendId { id: 2 }, 0).unwrap(),
+    );
+    let mut port = 41000;
+    let mut connect = |fx: &mut Fixture| {
+        port += 1;
+        let (rc, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, port, node, 30080, TCP_SYN),
+        );
+        (rc == OK).then(|| parse(&out).dst)
+    };
+    assert_eq!(connect(&mut fx), Some(ip(pod1)), "the fixture serves pod1");
+    // (what, write another key's value, write the right one back)
+    type Edit = Box<dyn Fn(&mut Fixture)>;
+    let foreign: [(&str, Edit, Edit); 3] = [
+        (
+            "LB_SERVICES: the other frontend's value",
+            Box::new(move |fx| fx.services.insert(a, b_value, 0).unwrap()),
+            Box::new(move |fx| fx.services.insert(a, a_value, 0).unwrap()),
+        ),
+        (
+            "LB_SLOTS: the other set's slot",
+            Box::new(move |fx| fx.slots.insert(a_slot, b_slot_value, 0).unwrap()),
+            Box::new(move |fx| fx.slots.insert(a_slot, a_slot_value, 0).unwrap()),
+        ),
+        (
+            "LB_BACKENDS: the other backend",
+            Box::new(move |fx| {
+                fx.backends
+                    .insert(BackendId { id: 1 }, backend2, 0)
+                    .unwrap()
+            }),
+            Box::new(move |fx| {
+                fx.backends
+                    .insert(BackendId { id: 1 }, backend1, 0)
+                    .unwrap()
+            }),
+        ),
+    ];
+    for (what, spoil, mend) in foreign {
+        let before = fx.stat(stat::FOREIGN_VALUE);
+        spoil(&mut fx);
+        let got = connect(&mut fx);
+        assert_ne!(got, Some(ip(pod2)), "{what}: used for the wrong key");
+        // Looked up twice, then counted once.
+        assert_eq!(fx.stat(stat::FOREIGN_VALUE), before + 1, "{what}");
+        mend(&mut fx);
+        assert_eq!(connect(&mut fx), Some(ip(pod1)), "{what}: mended");
     }
 }
 

@@ -155,6 +155,8 @@ pub struct ServiceValue {
     pub maglev_size: u16,
     pub affinity_timeout: u32,
     pub affinity_id: u32,
+    /// `KeyCheck` of the frontend's `ServiceKey`.
+    pub key_check: u32,
 }
 
 /// One slot of a backend set. Key of `LB_SLOTS`.
@@ -170,6 +172,61 @@ pub struct BackendSlotKey {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BackendSlot {
     pub backend_id: u32,
+    /// `KeyCheck` of the slot's `BackendSlotKey`.
+    pub key_check: u32,
+}
+
+/// A digest of a map key that its value carries (`key_check`), so that a
+/// program can tell a copied value was written for another key.
+/// `LB_SERVICES`, `LB_SLOTS` and `LB_BACKENDS` are preallocated hash maps:
+/// an update links a fresh element and keeps the replaced one as the
+/// writing CPU's spare, which the next update on that CPU overwrites with
+/// another key's value without waiting for readers (docs/maps.md, "Recycled
+/// elements"). A program interrupted between its lookup and its copy can
+/// thus copy a foreign value; it checks this digest and looks up again.
+pub trait KeyCheck {
+    fn key_check(&self) -> u32;
+}
+
+/// One step of the digest: cheap, and every bit of `word` reaches the
+/// result.
+#[inline(always)]
+const fn mix(h: u32, word: u32) -> u32 {
+    (h ^ word).wrapping_mul(0x9E37_79B1).rotate_left(15)
+}
+
+/// Not 0, so that a zeroed value never passes for a key's.
+const KEY_CHECK_SEED: u32 = 0x5bd1_e995;
+
+impl KeyCheck for ServiceKey {
+    #[inline(always)]
+    fn key_check(&self) -> u32 {
+        let a = &self.addr;
+        let word = |i: usize| u32::from_le_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        let mut h = KEY_CHECK_SEED;
+        h = mix(h, word(0));
+        h = mix(h, word(4));
+        h = mix(h, word(8));
+        h = mix(h, word(12));
+        mix(
+            h,
+            self.port as u32 | (self.proto as u32) << 16 | (self.scope as u32) << 24,
+        )
+    }
+}
+
+impl KeyCheck for BackendSlotKey {
+    #[inline(always)]
+    fn key_check(&self) -> u32 {
+        mix(mix(KEY_CHECK_SEED, self.backend_set), self.slot)
+    }
+}
+
+impl KeyCheck for BackendId {
+    #[inline(always)]
+    fn key_check(&self) -> u32 {
+        mix(KEY_CHECK_SEED, self.id)
+    }
 }
 
 /// Positions of a Maglev table per array element (`MaglevEntry`).
@@ -255,6 +312,7 @@ pub struct BackendId {
 /// | 16     | `port`  | host order                       |
 /// | 18     | `proto` | `proto::TCP` or `proto::UDP`     |
 /// | 19     | `flags` | `backend_flags::*`               |
+/// | 20     | `key_check` | `KeyCheck` of its `BackendId` |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Backend {
@@ -262,6 +320,7 @@ pub struct Backend {
     pub port: u16,
     pub proto: u8,
     pub flags: u8,
+    pub key_check: u32,
 }
 
 /// Key of `LB_REV_SOCK`: a socket (by its cookie) and the backend it was sent to.
@@ -816,7 +875,12 @@ pub mod stat {
     /// be recorded (`LB_SOCK_PEER` full): its `getpeername` shows the
     /// backend, not the frontend.
     pub const SOCK_PEER_LOST: u32 = 22;
-    pub const COUNT: u32 = 23;
+    /// A value copied out of `LB_SERVICES`, `LB_SLOTS` or `LB_BACKENDS`
+    /// carried another key's `key_check` twice in a row (an element the
+    /// kernel reused for another key while the program read it): the
+    /// lookup counts as a miss.
+    pub const FOREIGN_VALUE: u32 = 23;
+    pub const COUNT: u32 = 24;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -842,6 +906,7 @@ pub mod stat {
         "tc_pass_no_flow",
         "sock_drop_source_range",
         "sock_peer_lost",
+        "foreign_value",
     ];
 }
 
@@ -922,15 +987,17 @@ pub mod capacity {
 
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey>() == 20);
-    assert!(core::mem::size_of::<ServiceValue>() == 24);
+    assert!(core::mem::size_of::<ServiceValue>() == 28);
+    assert!(core::mem::offset_of!(ServiceValue, key_check) == 24);
     assert!(core::mem::offset_of!(ServiceValue, affinity_timeout) == 16);
     assert!(core::mem::offset_of!(ServiceValue, affinity_id) == 20);
     assert!(core::mem::offset_of!(AffinityKey, affinity_id) == 16);
     assert!(core::mem::offset_of!(AffinityKey, kind) == 20);
     assert!(core::mem::size_of::<BackendSlotKey>() == 8);
-    assert!(core::mem::size_of::<BackendSlot>() == 4);
+    assert!(core::mem::size_of::<BackendSlot>() == 8);
     assert!(core::mem::size_of::<BackendId>() == 4);
-    assert!(core::mem::size_of::<Backend>() == 20);
+    assert!(core::mem::size_of::<Backend>() == 24);
+    assert!(core::mem::offset_of!(Backend, key_check) == 20);
     assert!(core::mem::size_of::<ReverseSockKey>() == 32);
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
     assert!(core::mem::size_of::<SockPeer>() == 36);
@@ -1092,6 +1159,7 @@ pub mod select {
                 maglev_size: 0,
                 affinity_timeout: 0,
                 affinity_id: 0,
+                key_check: 0,
             }
         }
 

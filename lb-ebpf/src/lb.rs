@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     select, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlotKey, DatagramFlow,
-    DatagramFlowKey, ServiceKey, ServiceValue,
+    DatagramFlowKey, KeyCheck, ServiceKey, ServiceValue,
 };
 
 use crate::maps::{
@@ -16,19 +16,33 @@ use crate::maps::{
 
 #[inline(always)]
 pub fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
-    // SAFETY: the value is copied out at once; the agent replaces values
-    // whole, so a copy is either the old or the new one.
-    LB_SERVICES
-        .get_ptr(key)
-        .map(|p| unsafe { core::ptr::read(p) })
+    let check = key.key_check();
+    for _ in 0..2 {
+        // SAFETY: the value is copied out at once and kept only if it was
+        // written for this key (`KeyCheck`); the agent replaces values
+        // whole.
+        let v = unsafe { core::ptr::read(LB_SERVICES.get_ptr(key)?) };
+        if v.key_check == check {
+            return Some(v);
+        }
+    }
+    count(stat::FOREIGN_VALUE);
+    None
 }
 
 #[inline(always)]
 pub fn backend_by_id(id: u32) -> Option<Backend> {
-    // SAFETY: copied out at once, as in `lookup_service`.
-    LB_BACKENDS
-        .get_ptr(&BackendId { id })
-        .map(|p| unsafe { core::ptr::read(p) })
+    let key = BackendId { id };
+    let check = key.key_check();
+    for _ in 0..2 {
+        // SAFETY: copied out at once and checked, as in `lookup_service`.
+        let b = unsafe { core::ptr::read(LB_BACKENDS.get_ptr(&key)?) };
+        if b.key_check == check {
+            return Some(b);
+        }
+    }
+    count(stat::FOREIGN_VALUE);
+    None
 }
 
 /// The backend id in `slot` of the frontend's set.
@@ -38,8 +52,16 @@ fn slot_backend(svc: &ServiceValue, slot: u32) -> Option<u32> {
         backend_set: svc.backend_set,
         slot,
     };
-    // SAFETY: copied out at once, as in `lookup_service`.
-    Some(unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) }.backend_id)
+    let check = key.key_check();
+    for _ in 0..2 {
+        // SAFETY: copied out at once and checked, as in `lookup_service`.
+        let s = unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) };
+        if s.key_check == check {
+            return Some(s.backend_id);
+        }
+    }
+    count(stat::FOREIGN_VALUE);
+    None
 }
 
 /// The backend id at `position` of the frontend's Maglev table.

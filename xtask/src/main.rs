@@ -172,7 +172,7 @@ pub fn run_teed(what: &str, cmd: &mut Command, fix: &str) -> Result<(ExitStatus,
             .and_then(|l| l.strip_suffix(" stdout ----"))
         {
             test = name.to_string();
-        } else if line.contains("' panicked at ") {
+        } else if line.starts_with("thread '") && line.contains(" panicked at ") {
             failures.push(format!("{test}: {line}"));
             taking = 15;
         } else if taking > 0 {

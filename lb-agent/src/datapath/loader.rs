@@ -18,7 +18,7 @@ use aya::{
 };
 use lb_common::{
     map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    DatagramFlow, DatagramFlowKey, MaglevEntry, ServiceKey, ServiceValue, Unprogrammed,
+    DatagramFlow, DatagramFlowKey, KeyCheck, MaglevEntry, ServiceKey, ServiceValue, Unprogrammed,
     MAGLEV_POSITIONS,
 };
 
@@ -753,9 +753,25 @@ impl Datapath {
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
         };
-        adopted.services = maps.services.iter().filter_map(Result::ok).collect();
-        adopted.slots = maps.slots.iter().filter_map(Result::ok).collect();
-        adopted.backends = maps.backends.iter().filter_map(Result::ok).collect();
+        // In the reconciler's form: without the key check this layer adds.
+        adopted.services = maps
+            .services
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| (k, unstamp(&k, v)))
+            .collect();
+        adopted.slots = maps
+            .slots
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| (k, unstamp(&k, v)))
+            .collect();
+        adopted.backends = maps
+            .backends
+            .iter()
+            .filter_map(Result::ok)
+            .map(|(k, v)| (k, unstamp(&k, v)))
+            .collect();
         adopted.maglev = maps.maglev.keys().filter_map(Result::ok).collect();
         Ok((
             Self {
@@ -1047,21 +1063,61 @@ fn io(e: MapError) -> std::io::Error {
     }
 }
 
+/// A value of `LB_SERVICES`, `LB_SLOTS` or `LB_BACKENDS`, whose
+/// `key_check` this layer writes (`stamp`) and clears when it reads one
+/// back (`unstamp`): the reconciler deals in values without it.
+trait Stamped<K: KeyCheck>: Copy {
+    fn check_mut(&mut self) -> &mut u32;
+}
+
+impl Stamped<ServiceKey> for ServiceValue {
+    fn check_mut(&mut self) -> &mut u32 {
+        &mut self.key_check
+    }
+}
+
+impl Stamped<BackendSlotKey> for BackendSlot {
+    fn check_mut(&mut self) -> &mut u32 {
+        &mut self.key_check
+    }
+}
+
+impl Stamped<BackendId> for Backend {
+    fn check_mut(&mut self) -> &mut u32 {
+        &mut self.key_check
+    }
+}
+
+fn stamp<K: KeyCheck, V: Stamped<K>>(key: &K, mut value: V) -> V {
+    *value.check_mut() = key.key_check();
+    value
+}
+
+/// A value read back without its check; one whose check is not its key's
+/// (written by someone else) keeps it, so that it differs from every
+/// value the reconciler wants and is rewritten.
+fn unstamp<K: KeyCheck, V: Stamped<K>>(key: &K, mut value: V) -> V {
+    if *value.check_mut() == key.key_check() {
+        *value.check_mut() = 0;
+    }
+    value
+}
+
 impl MapOps for PinnedMaps {
     fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
-        self.services.insert(key, value, 0).map_err(io)
+        self.services.insert(key, stamp(&key, value), 0).map_err(io)
     }
     fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
         self.services.remove(&key).map_err(io)
     }
     fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
-        self.slots.insert(key, value, 0).map_err(io)
+        self.slots.insert(key, stamp(&key, value), 0).map_err(io)
     }
     fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
         self.slots.remove(&key).map_err(io)
     }
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
-        self.backends.insert(id, backend, 0).map_err(io)
+        self.backends.insert(id, stamp(&id, backend), 0).map_err(io)
     }
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
         self.backends.remove(&id).map_err(io)
@@ -1166,13 +1222,13 @@ impl MapOps for PinnedMaps {
 
 /// `items` into `map` through `batch::update` (keys and values as the
 /// kernel wants them: two arrays).
-fn batch_put<K: Copy, V: Copy>(
+fn batch_put<K: Copy + KeyCheck, V: Stamped<K>>(
     map: &MapData,
     items: &[(K, V)],
 ) -> crate::datapath::reconcile::BatchResult {
     use std::os::fd::AsFd as _;
     let keys: Vec<K> = items.iter().map(|(k, _)| *k).collect();
-    let values: Vec<V> = items.iter().map(|(_, v)| *v).collect();
+    let values: Vec<V> = items.iter().map(|(k, v)| stamp(k, *v)).collect();
     crate::datapath::batch::update(map.fd().as_fd(), &keys, &values).map_err(|e| (e.done, e.error))
 }
 
@@ -1223,8 +1279,12 @@ mod tests {
             maglev_size: 0,
             affinity_timeout: 0,
             affinity_id: 0,
+            key_check: 0,
         };
         dp.maps().put_service(key, value).unwrap();
+        // Written with its key's check, read back without it.
+        let pinned = dp.maps().services.get(&key, 0).unwrap();
+        assert_eq!(pinned.key_check, key.key_check());
         // A Maglev table: made, put in LB_MAGLEV, read back whole.
         let table: Vec<u32> = (0..251).map(|p| p % 3 + 1).collect();
         dp.maps().put_maglev(7, &table).unwrap();
@@ -1246,7 +1306,7 @@ mod tests {
         assert_eq!(dp.maps().maglev.keys().count(), 1);
         // A second reader through the pins sees the writes.
         let reader = PinnedMaps::open(&scratch.pins).unwrap();
-        assert_eq!(reader.services.get(&key, 0).unwrap(), value);
+        assert_eq!(unstamp(&key, reader.services.get(&key, 0).unwrap()), value);
         assert_eq!(reader.maglev_table(7, 251).unwrap(), table);
         drop(reader);
         assert_eq!(

@@ -344,7 +344,11 @@ impl Plan {
                     backend_set: self.set,
                     slot: slot as u32,
                 },
-                BackendSlot { backend_id: *id },
+                BackendSlot {
+                    backend_id: *id,
+                    // Written by the map layer (`loader::stamp`).
+                    key_check: 0,
+                },
             )
         })
     }
@@ -530,6 +534,8 @@ impl BackendUse {
             port: addr.port,
             proto: addr.protocol.number(),
             flags,
+            // Written by the map layer (`loader::stamp`).
+            key_check: 0,
         }
     }
 }
@@ -631,6 +637,8 @@ fn service_value(
         maglev_size,
         affinity_timeout: state.affinity_timeout.unwrap_or(0),
         affinity_id,
+        // Written by the map layer (`loader::stamp`).
+        key_check: 0,
     }
 }
 
@@ -1139,6 +1147,7 @@ impl Reconciler {
             maglev_size: 0,
             affinity_timeout: 0,
             affinity_id: 0,
+            key_check: 0,
         };
         let vip_items: Vec<(ServiceKey, ServiceValue)> = new_vips
             .iter()
@@ -2372,7 +2381,10 @@ pub(super) mod tests {
                 backend_set: 99,
                 slot: 0,
             },
-            BackendSlot { backend_id: 1 },
+            BackendSlot {
+                backend_id: 1,
+                key_check: 0,
+            },
         );
         m.unchecked = true;
         let live = m.services[&service_key(&a)].backend_set;
@@ -3104,7 +3116,13 @@ pub(super) mod tests {
                 backend_set: v.backend_set,
                 slot: (v.active + v.terminating) as u32 + i as u32,
             };
-            m.slots.insert(key, BackendSlot { backend_id: id });
+            m.slots.insert(
+                key,
+                BackendSlot {
+                    backend_id: id,
+                    key_check: 0,
+                },
+            );
         }
         assert_eq!(m.slots.len(), 3 + 251);
         m.unchecked = false;
