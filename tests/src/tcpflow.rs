@@ -722,12 +722,15 @@ impl Sniffer {
 
 /// The RSTs one end of many TCP connections sends, told apart by what
 /// they answer. A passive closer's socket is gone once the ACK of its FIN
-/// arrives; a second copy of that ACK (the peer re-sends it when this
-/// end's FIN was retransmitted, e.g. on a loaded machine) then meets no
-/// socket and is answered with an RST whose sequence number is that ACK's
-/// (RFC 9293 3.10.7.1): the end of this side's FIN. That RST is TCP
-/// working, after both ends had every byte. Any other RST (a segment of a
-/// connection this end never had, an abort) is `other`.
+/// arrives; a segment of the peer's that comes later meets no socket and
+/// is answered with an RST whose sequence number is that segment's ACK
+/// (RFC 9293 3.10.7.1): a second copy of the last ACK (the peer re-sends
+/// it when this end's FIN was retransmitted, e.g. on a loaded machine)
+/// gives the end of this side's FIN, an older ACK overtaken on the way (a
+/// window update the peer sent from another CPU) a little before it. Such
+/// an RST, on a connection whose FINs both went by, is TCP working after
+/// both ends had every byte (`after_close`). Any other RST (a segment of
+/// a connection this end never had, an abort) is `other`.
 #[derive(Debug, Default)]
 pub struct RstClassifier {
     ends: std::collections::HashMap<(Ipv4Addr, u16, Ipv4Addr, u16), Ends>,
@@ -768,7 +771,12 @@ impl RstClassifier {
             }
         }
         if outgoing && flags & TCP_RST != 0 {
-            if ends.peer_fin && ends.own_fin_end == Some(seq) {
+            // Acknowledging this end's data up to its FIN: within the
+            // 64 MiB before the FIN's end (more than any window here).
+            let late = ends
+                .own_fin_end
+                .is_some_and(|end| end.wrapping_sub(seq) < 1 << 26);
+            if ends.peer_fin && late {
                 self.after_close += 1;
             } else {
                 self.other.push(format!(
@@ -1467,9 +1475,9 @@ mod tests {
     fn rsts_are_told_apart_by_what_they_answer() {
         let open = [to_pod(100, 0, TCP_SYN), from_pod(500, 101, TCP_SYN | ACK)];
         // (what, packets after the opening, RSTs after close, other RSTs)
-        let cases: [(&str, Vec<Seen>, u64, usize); 5] = [
+        let cases: [(&str, Vec<Seen>, u64, usize); 7] = [
             (
-                "passive close, then the peer's second copy of the last ACK",
+                "passive close, then an RST past the FIN's end",
                 vec![
                     to_pod(900, 700, TCP_FIN | ACK),
                     from_pod(700, 901, TCP_FIN | ACK),
@@ -1479,7 +1487,27 @@ mod tests {
                 1,
             ),
             (
-                "passive close, RST at the FIN's end",
+                "passive close, then an older ACK overtaken on the way",
+                vec![
+                    to_pod(900, 700, TCP_FIN | ACK),
+                    from_pod(700, 901, TCP_FIN | ACK),
+                    from_pod(650, 0, TCP_RST),
+                ],
+                1,
+                0,
+            ),
+            (
+                "passive close, then an RST far from this connection's data",
+                vec![
+                    to_pod(900, 700, TCP_FIN | ACK),
+                    from_pod(700, 901, TCP_FIN | ACK),
+                    from_pod(700u32.wrapping_sub(1 << 27), 0, TCP_RST),
+                ],
+                0,
+                1,
+            ),
+            (
+                "passive close, then the peer's second copy of the last ACK",
                 vec![
                     to_pod(900, 700, TCP_FIN | ACK),
                     from_pod(700, 901, TCP_FIN | ACK),

@@ -153,8 +153,9 @@ struct PodRstWatch {
 struct PodRsts {
     /// `Tcp: OutRsts` over the pods since the watch began.
     sent: u64,
-    /// RSTs answering a late copy of the last ACK of a connection both
-    /// ends had closed (every byte delivered): TCP at work.
+    /// RSTs answering a late segment (a second copy of the last ACK, an
+    /// older ACK overtaken on the way) of a connection both ends had
+    /// closed (every byte delivered): TCP at work.
     after_close: u64,
     /// Every other RST seen, described.
     other: Vec<String>,
@@ -386,7 +387,7 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
         .collect();
     let bad = problems(&reports, &servers, &expected);
     println!(
-        "multi-CPU ({} CPU{}, agents {}), {:.1} s, n1 conntrack filled with {} ({entries} entries):\n  {}\n  {}\n  RSTs sent by the pods: {} ({} answering a late copy of a closed connection's last ACK)\n  lb_conntrack_expired_total per agent: {expired0:?} -> {expired1:?}\n  broken connections: {}",
+        "multi-CPU ({} CPU{}, agents {}), {:.1} s, n1 conntrack filled with {} ({entries} entries):\n  {}\n  {}\n  RSTs sent by the pods: {} ({} answering a late segment of a connection both ends had closed)\n  lb_conntrack_expired_total per agent: {expired0:?} -> {expired1:?}\n  broken connections: {}",
         cpus.len(),
         if cpus.len() > 1 { "s" } else { "" },
         if freeze { "frozen (no sweep)" } else { "running" },
@@ -411,7 +412,7 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     assert_eq!(
         rsts.unexplained(),
         0,
-        "the pods sent RSTs other than TCP's answer to a late last ACK: \
+        "the pods sent RSTs other than TCP's answer to a late segment of a closed connection: \
          segments of flows they did not have:\n{}",
         rsts.other.join("\n")
     );
