@@ -1474,45 +1474,32 @@ mod tests {
     #[test]
     fn rsts_are_told_apart_by_what_they_answer() {
         let open = [to_pod(100, 0, TCP_SYN), from_pod(500, 101, TCP_SYN | ACK)];
+        // A passive close, then an RST from the pod with this sequence number.
+        let closed = |rst: u32| {
+            vec![
+                to_pod(900, 700, TCP_FIN | ACK),
+                from_pod(700, 901, TCP_FIN | ACK),
+                from_pod(rst, 0, TCP_RST),
+            ]
+        };
         // (what, packets after the opening, RSTs after close, other RSTs)
         let cases: [(&str, Vec<Seen>, u64, usize); 7] = [
+            ("closed, then an RST past the FIN's end", closed(702), 0, 1),
             (
-                "passive close, then an RST past the FIN's end",
-                vec![
-                    to_pod(900, 700, TCP_FIN | ACK),
-                    from_pod(700, 901, TCP_FIN | ACK),
-                    from_pod(702, 0, TCP_RST),
-                ],
-                0,
-                1,
-            ),
-            (
-                "passive close, then an older ACK overtaken on the way",
-                vec![
-                    to_pod(900, 700, TCP_FIN | ACK),
-                    from_pod(700, 901, TCP_FIN | ACK),
-                    from_pod(650, 0, TCP_RST),
-                ],
+                "closed, then an older ACK overtaken on the way",
+                closed(650),
                 1,
                 0,
             ),
             (
-                "passive close, then an RST far from this connection's data",
-                vec![
-                    to_pod(900, 700, TCP_FIN | ACK),
-                    from_pod(700, 901, TCP_FIN | ACK),
-                    from_pod(700u32.wrapping_sub(1 << 27), 0, TCP_RST),
-                ],
+                "closed, then an RST far from this connection's data",
+                closed(700u32.wrapping_sub(1 << 27)),
                 0,
                 1,
             ),
             (
-                "passive close, then the peer's second copy of the last ACK",
-                vec![
-                    to_pod(900, 700, TCP_FIN | ACK),
-                    from_pod(700, 901, TCP_FIN | ACK),
-                    from_pod(701, 0, TCP_RST),
-                ],
+                "closed, then the peer's second copy of the last ACK",
+                closed(701),
                 1,
                 0,
             ),

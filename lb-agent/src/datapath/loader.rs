@@ -753,25 +753,9 @@ impl Datapath {
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
         };
-        // In the reconciler's form: without the key check this layer adds.
-        adopted.services = maps
-            .services
-            .iter()
-            .filter_map(Result::ok)
-            .map(|(k, v)| (k, unstamp(&k, v)))
-            .collect();
-        adopted.slots = maps
-            .slots
-            .iter()
-            .filter_map(Result::ok)
-            .map(|(k, v)| (k, unstamp(&k, v)))
-            .collect();
-        adopted.backends = maps
-            .backends
-            .iter()
-            .filter_map(Result::ok)
-            .map(|(k, v)| (k, unstamp(&k, v)))
-            .collect();
+        adopted.services = unstamped_entries(&maps.services);
+        adopted.slots = unstamped_entries(&maps.slots);
+        adopted.backends = unstamped_entries(&maps.backends);
         adopted.maglev = maps.maglev.keys().filter_map(Result::ok).collect();
         Ok((
             Self {
@@ -1101,6 +1085,17 @@ fn unstamp<K: KeyCheck, V: Stamped<K>>(key: &K, mut value: V) -> V {
         *value.check_mut() = 0;
     }
     value
+}
+
+/// Every entry of `map` in the reconciler's form: without the key check
+/// this layer adds.
+fn unstamped_entries<K: aya::Pod + KeyCheck, V: aya::Pod + Stamped<K>>(
+    map: &HashMap<MapData, K, V>,
+) -> Vec<(K, V)> {
+    map.iter()
+        .filter_map(Result::ok)
+        .map(|(k, v)| (k, unstamp(&k, v)))
+        .collect()
 }
 
 impl MapOps for PinnedMaps {
