@@ -944,16 +944,20 @@ fn verifier_refusal(e: &aya::programs::ProgramError) -> String {
     }
 }
 
-/// Runs `load` (a program's load, which runs the verifier) again if the
-/// verifier gave up because a signal arrived meanwhile (`EAGAIN`), as
-/// libbpf does: verifying the tc programs takes long enough for that to
-/// happen.
+/// Runs `load` (a program's load, which runs the verifier) with this
+/// thread's signals blocked, and again if the verifier gave up all the
+/// same (`EAGAIN`), as libbpf retries. The verifier stops at once when a
+/// signal is pending for the loading thread; in a process whose other
+/// threads start and reap children (SIGCHLD), five immediate retries
+/// were not enough (CI: tc_ingress, "processed 1 insns"). Blocked here,
+/// a process-directed signal goes to another thread.
 pub fn verify(
     mut load: impl FnMut() -> Result<(), aya::programs::ProgramError>,
 ) -> Result<(), aya::programs::ProgramError> {
     let mut tries = 5;
     loop {
-        match load() {
+        let result = with_signals_blocked(&mut load);
+        match result {
             Err(aya::programs::ProgramError::LoadError { io_error, .. })
                 if io_error.raw_os_error() == Some(libc::EAGAIN) && tries > 1 =>
             {
@@ -961,6 +965,24 @@ pub fn verify(
             }
             result => return result,
         }
+    }
+}
+
+/// `f` with every blockable signal blocked in this thread, the mask
+/// restored after.
+fn with_signals_blocked<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sigset_t is plain data filled by sigfillset; the old mask is
+    // written by the kernel and restored unchanged.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        let blocked = libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old) == 0;
+        let result = f();
+        if blocked {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        }
+        result
     }
 }
 
