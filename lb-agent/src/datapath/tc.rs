@@ -688,9 +688,9 @@ pub fn local_backend_ports(
     let states: Box<dyn Iterator<Item = (&Frontend, &FrontendState)>> = match touched {
         Some(t) => Box::new(
             t.iter()
-                .filter_map(|f| Some((f, desired.frontends.get(f)?))),
+                .filter_map(|f| Some((f, &**desired.frontends.get(f)?))),
         ),
-        None => Box::new(desired.frontends.iter()),
+        None => Box::new(desired.frontends.iter().map(|(f, s)| (f, &**s))),
     };
     states
         .filter(|(f, _)| f.scope == Scope::External)
@@ -1138,7 +1138,7 @@ mod tests {
                 state(vec![b(9090, tcp, true)], vec![]),
             ),
         ] {
-            desired.frontends.insert(frontend, st);
+            desired.frontends.insert(frontend, st.into());
         }
         assert_eq!(
             local_backend_ports(&desired, None),

@@ -7,6 +7,7 @@ use std::{
     fmt,
     net::IpAddr,
     str::FromStr,
+    sync::Arc,
 };
 
 use lb_common::{proto, scope};
@@ -267,7 +268,9 @@ impl FrontendState {
 /// The whole desired datapath.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DesiredState {
-    pub frontends: BTreeMap<Frontend, FrontendState>,
+    /// Shared with the reconciler's record of what it programmed, so that
+    /// a frontend's state is held once however many layers look at it.
+    pub frontends: BTreeMap<Frontend, Arc<FrontendState>>,
     /// Addresses that are live VIPs in a scope: a connect to one of them on a
     /// port without a frontend is refused instead of leaking out.
     pub vips: BTreeSet<(IpAddr, Scope)>,

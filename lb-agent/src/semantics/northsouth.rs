@@ -253,7 +253,8 @@ mod tests {
     /// as a frontend of Service `demo/service`.
     fn add(d: &mut DesiredState, frontends: &[(&str, Scope, &str, FrontendKind)]) {
         for &(addr, scope, service, kind) in frontends {
-            d.frontends.insert(fe(addr, scope), fstate(service, kind));
+            d.frontends
+                .insert(fe(addr, scope), fstate(service, kind).into());
         }
     }
 

@@ -336,9 +336,9 @@ mod tests {
         stale.add(other, &frontend_change(Some(&list(&[2])), &[], &list(&[2])));
         stale.add(new, &frontend_change(None, &[], &list(&[4])));
         let mut desired = DesiredState::default();
-        desired.frontends.insert(dns, udp_state(&[1]));
-        desired.frontends.insert(other, udp_state(&[2]));
-        desired.frontends.insert(new, udp_state(&[4]));
+        desired.frontends.insert(dns, udp_state(&[1]).into());
+        desired.frontends.insert(other, udp_state(&[2]).into());
+        desired.frontends.insert(new, udp_state(&[4]).into());
         // A TCP frontend on backend 3's address and port serves nothing
         // UDP: it does not keep backend 3's UDP sockets.
         desired.frontends.insert(
@@ -346,7 +346,7 @@ mod tests {
                 protocol: Protocol::Tcp,
                 ..dns
             },
-            udp_state(&[3]),
+            udp_state(&[3]).into(),
         );
         stale.find_orphans(&desired);
         assert_eq!(stale.orphaned, BTreeSet::from([b(3)]));

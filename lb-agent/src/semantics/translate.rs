@@ -10,6 +10,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     net::IpAddr,
+    sync::Arc,
 };
 
 use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
@@ -388,7 +389,7 @@ impl Translator {
                 continue;
             }
             self.owners.insert(frontend, (key.clone(), field));
-            self.state.frontends.insert(frontend, state);
+            self.state.frontends.insert(frontend, Arc::new(state));
         }
         for vip in &vips {
             *self.vip_refs.entry(*vip).or_default() += 1;
@@ -2788,7 +2789,7 @@ mod tests {
             local: true,
         };
         assert_eq!(
-            state.frontends[&frontend],
+            *state.frontends[&frontend],
             FrontendState {
                 service: ServiceName {
                     namespace: "shop".into(),
