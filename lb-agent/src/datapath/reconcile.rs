@@ -405,11 +405,18 @@ fn maglev_table(state: &FrontendState, slots: &[u32], size: u16) -> Vec<u32> {
         .collect()
 }
 
-#[derive(Debug, Clone)]
+/// A backend as it is in `LB_BACKENDS`: the rest of its value follows
+/// from its address (`backend_value`).
+#[derive(Debug, Clone, Copy)]
 struct ProgrammedBackend {
     id: u32,
-    value: Backend,
+    flags: u8,
 }
+
+/// Backends written with one batch call at a time: what is built for a
+/// write (ids, values, results) is held for one chunk, not for every
+/// backend of a first sync.
+const BACKEND_CHUNK: usize = 4096;
 
 /// Maglev tables built and written at a time (see `MapOps::put_maglevs`):
 /// bounds the memory of tables being written and the files they hold open.
@@ -477,7 +484,9 @@ pub struct Reconciler {
     maglev_size: u16,
     frontends: BTreeMap<Frontend, Programmed>,
     vips: BTreeSet<(IpAddr, Scope)>,
-    backends: BTreeMap<BackendAddr, ProgrammedBackend>,
+    /// Hashed: a tree built in address order, as a first sync builds it,
+    /// leaves its nodes half empty, and this is the largest map here.
+    backends: FxHashMap<BackendAddr, ProgrammedBackend>,
     used_service_ids: IdSet,
     used_backend_ids: IdSet,
     used_sets: BTreeSet<u32>,
@@ -522,7 +531,7 @@ struct BackendUse {
 }
 
 impl BackendUse {
-    fn value(&self, addr: &BackendAddr) -> Backend {
+    fn flags(&self) -> u8 {
         let mut flags = 0;
         if self.local > 0 {
             flags |= backend_flags::LOCAL;
@@ -530,16 +539,23 @@ impl BackendUse {
         if self.terminating > 0 {
             flags |= backend_flags::TERMINATING;
         }
-        Backend {
-            addr: addr_bytes(addr.addr),
-            port: addr.port,
-            proto: addr.protocol.number(),
-            flags,
-            // Written by the map layer (`loader::stamp`).
-            key_check: 0,
-        }
+        flags
     }
 }
+
+/// The `LB_BACKENDS` value of the backend at `addr`.
+fn backend_value(addr: &BackendAddr, flags: u8) -> Backend {
+    Backend {
+        addr: addr_bytes(addr.addr),
+        port: addr.port,
+        proto: addr.protocol.number(),
+        flags,
+        // Written by the map layer (`loader::stamp`).
+        key_check: 0,
+    }
+}
+
+impl BackendUse {}
 
 /// Adds (`add`) or takes away the backend uses of one frontend, noting the
 /// backends whose use changed in `affected` (a full count needs no note:
@@ -665,7 +681,7 @@ impl Reconciler {
             maglev_size,
             frontends: BTreeMap::new(),
             vips: BTreeSet::new(),
-            backends: BTreeMap::new(),
+            backends: FxHashMap::default(),
             used_service_ids: IdSet::default(),
             used_backend_ids: IdSet::default(),
             used_sets: BTreeSet::new(),
@@ -721,8 +737,13 @@ impl Reconciler {
                 protocol,
             };
             r.used_backend_ids.insert(id.id);
-            r.backends
-                .insert(addr, ProgrammedBackend { id: id.id, value });
+            r.backends.insert(
+                addr,
+                ProgrammedBackend {
+                    id: id.id,
+                    flags: value.flags,
+                },
+            );
         }
         let backend_ids: BTreeSet<u32> = r.used_backend_ids.used.clone();
         for (key, value) in services {
@@ -888,7 +909,7 @@ impl Reconciler {
 
         // The flags each backend should carry, merged over every frontend
         // that uses it; with `touched`, only those whose use changed.
-        let wanted: Vec<(BackendAddr, Backend)> = match touched {
+        let wanted: Vec<(BackendAddr, u8)> = match touched {
             None => {
                 self.uses.clear();
                 for state in desired.frontends.values() {
@@ -896,8 +917,8 @@ impl Reconciler {
                 }
                 // In address order, as the touched path gives them (new
                 // ids are handed out in this order).
-                let mut all: Vec<(BackendAddr, Backend)> =
-                    self.uses.iter().map(|(a, u)| (*a, u.value(a))).collect();
+                let mut all: Vec<(BackendAddr, u8)> =
+                    self.uses.iter().map(|(a, u)| (*a, u.flags())).collect();
                 all.sort_unstable_by_key(|(a, _)| *a);
                 all
             }
@@ -915,7 +936,7 @@ impl Reconciler {
                 }
                 affected
                     .iter()
-                    .filter_map(|a| self.uses.get(a).map(|u| (*a, u.value(a))))
+                    .filter_map(|a| self.uses.get(a).map(|u| (*a, u.flags())))
                     .collect()
             }
         };
@@ -960,44 +981,52 @@ impl Reconciler {
 
         // 2. Backends, so that no slot ever points at a missing one.
         // New ids are reserved now and given back if their write fails.
-        let mut pending: Vec<(BackendAddr, u32, Backend, bool)> = Vec::new();
-        for (addr, value) in wanted {
-            match self.backends.get(&addr) {
-                Some(b) if b.value == value => {}
-                Some(b) => pending.push((addr, b.id, value, false)),
-                None => {
-                    let id = self.used_backend_ids.lowest_free();
-                    self.used_backend_ids.insert(id);
-                    pending.push((addr, id, value, true));
-                }
-            }
-        }
-        let items: Vec<(BackendId, Backend)> = pending
-            .iter()
-            .map(|(_, id, v, _)| (BackendId { id: *id }, *v))
-            .collect();
-        let written = batch_then_each(ops, &items, MapOps::put_backends, MapOps::put_backend);
         // Why each backend that could not be written failed, for the
         // frontends that need it.
         let mut backend_errors: HashMap<BackendAddr, i32> = HashMap::new();
-        for ((addr, id, value, fresh), written) in pending.into_iter().zip(written) {
-            match written {
-                Ok(()) => {
-                    self.backends.insert(addr, ProgrammedBackend { id, value });
-                    report.backends_written += 1;
-                }
-                Err(source) => {
-                    if fresh {
-                        self.used_backend_ids.remove(&id);
+        let mut wanted = wanted.into_iter().peekable();
+        let mut pending: Vec<(BackendAddr, u32, u8, bool)> =
+            Vec::with_capacity(BACKEND_CHUNK.min(wanted.len()));
+        while wanted.peek().is_some() {
+            pending.clear();
+            for (addr, flags) in wanted.by_ref() {
+                match self.backends.get(&addr) {
+                    Some(b) if b.flags == flags => continue,
+                    Some(b) => pending.push((addr, b.id, flags, false)),
+                    None => {
+                        let id = self.used_backend_ids.lowest_free();
+                        self.used_backend_ids.insert(id);
+                        pending.push((addr, id, flags, true));
                     }
-                    backend_errors.insert(addr, source.raw_os_error().unwrap_or(libc::EIO));
-                    report.errors.push(
-                        MapWriteError {
-                            what: format!("backend {addr}"),
-                            source,
+                }
+                if pending.len() == BACKEND_CHUNK {
+                    break;
+                }
+            }
+            let items: Vec<(BackendId, Backend)> = pending
+                .iter()
+                .map(|(addr, id, flags, _)| (BackendId { id: *id }, backend_value(addr, *flags)))
+                .collect();
+            let written = batch_then_each(ops, &items, MapOps::put_backends, MapOps::put_backend);
+            for ((addr, id, flags, fresh), written) in pending.drain(..).zip(written) {
+                match written {
+                    Ok(()) => {
+                        self.backends.insert(addr, ProgrammedBackend { id, flags });
+                        report.backends_written += 1;
+                    }
+                    Err(source) => {
+                        if fresh {
+                            self.used_backend_ids.remove(&id);
                         }
-                        .to_string(),
-                    );
+                        backend_errors.insert(addr, source.raw_os_error().unwrap_or(libc::EIO));
+                        report.errors.push(
+                            MapWriteError {
+                                what: format!("backend {addr}"),
+                                source,
+                            }
+                            .to_string(),
+                        );
+                    }
                 }
             }
         }
@@ -1614,12 +1643,13 @@ impl Reconciler {
         }
         self.room_made |= retiring.iter().any(|r| r.published);
         let referenced = self.referenced_backends();
-        let unused: Vec<BackendAddr> = self
+        let mut unused: Vec<BackendAddr> = self
             .backends
             .iter()
             .filter(|(_, b)| !referenced.contains(&b.id))
             .map(|(a, _)| *a)
             .collect();
+        unused.sort_unstable();
         for addr in unused {
             let id = self.backends[&addr].id;
             match ops.del_backend(BackendId { id }) {
