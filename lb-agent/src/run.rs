@@ -214,6 +214,10 @@ struct Syncer {
     node_eligible: bool,
     /// Told when a sync succeeds, and whether the Node is being deleted.
     health: ProxyHealthHandle,
+    /// Cluster mode: when the watches started, until the first sync of a
+    /// complete picture says how long the API's objects took to reach the
+    /// maps (lists, decoding, translation and writes).
+    watching_since: Option<Instant>,
 }
 
 /// Source ranges (with their rejections) and health checks, as of a sync.
@@ -416,6 +420,13 @@ impl Syncer {
             elapsed_ms = started.elapsed().as_secs_f64() * 1e3,
             "synced"
         );
+        if let Some(since) = self.watching_since.take() {
+            tracing::info!(
+                frontends,
+                input_to_maps_ms = since.elapsed().as_secs_f64() * 1e3,
+                "first complete picture programmed"
+            );
+        }
     }
 
     /// Logs the problems that are new or gone since the last sync, naming
@@ -912,6 +923,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
 
     // Changes wake the loop; one pending wake-up is enough.
     let (wake, mut events) = mpsc::channel::<()>(1);
+    let mut watching_since = None;
     let source = match &args.manifests {
         Some(dir) => {
             if !dir.is_dir() {
@@ -931,6 +943,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 api_server: args.k8s_api_server.clone(),
             };
             let client = watch::client(&access).await?;
+            watching_since = Some(Instant::now());
             let state: SharedState = Arc::new(Mutex::new(Default::default()));
             let (wake, health) = (wake.clone(), proxy_health.clone());
             watch::start(
@@ -1014,6 +1027,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         health_checks: HealthCheckServers::new(proxy_health.clone()),
         node_eligible: true,
         health: proxy_health.clone(),
+        watching_since,
     };
     // Until the API has been listed completely, the adopted maps stay as
     // they are: an early sync would delete what is not listed yet.

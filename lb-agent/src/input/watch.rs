@@ -228,13 +228,31 @@ where
     K: Stored + std::fmt::Debug + serde::de::DeserializeOwned,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
 {
-    let mut buffer = None;
+    let mut buffer: Option<BTreeMap<ObjectKey, K::Kept>> = None;
+    let mut listing_since = None;
     let mut stream = std::pin::pin!(stream);
     while let Some(item) = stream.next().await {
         match item {
             Ok(event) => {
                 let batch_done =
                     !matches!(event, watcher::Event::Init | watcher::Event::InitApply(_));
+                match event {
+                    watcher::Event::Init => listing_since = Some(std::time::Instant::now()),
+                    watcher::Event::InitDone => {
+                        if let (Some(since), Some(b)) = (listing_since.take(), &buffer) {
+                            // How long a (paginated) list of this kind takes
+                            // is what an operator needs to size a cluster's
+                            // start-up and relists.
+                            tracing::info!(
+                                kind = K::KIND,
+                                objects = b.len(),
+                                list_ms = since.elapsed().as_secs_f64() * 1e3,
+                                "listed"
+                            );
+                        }
+                    }
+                    _ => {}
+                }
                 apply_event(&state, &mut buffer, event, &metrics);
                 // A relist wakes the syncer once, when it is complete.
                 if batch_done {
