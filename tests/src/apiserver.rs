@@ -424,7 +424,7 @@ impl ApiServer {
             .kind(kind)
             .objects
             .get(&store::object_key(ns, name))
-            .cloned()
+            .map(|o| (**o).clone())
     }
 
     /// Every stored object of `kind`, in key order.
@@ -433,7 +433,7 @@ impl ApiServer {
             .kind(kind)
             .objects
             .values()
-            .cloned()
+            .map(|o| (**o).clone())
             .collect()
     }
 

@@ -517,7 +517,7 @@ fn list(shared: &Shared, kind: Kind, filter: &Filter, q: &Query) -> Resp {
             more = true;
             break;
         }
-        let mut item = o.clone();
+        let mut item = (**o).clone();
         if let Some(m) = item.as_object_mut() {
             // kube-apiserver's list items carry no kind/apiVersion.
             m.remove("kind");

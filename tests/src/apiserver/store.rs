@@ -115,7 +115,8 @@ pub fn set_rv(obj: &mut Value, rv: u64) {
 }
 
 pub struct KindState {
-    pub objects: BTreeMap<String, Value>,
+    /// Shared, so that a list's snapshot copies pointers, not objects.
+    pub objects: BTreeMap<String, Arc<Value>>,
     pub history: VecDeque<Arc<Ev>>,
     /// A watch (or consistent read) from resourceVersion N is possible iff
     /// `N >= floor`: every event after `floor` is in `history`.
@@ -138,7 +139,7 @@ pub struct Store {
 
 /// The result of looking up a consistent snapshot.
 pub enum Snapshot {
-    Ok(BTreeMap<String, Value>),
+    Ok(BTreeMap<String, Arc<Value>>),
     /// Older than the compacted history.
     Expired,
     /// Newer than the current resourceVersion.
@@ -265,7 +266,7 @@ impl Store {
             None
         };
         let key = object_key(ns.as_deref(), &name);
-        let existing = self.kind(kind).objects.get(&key).cloned();
+        let existing = self.kind(kind).objects.get(&key).map(|o| (**o).clone());
         let mut obj = Value::Object(map);
         if let Some(old) = &existing {
             if comparable(old) == comparable(&obj) {
@@ -290,7 +291,9 @@ impl Store {
             m.remove("selfLink");
         }
         set_rv(&mut obj, rv);
-        self.kind_mut(kind).objects.insert(key.clone(), obj.clone());
+        self.kind_mut(kind)
+            .objects
+            .insert(key.clone(), Arc::new(obj.clone()));
         let etype = if existing.is_some() {
             EventType::Modified
         } else {
@@ -318,7 +321,7 @@ impl Store {
             namespace
         });
         let key = object_key(ns, name);
-        let old = self.kind_mut(kind).objects.remove(&key)?;
+        let old = Arc::unwrap_or_clone(self.kind_mut(kind).objects.remove(&key)?);
         self.rv += 1;
         let rv = self.rv;
         let mut object = old.clone();
@@ -393,7 +396,10 @@ impl Store {
                     objects.remove(&ev.key);
                 }
                 EventType::Modified | EventType::Deleted => {
-                    objects.insert(ev.key.clone(), ev.prev.clone().expect("prev state"));
+                    objects.insert(
+                        ev.key.clone(),
+                        Arc::new(ev.prev.clone().expect("prev state")),
+                    );
                 }
             }
         }
