@@ -12,6 +12,7 @@
 //! order, so drift of the machine hits all arms alike.
 //!
 //! Writes `BENCHMARKS.md`, the chart and `target/bench/results.json`.
+mod floor;
 mod nodeport;
 mod report;
 mod rules;
@@ -180,6 +181,13 @@ pub struct Cost {
     pub round: usize,
     pub run_cnt: u64,
     pub run_time_ns: u64,
+    /// The same for an empty connect4 program attached beside ours during
+    /// the run (`floor`): what the statistics charge a program that does
+    /// nothing.
+    #[serde(default)]
+    pub floor_run_cnt: u64,
+    #[serde(default)]
+    pub floor_run_time_ns: u64,
 }
 
 /// What the arms of a scale point are set up from.
@@ -279,6 +287,29 @@ pub struct ControlPlane {
     pub iptables_legacy_s: Result<f64, String>,
     pub nft_s: Result<f64, String>,
     pub notes: Vec<String>,
+    /// The same objects through the list/watch fixture (cluster mode).
+    #[serde(default)]
+    pub cluster: Option<ClusterStart>,
+}
+
+/// Cluster mode's start on the control-plane scenario: the agent lists the
+/// objects from the API server fixture in pages of 500 (kube-rs's watcher
+/// default) and programs them.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct ClusterStart {
+    /// Agent started → /readyz 200.
+    pub ready_s: Option<f64>,
+    /// Watches started → the first sync of every listed object done
+    /// (lists, decoding, translation, map writes).
+    pub input_to_maps_ms: Option<f64>,
+    /// That first sync alone, and its parts.
+    pub sync_ms: Option<f64>,
+    pub read_translate_ms: Option<f64>,
+    pub apply_ms: Option<f64>,
+    /// Each kind's list: (kind, objects, ms).
+    pub lists: Vec<(String, u64, f64)>,
+    pub frontends: Option<(u64, u64)>,
+    pub rss_mib: Option<f64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -1056,14 +1087,27 @@ fn datapath_point(
                 // cost time themselves, so they are off during the measured runs.
                 if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
                     let id = ours.connect4.expect("ours has connect4");
-                    let (spent, _) = with_bpf_stats(&[id], || {
+                    let cgroup = ours.cgroup.as_ref().expect("ours has a cgroup");
+                    let floor = floor::FloorProgram::attach(cgroup.path())
+                        .map_err(|e| say(format!("no floor program: {e:#}")))
+                        .ok();
+                    let ids: Vec<u32> = [id]
+                        .into_iter()
+                        .chain(floor.as_ref().map(|f| f.id))
+                        .collect();
+                    let (spent, _) = with_bpf_stats(&ids, || {
                         ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
                     })?;
+                    drop(floor);
+                    let (floor_run_time_ns, floor_run_cnt) =
+                        spent.get(1).copied().unwrap_or((0, 0));
                     results.costs.push(Cost {
                         services,
                         round,
                         run_cnt: spent[0].1,
                         run_time_ns: spent[0].0,
+                        floor_run_cnt,
+                        floor_run_time_ns,
                     });
                 }
                 Ok(())
@@ -1376,6 +1420,7 @@ fn control_plane(
         iptables_legacy_s: Err("not run".into()),
         nft_s: Err("not run".into()),
         notes: Vec::new(),
+        cluster: None,
     };
     let timeout = Duration::from_secs(opts.load_timeout.max(300));
     // Generate (or find) the files before any clock starts.
@@ -1461,6 +1506,10 @@ fn control_plane(
         drop(agent);
         drop(arm);
     }
+    match cluster_start(&scenario, &fillers, timeout) {
+        Ok(c) => cp.cluster = Some(c),
+        Err(e) => cp.notes.push(format!("cluster mode: {e:#}")),
+    }
     for (kind, slot) in [
         (ArmKind::IptablesNft, &mut cp.iptables_nft_s),
         (ArmKind::IptablesLegacy, &mut cp.iptables_legacy_s),
@@ -1483,6 +1532,83 @@ fn control_plane(
         drop(topo);
     }
     Ok(cp)
+}
+
+/// `field` of the first agent log line with `message`.
+fn log_field(log: &str, message: &str, field: &str) -> Option<f64> {
+    let key = format!(" {field}=");
+    let line = log.lines().find(|l| l.contains(message))?;
+    let i = line.find(&key)?;
+    line[i + key.len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Starts the agent in cluster mode on the control-plane scenario, served
+/// by the list/watch fixture: how long until its objects are in the maps,
+/// and the agent's peak RSS.
+fn cluster_start(scenario: &Scenario, fillers: &Path, timeout: Duration) -> Result<ClusterStart> {
+    use integration_tests::{agent::Source, apiserver::ApiServer};
+    let api = ApiServer::try_start()?;
+    let fillers: serde_json::Value = serde_json::from_slice(&fs::read(fillers)?)?;
+    let target = Scenario::target_manifests(&scenario.target);
+    for list in [&fillers, &target] {
+        for item in list["items"].as_array().into_iter().flatten() {
+            api.apply(item)?;
+        }
+    }
+    let cgroup = CgroupGuard::create("cp-cluster")?;
+    let dir = tempfile::Builder::new()
+        .prefix(&integration_tests::unique_name("cp-cluster"))
+        .tempdir()?;
+    let mut extra_args = capacity_args(scenario.services, scenario.endpoints);
+    extra_args.extend(["--sync-debounce".into(), "0s".into(), "--no-tc".into()]);
+    let opts = AgentOpts {
+        ready_timeout: timeout,
+        log_file: Some(dir.path().join("agent.log")),
+        extra_args,
+        ..Default::default()
+    };
+    let url = api.url();
+    let t0 = Instant::now();
+    let agent = Agent::start_cluster(Source::ApiServer(&url), cgroup.path(), opts)?;
+    let ready_s = t0.elapsed().as_secs_f64();
+    let log = agent.log();
+    let lists = log
+        .lines()
+        .filter(|l| l.contains(" listed "))
+        .filter_map(|l| {
+            let field = |f: &str| {
+                let key = format!(" {f}=");
+                let i = l.find(&key)?;
+                Some(l[i + key.len()..].split_whitespace().next()?.to_string())
+            };
+            Some((
+                field("kind")?.trim_matches('"').to_string(),
+                field("objects")?.parse().ok()?,
+                field("list_ms")?.parse().ok()?,
+            ))
+        })
+        .collect();
+    let want = (scenario.services - 1 + 2) as u64;
+    let c = ClusterStart {
+        ready_s: Some(ready_s),
+        input_to_maps_ms: log_field(
+            &log,
+            "first complete picture programmed",
+            "input_to_maps_ms",
+        ),
+        sync_ms: sync_ms(&log, 0),
+        read_translate_ms: sync_field(&log, "read_translate_ms", 0),
+        apply_ms: sync_field(&log, "apply_ms", 0),
+        lists,
+        frontends: metric(&agent, "lb_frontends_programmed").map(|got| (got, want)),
+        rss_mib: vm_hwm_mib(agent.pid()),
+    };
+    say(format!("ours (cluster mode): {c:?}"));
+    Ok(c)
 }
 
 fn mb(p: &Path) -> f64 {
