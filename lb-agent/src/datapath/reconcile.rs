@@ -1198,8 +1198,8 @@ impl Reconciler {
                         .next()
                         .map(|(_, s)| s.service.clone())
                         .unwrap_or_else(|| ServiceName {
-                            namespace: String::new(),
-                            name: String::new(),
+                            namespace: "".into(),
+                            name: "".into(),
                         });
                     let failure = Unprogrammed {
                         target: Target::Vip(addr, scope),

@@ -426,7 +426,7 @@ impl Object {
                 store.endpoints.insert(key, *o);
             }
             Object::Node(o) => {
-                store.nodes.insert(key.name, *o);
+                store.nodes.insert(key.name.to_string(), *o);
             }
         }
     }
@@ -436,7 +436,7 @@ impl Object {
             Kind::Service => Object::Service(store.services.remove(key)?),
             Kind::Slice => Object::Slice(Box::new(store.slices.remove(key)?)),
             Kind::Endpoints => Object::Endpoints(Box::new(store.endpoints.remove(key)?)),
-            Kind::Node => Object::Node(Box::new(store.nodes.remove(&key.name)?)),
+            Kind::Node => Object::Node(Box::new(store.nodes.remove(&*key.name)?)),
         })
     }
 }
@@ -447,7 +447,7 @@ impl Changes {
             Kind::Service => self.services.insert(key.clone()),
             Kind::Slice => self.slices.insert(key.clone()),
             Kind::Endpoints => self.endpoints.insert(key.clone()),
-            Kind::Node => self.nodes.insert(key.name.clone()),
+            Kind::Node => self.nodes.insert(key.name.to_string()),
         };
     }
 }

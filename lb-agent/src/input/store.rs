@@ -5,6 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     fmt,
+    sync::Arc,
 };
 
 use k8s_openapi::api::{
@@ -29,14 +30,18 @@ pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 ///
 /// Ordered by namespace, then name, so that iteration over the store (and
 /// therefore every tie-break in `translate`) is deterministic.
+///
+/// Shared strings: the translation keeps a Service's key in several
+/// indexes (its results, the owner of each frontend, its slices), and a
+/// clone is then a count, not two allocations.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ObjectKey {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl ObjectKey {
-    pub fn new(namespace: impl Into<String>, name: impl Into<String>) -> Self {
+    pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         ObjectKey {
             namespace: namespace.into(),
             name: name.into(),

@@ -156,14 +156,14 @@ stored!(EndpointSlice, kept: Slice = Slice::from, objects: store.slices,
 // Nodes are keyed by name alone in the store; this wrapper map keeps the
 // loop generic and `Store::nodes` is refreshed from it.
 stored!(Node, kept: Node = std::convert::identity, objects: node_objects,
-    listed: node_listed, note: |c, k| { c.nodes.insert(k.name.clone()); });
+    listed: node_listed, note: |c, k| { c.nodes.insert(k.name.to_string()); });
 
 fn after_change<K: Stored>(state: &mut ClusterState) {
     if K::KIND == "Node" {
         state.store.nodes = state
             .node_objects
             .iter()
-            .map(|(k, n)| (k.name.clone(), n.clone()))
+            .map(|(k, n)| (k.name.to_string(), n.clone()))
             .collect();
     }
 }

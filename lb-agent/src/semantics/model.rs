@@ -100,8 +100,9 @@ impl FrontendKind {
 /// `namespace/name` of a Service.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub struct ServiceName {
-    pub namespace: String,
-    pub name: String,
+    /// Shared with the Service's `ObjectKey`.
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
 }
 
 impl fmt::Display for ServiceName {

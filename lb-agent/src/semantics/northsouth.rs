@@ -429,7 +429,7 @@ mod tests {
         let hc = health_checks(&store, "n1");
         let got: Vec<(u16, &str, usize)> = hc
             .iter()
-            .map(|h| (h.port, h.service.name.as_str(), h.local_endpoints))
+            .map(|h| (h.port, &*h.service.name, h.local_endpoints))
             .collect();
         assert_eq!(got, [(32000, "ours", 1)]);
     }
