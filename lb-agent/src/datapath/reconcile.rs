@@ -555,8 +555,6 @@ fn backend_value(addr: &BackendAddr, flags: u8) -> Backend {
     }
 }
 
-impl BackendUse {}
-
 /// Adds (`add`) or takes away the backend uses of one frontend, noting the
 /// backends whose use changed in `affected` (a full count needs no note:
 /// every backend left in `uses` is affected).
