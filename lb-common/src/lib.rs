@@ -344,22 +344,9 @@ pub struct ReverseSockValue {
     pub service_id: u32,
 }
 
-/// A socket, by its `bpf_get_socket_cookie` (unique for the kernel's
-/// uptime, never reused). Key of `LB_SOCK_PEER`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SockCookie {
-    pub cookie: u64,
-}
-
-/// What a TCP socket's connect was rewritten to: value of `LB_SOCK_PEER`,
-/// keyed by the socket's cookie. A TCP socket has one peer; connect
-/// writes the entry and the `sock_release` program deletes it when the
-/// socket is closed, so the preallocated hash holds the sockets open now:
-/// an insert takes a preallocated element (no allocation, unlike the
-/// socket-local storage this replaced, which cost ~0.4 µs a connect) and
-/// never evicts. UDP keeps `LB_REV_SOCK`, since one unconnected socket may
-/// address many frontends.
+/// What a TCP socket's connect was rewritten to, kept for its
+/// `getpeername` (and for `cgroup_egress`) in the socket's
+/// `SockPeerEntry`.
 ///
 /// | offset | field           | meaning                              |
 /// |--------|-----------------|--------------------------------------|
@@ -367,10 +354,6 @@ pub struct SockCookie {
 /// | 16     | `frontend_addr` | the address the socket asked for     |
 /// | 32     | `backend_port`  | host order                           |
 /// | 34     | `frontend_port` | host order                           |
-///
-/// Full (more TCP sockets open through frontends than `--max-sock-peers`),
-/// a connect is still rewritten but not recorded (`stat::SOCK_PEER_LOST`):
-/// that socket's `getpeername` shows the backend.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SockPeer {
@@ -378,6 +361,76 @@ pub struct SockPeer {
     pub frontend_addr: [u8; 16],
     pub backend_port: u16,
     pub frontend_port: u16,
+}
+
+/// Slots of `LB_SOCK_PEER` a socket may take: the one its cookie names
+/// (`cookie % slots`) and the ones after it, so that two open sockets whose
+/// cookies name one slot both fit.
+pub const SOCK_PEER_PROBES: u32 = 4;
+
+/// One element of `LB_SOCK_PEER`, an array of TCP sockets connected
+/// through a frontend: connect writes the socket's entry into the first of
+/// its `SOCK_PEER_PROBES` slots that is free (or already its own), and
+/// the `sock_release` program frees it when the socket is closed, so the
+/// array holds the sockets open now and never evicts one. An array element
+/// is written in place by plain stores: no helper call, no lock, no
+/// allocation (a preallocated hash's insert cost ~0.85 µs a connect here,
+/// and the socket-local storage before it ~0.4 µs for its allocation).
+///
+/// | offset | field    | meaning                                          |
+/// |--------|----------|--------------------------------------------------|
+/// | 0      | `cookie` | the socket's `bpf_get_socket_cookie`; 0: free    |
+/// | 8      | `peer`   | `SockPeer`                                       |
+/// | 44     | `check`  | `SockPeerEntry::digest` of `cookie` and `peer`   |
+///
+/// Two sockets whose connects take one free slot at the same moment on
+/// two CPUs can leave it holding one's cookie and parts of the other's
+/// peer; `check` then fails and the entry counts as absent, as when all
+/// its slots are taken (`stat::SOCK_PEER_LOST`): that socket's
+/// `getpeername` shows the backend, and its connection is unaffected.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SockPeerEntry {
+    pub cookie: u64,
+    pub peer: SockPeer,
+    pub check: u32,
+}
+
+impl SockPeerEntry {
+    #[inline(always)]
+    pub fn new(cookie: u64, peer: SockPeer) -> Self {
+        Self {
+            cookie,
+            peer,
+            check: Self::digest(cookie, &peer),
+        }
+    }
+
+    /// Every bit of `cookie` and `peer`, folded (see `KeyCheck`).
+    #[inline(always)]
+    pub fn digest(cookie: u64, peer: &SockPeer) -> u32 {
+        let word =
+            |a: &[u8; 16], i: usize| u32::from_le_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        let mut h = mix(KEY_CHECK_SEED, cookie as u32);
+        h = mix(h, (cookie >> 32) as u32);
+        let mut i = 0;
+        while i < 16 {
+            h = mix(h, word(&peer.backend_addr, i));
+            h = mix(h, word(&peer.frontend_addr, i));
+            i += 4;
+        }
+        mix(
+            h,
+            peer.backend_port as u32 | (peer.frontend_port as u32) << 16,
+        )
+    }
+
+    /// The socket's peer, if this entry is the socket's and whole.
+    #[inline(always)]
+    pub fn peer_of(&self, cookie: u64) -> Option<SockPeer> {
+        (self.cookie == cookie && self.check == Self::digest(cookie, &self.peer))
+            .then_some(self.peer)
+    }
 }
 
 /// A socket connected or sending to a frontend with
@@ -872,8 +925,9 @@ pub mod stat {
     /// `loadBalancerSourceRanges` (kube-proxy drops it on OUTPUT).
     pub const SOCK_DROP_SOURCE_RANGE: u32 = 21;
     /// Socket path: a TCP connect rewritten whose reverse view could not
-    /// be recorded (`LB_SOCK_PEER` full): its `getpeername` shows the
-    /// backend, not the frontend.
+    /// be recorded (its `SOCK_PEER_PROBES` slots of `LB_SOCK_PEER` all held
+    /// by open sockets): its `getpeername` shows the backend, not the
+    /// frontend.
     pub const SOCK_PEER_LOST: u32 = 22;
     /// A value copied out of `LB_SERVICES`, `LB_SLOTS` or `LB_BACKENDS`
     /// carried another key's `key_check` twice in a row (an element the
@@ -960,7 +1014,8 @@ pub mod capacity {
     pub const SLOTS: u32 = 524_288;
     pub const BACKENDS: u32 = 262_144;
     pub const REV_SOCK: u32 = 262_144;
-    /// TCP sockets open through a frontend at once (`LB_SOCK_PEER`).
+    /// Slots for TCP sockets open through a frontend at once
+    /// (`LB_SOCK_PEER`, one `SockPeerEntry` each).
     pub const SOCK_PEERS: u32 = 262_144;
     pub const AFFINITY: u32 = 262_144;
     /// Flows of UDP sockets to frontends (one per socket and frontend), as
@@ -1001,7 +1056,9 @@ const _: () = {
     assert!(core::mem::size_of::<ReverseSockKey>() == 32);
     assert!(core::mem::size_of::<ReverseSockValue>() == 24);
     assert!(core::mem::size_of::<SockPeer>() == 36);
-    assert!(core::mem::size_of::<SockCookie>() == 8);
+    assert!(core::mem::size_of::<SockPeerEntry>() == 48);
+    assert!(core::mem::offset_of!(SockPeerEntry, check) == 44);
+    assert!(SOCK_PEER_PROBES > 0);
     assert!(core::mem::size_of::<LocalPort>() == 4);
     assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
@@ -1035,7 +1092,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockKey {}
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for SockPeer {}
-    unsafe impl aya::Pod for SockCookie {}
+    unsafe impl aya::Pod for SockPeerEntry {}
     unsafe impl aya::Pod for LocalPort {}
     unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
@@ -1243,6 +1300,81 @@ pub mod select {
                 hits[slot(&svc(4, 0), r).unwrap() as usize] += 1;
             }
             assert_eq!(hits, [1000; 4]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod sock_peer_tests {
+    use super::*;
+
+    fn peer(backend: u8, frontend: u8) -> SockPeer {
+        SockPeer {
+            backend_addr: ipv4_mapped([10, 244, 0, backend]),
+            frontend_addr: ipv4_mapped([10, 96, 0, frontend]),
+            backend_port: 8080,
+            frontend_port: 80,
+        }
+    }
+
+    #[test]
+    fn an_entry_answers_only_its_own_socket() {
+        let e = SockPeerEntry::new(7, peer(1, 10));
+        assert_eq!(e.peer_of(7), Some(peer(1, 10)));
+        assert_eq!(e.peer_of(8), None);
+        assert_eq!(e.peer_of(7 + (1 << 32)), None);
+        // A free slot is no socket's.
+        let free = SockPeerEntry {
+            cookie: 0,
+            peer: peer(0, 0),
+            check: 0,
+        };
+        assert_eq!(free.peer_of(0), None);
+    }
+
+    /// Two sockets writing one slot at once can leave one's cookie with
+    /// any mix of both peers' fields: none of them passes.
+    #[test]
+    fn a_torn_entry_answers_nobody() {
+        let (a, b) = (
+            SockPeerEntry::new(7, peer(1, 10)),
+            SockPeerEntry::new(9, peer(2, 11)),
+        );
+        let torn = [
+            SockPeerEntry {
+                cookie: a.cookie,
+                ..b
+            },
+            SockPeerEntry { peer: b.peer, ..a },
+            SockPeerEntry {
+                check: b.check,
+                ..a
+            },
+            SockPeerEntry {
+                peer: SockPeer {
+                    backend_addr: b.peer.backend_addr,
+                    ..a.peer
+                },
+                ..a
+            },
+            SockPeerEntry {
+                peer: SockPeer {
+                    frontend_addr: b.peer.frontend_addr,
+                    ..a.peer
+                },
+                ..a
+            },
+            SockPeerEntry {
+                peer: SockPeer {
+                    frontend_port: 443,
+                    ..a.peer
+                },
+                ..a
+            },
+        ];
+        for (i, e) in torn.iter().enumerate() {
+            assert_eq!(e.peer_of(7), None, "torn entry {i}");
+            assert_eq!(e.peer_of(9), None, "torn entry {i}");
         }
     }
 }

@@ -8,8 +8,8 @@ use aya_ebpf::{
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
     CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockCookie, SockPeer,
-    SockSourceCheck, SourceRangeData, TcConfig, Unprogrammed,
+    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck,
+    SourceRangeData, TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -53,11 +53,23 @@ pub static LB_REV_SOCK: LruHashMap<
     { capacity::REV_SOCK as usize },
 > = LruHashMap::new();
 
-/// The reverse view of connected TCP sockets, by socket cookie: written at
-/// connect, deleted by `sock_release` when the socket is closed.
+/// The reverse view of connected TCP sockets: an array of
+/// `SockPeerEntry` by socket cookie (see `sock::peer_slots`), written at
+/// connect, freed by `sock_release` when the socket is closed.
 #[btf_map]
-pub static LB_SOCK_PEER: HashMap<SockCookie, SockPeer, { capacity::SOCK_PEERS as usize }> =
-    HashMap::new();
+pub static LB_SOCK_PEER: Array<SockPeerEntry, { capacity::SOCK_PEERS as usize }> = Array::new();
+
+/// `LB_SOCK_PEER`'s length, which the agent sets at load (`--max-sock-peers`)
+/// with the map's; read-only, so the verifier knows it.
+#[unsafe(no_mangle)]
+static SOCK_PEER_SLOTS: u32 = capacity::SOCK_PEERS;
+
+#[inline(always)]
+pub fn sock_peer_slots() -> u32 {
+    // SAFETY: a read of a constant the loader may have rewritten; volatile
+    // so that the compiler does not fold in the default.
+    unsafe { core::ptr::read_volatile(&SOCK_PEER_SLOTS) }
+}
 
 /// Sockets whose packets `cgroup_egress` checks against
 /// `LB_SOURCE_RANGES`, stored with the socket.

@@ -15,12 +15,12 @@ use aya_ebpf::{
 use lb_common::{
     ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check, stat,
     AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue, ServiceKey,
-    ServiceValue, SockCookie, SockPeer,
+    ServiceValue, SockPeer, SockPeerEntry, SOCK_PEER_PROBES,
 };
 
 use crate::{
     lb,
-    maps::{count, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER},
+    maps::{count, sock_peer_slots, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER},
 };
 
 /// Let the syscall proceed (with whatever address the program left).
@@ -273,8 +273,9 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
     true
 }
 
-/// A TCP socket's one peer, until `release` forgets it. A second connect
-/// of the same socket overwrites the first's peer.
+/// A TCP socket's one peer, until `release` forgets it: in its own slot
+/// of `LB_SOCK_PEER` if it has one (a second connect of the socket
+/// overwrites the first's peer), else in the first free one of its slots.
 ///
 /// A function of its own (not inlined): the record is built on its own
 /// stack frame, beside the hook's deepest chain of calls, which it would
@@ -283,22 +284,67 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 /// where another task may preempt this one on its CPU.
 #[inline(never)]
 fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend) {
-    let peer = SockPeer {
-        backend_addr: backend.addr,
-        frontend_addr: frontend.addr,
-        backend_port: backend.port,
-        frontend_port: frontend.port,
-    };
-    // A full map only loses the reverse view, never the connection.
-    if LB_SOCK_PEER
-        .insert(&SockCookie { cookie }, &peer, BPF_ANY as u64)
-        .is_err()
-    {
+    let Some(entry) = peer_slot_for(cookie) else {
+        // Every slot held by an open socket: only the reverse view is
+        // lost, never the connection.
         count(stat::SOCK_PEER_LOST);
+        return;
+    };
+    // SAFETY: a valid element; the socket lock keeps this socket's other
+    // syscalls out, and another socket only writes a free slot. A write
+    // racing another socket's for the same free slot leaves an entry
+    // whose check fails, never a wrong peer. The digest is taken from the
+    // element as written: a copy on the stack would not fit beside the
+    // hook's own frames.
+    unsafe {
+        let peer = &mut (*entry).peer;
+        peer.backend_addr = backend.addr;
+        peer.frontend_addr = frontend.addr;
+        peer.backend_port = backend.port;
+        peer.frontend_port = frontend.port;
+        (*entry).check = SockPeerEntry::digest(cookie, peer);
+        core::ptr::write_volatile(&mut (*entry).cookie, cookie);
     }
 }
 
-/// `sock_release`: a closed TCP socket's peer is forgotten, so that
+/// The slot `cookie`'s socket holds, else the first free one of its
+/// slots.
+#[inline(always)]
+fn peer_slot_for(cookie: u64) -> Option<*mut SockPeerEntry> {
+    let mut free = None;
+    let mut i = 0;
+    while i < SOCK_PEER_PROBES {
+        let Some(entry) = LB_SOCK_PEER.get_ptr_mut(peer_slot(cookie, i)?) else {
+            break;
+        };
+        // SAFETY: a valid element, read once.
+        let held = unsafe { core::ptr::read_volatile(&(*entry).cookie) };
+        if held == cookie {
+            return Some(entry);
+        }
+        if held == 0 && free.is_none() {
+            free = Some(entry);
+        }
+        i += 1;
+    }
+    free
+}
+
+/// The `i`th `LB_SOCK_PEER` index a socket may hold: `SOCK_PEER_PROBES`
+/// in a row from `cookie % slots`, wrapping. Cookies are handed out in
+/// increasing order (per CPU, in batches), so the sockets open at once
+/// mostly take distinct slots.
+#[inline(always)]
+fn peer_slot(cookie: u64, i: u32) -> Option<u32> {
+    let slots = sock_peer_slots();
+    if i >= slots {
+        return None;
+    }
+    let at = cookie.checked_rem(slots as u64)? as u32 + i;
+    Some(if at >= slots { at - slots } else { at })
+}
+
+/// `sock_release`: a closed TCP socket's slots are freed, so that
 /// `LB_SOCK_PEER` holds only open sockets. Other sockets have none.
 #[inline(always)]
 pub fn release(ctx: &SockContext) -> i32 {
@@ -307,8 +353,20 @@ pub fn release(ctx: &SockContext) -> i32 {
     if proto == proto::TCP as u32 {
         // SAFETY: plain helper call on the program's own context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-        // Most TCP sockets never connected through a frontend: not found.
-        let _ = LB_SOCK_PEER.remove(&SockCookie { cookie });
+        let mut i = 0;
+        while i < SOCK_PEER_PROBES {
+            let Some(entry) = peer_slot(cookie, i).and_then(|s| LB_SOCK_PEER.get_ptr_mut(s)) else {
+                break;
+            };
+            // SAFETY: a valid element; only this socket writes a slot that
+            // holds its cookie. A reconnect may have left it two.
+            unsafe {
+                if core::ptr::read_volatile(&(*entry).cookie) == cookie {
+                    core::ptr::write_volatile(&mut (*entry).cookie, 0);
+                }
+            }
+            i += 1;
+        }
     }
     PROCEED
 }
@@ -371,9 +429,17 @@ fn tcp_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)
 /// What the TCP socket `cookie` was connected to, from `LB_SOCK_PEER`.
 #[inline(always)]
 pub fn tcp_peer(cookie: u64) -> Option<SockPeer> {
-    let peer = LB_SOCK_PEER.get_ptr(&SockCookie { cookie })?;
-    // SAFETY: copied out at once; only this socket's connect writes it.
-    Some(unsafe { core::ptr::read(peer) })
+    let mut i = 0;
+    while i < SOCK_PEER_PROBES {
+        let entry = LB_SOCK_PEER.get_ptr(peer_slot(cookie, i)?)?;
+        // SAFETY: a valid element; its cookie read once, the rest copied
+        // out, and `peer_of` rejects an entry torn by two writers.
+        if unsafe { core::ptr::read_volatile(&(*entry).cookie) } == cookie {
+            return unsafe { core::ptr::read(entry) }.peer_of(cookie);
+        }
+        i += 1;
+    }
+    None
 }
 
 #[inline(always)]

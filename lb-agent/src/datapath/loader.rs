@@ -49,10 +49,12 @@ pub struct Capacity {
     pub max_maglev_tables: u32,
     #[arg(long, default_value_t = lb_common::capacity::REV_SOCK)]
     pub max_reverse_sockets: u32,
-    /// TCP sockets open through a frontend at once (`LB_SOCK_PEER`, the
-    /// frontend `getpeername` shows): beyond it connects still work but
-    /// show the backend (`sock_peer_lost`).
-    #[arg(long, default_value_t = lb_common::capacity::SOCK_PEERS)]
+    /// Slots for TCP sockets open through a frontend at once
+    /// (`LB_SOCK_PEER`, the frontend `getpeername` shows). A socket takes
+    /// one of the 4 its cookie names; when all 4 are held, its connect
+    /// still works but `getpeername` shows the backend (`sock_peer_lost`).
+    #[arg(long, default_value_t = lb_common::capacity::SOCK_PEERS,
+          value_parser = clap::value_parser!(u32).range(1..))]
     pub max_sock_peers: u32,
     #[arg(long, default_value_t = lb_common::capacity::AFFINITY)]
     pub max_affinity: u32,
@@ -434,7 +436,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
 }
 
 fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
-    use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeer, TcConfig};
+    use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeerEntry, TcConfig};
     use map_type::*;
     let c = capacity;
     let source_ranges = layout::<lb_common::SourceRangeData, u32>(
@@ -458,7 +460,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
             LRU_HASH,
             c.max_reverse_sockets,
         ),
-        layout::<lb_common::SockCookie, SockPeer>(map_names::SOCK_PEER, HASH, c.max_sock_peers),
+        layout::<u32, SockPeerEntry>(map_names::SOCK_PEER, ARRAY, c.max_sock_peers),
         layout::<i32, lb_common::SockSourceCheck>(map_names::SOCK_CHECK, SK_STORAGE, 0),
         layout::<AffinityKey, AffinityEntry>(map_names::AFFINITY, LRU_HASH, c.max_affinity),
         layout::<u32, u64>(map_names::STATS, PERCPU_ARRAY, lb_common::stat::COUNT),
@@ -849,9 +851,11 @@ impl Datapath {
 }
 
 /// A loader of the object with the map sizes of `capacity`.
-fn sized_loader(capacity: &Capacity) -> EbpfLoader<'static> {
+fn sized_loader(capacity: &Capacity) -> EbpfLoader<'_> {
     let mut loader = EbpfLoader::new();
     loader
+        // The programs index `LB_SOCK_PEER` by its length.
+        .override_global("SOCK_PEER_SLOTS", &capacity.max_sock_peers, true)
         .map_max_entries(map_names::SERVICES, capacity.max_services)
         .map_max_entries(map_names::SLOTS, capacity.max_slots)
         .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
