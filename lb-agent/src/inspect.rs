@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use aya::maps::{HashMap, MapData};
 use lb_common::{
     affinity_client, backend_flags, clock, ct_flags, ct_state, map_names, proto, service_flags,
-    BackendId, BackendSlotKey, CtEntry, CtKey, ServiceKey,
+    BackendSlotKey, CtEntry, CtKey, ServiceKey,
 };
 use serde::Serialize;
 
@@ -154,10 +154,11 @@ impl Subject for Services {
             unprogrammed.insert(key, value);
         }
         let known: std::collections::BTreeSet<u32> = maps
-            .backends
-            .keys()
-            .filter_map(Result::ok)
-            .map(|b| b.id)
+            .backend_entries()
+            .context("reading LB_BACKENDS")?
+            .into_iter()
+            .filter(|(id, b)| b.key_check == lb_common::KeyCheck::key_check(id))
+            .map(|(id, _)| id.id)
             .collect();
         let mut out = BTreeMap::new();
         for entry in maps.services.iter() {
@@ -183,7 +184,7 @@ impl Subject for Services {
                     missing_slots.push(slot);
                     continue;
                 };
-                let Ok(b) = maps.backends.get(&BackendId { id: s.backend_id }, 0) else {
+                let Some(b) = maps.backend(s.backend_id) else {
                     missing_slots.push(slot);
                     continue;
                 };
@@ -501,10 +502,7 @@ impl Subject for DatagramFlows {
 
 /// `addr:port` of backend `id`, if it exists.
 fn backend_addr(maps: &PinnedMaps, id: u32) -> Option<String> {
-    maps.backends
-        .get(&BackendId { id }, 0)
-        .ok()
-        .map(|b| sockaddr(&b.addr, b.port))
+    maps.backend(id).map(|b| sockaddr(&b.addr, b.port))
 }
 
 /// One conntrack entry for `inspect conntrack`.

@@ -297,14 +297,17 @@ pub mod unprogrammed_map {
     ];
 }
 
-/// Key of `LB_BACKENDS`: one id per distinct (address, port, protocol).
+/// Index of `LB_BACKENDS`: one id per distinct (address, port, protocol),
+/// the lowest free from 1 up, so the array stays dense.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendId {
     pub id: u32,
 }
 
-/// An endpoint a connection can be sent to. Value of `LB_BACKENDS`.
+/// An endpoint a connection can be sent to. Element `id` of the array
+/// `LB_BACKENDS`; a free id's element is all zeros, so its `key_check`
+/// fails.
 ///
 /// | offset | field   | meaning                          |
 /// |--------|---------|----------------------------------|
@@ -314,7 +317,7 @@ pub struct BackendId {
 /// | 19     | `flags` | `backend_flags::*`               |
 /// | 20     | `key_check` | `KeyCheck` of its `BackendId` |
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Backend {
     pub addr: [u8; 16],
     pub port: u16,

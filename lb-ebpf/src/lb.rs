@@ -30,19 +30,24 @@ pub fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
     None
 }
 
+/// Backend `id`, if the id is in use: a free id's element is zeros, whose
+/// `key_check` fails.
 #[inline(always)]
 pub fn backend_by_id(id: u32) -> Option<Backend> {
-    let key = BackendId { id };
-    let check = key.key_check();
-    for _ in 0..2 {
-        // SAFETY: copied out at once and checked, as in `lookup_service`.
-        let b = unsafe { core::ptr::read(LB_BACKENDS.get_ptr(&key)?) };
-        if b.key_check == check {
-            return Some(b);
-        }
-    }
-    count(stat::FOREIGN_VALUE);
-    None
+    // SAFETY: copied out at once. The agent writes an element in place
+    // only to change its flags (its address stays), to free it once no
+    // published set names it, or to reuse a freed id later.
+    let b = unsafe { core::ptr::read(LB_BACKENDS.get_ptr(id)?) };
+    (b.key_check == BackendId { id }.key_check()).then_some(b)
+}
+
+/// Whether backend `id` is in use (`backend_by_id` without the copy).
+#[inline(always)]
+pub fn backend_exists(id: u32) -> Option<()> {
+    let b = LB_BACKENDS.get_ptr(id)?;
+    // SAFETY: a valid element; one word read.
+    let check = unsafe { core::ptr::read_volatile(&(*b).key_check) };
+    (check == BackendId { id }.key_check()).then_some(())
 }
 
 /// The backend id in `slot` of the frontend's set.

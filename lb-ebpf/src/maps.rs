@@ -6,8 +6,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry,
+    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, BackendSlotKey, CtEntry,
+    CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry,
     ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck,
     SourceRangeData, TcConfig, Unprogrammed,
 };
@@ -42,9 +42,10 @@ pub static LB_UNPROGRAMMED: HashMap<
     { BPF_F_NO_PREALLOC as usize },
 > = HashMap::new();
 
+/// Backends by `BackendId`: an array, so that a lookup is the few
+/// instructions the verifier inlines, not a hash walk (Katran's `reals`).
 #[btf_map]
-pub static LB_BACKENDS: HashMap<BackendId, Backend, { capacity::BACKENDS as usize }> =
-    HashMap::new();
+pub static LB_BACKENDS: Array<Backend, { capacity::BACKENDS as usize }> = Array::new();
 
 #[btf_map]
 pub static LB_REV_SOCK: LruHashMap<

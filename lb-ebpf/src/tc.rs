@@ -36,15 +36,15 @@ use aya_ebpf::{
 };
 use lb_common::{
     conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
-    source_range, stat, AffinityKey, Backend, BackendId, CtEntry, CtKey, ServiceKey, ServiceValue,
+    source_range, stat, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue,
     SourceRangeData, TcConfig,
 };
 
 use crate::{
     lb,
     maps::{
-        count, this_cpu, CtMap, LB_BACKENDS, LB_CONNTRACK, LB_CT_SYN, LB_LOCAL_PORTS,
-        LB_SOURCE_RANGES, LB_TC_CONFIG,
+        count, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_LOCAL_PORTS, LB_SOURCE_RANGES,
+        LB_TC_CONFIG,
     },
 };
 
@@ -527,7 +527,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
         kind: lb_common::affinity_client::SOURCE_IP,
         _pad: [0; 3],
     };
-    let exists = |id| LB_BACKENDS.get_ptr(&BackendId { id }).map(|_| ());
+    let exists = lb::backend_exists;
     let fresh = || lb::choose_id(svc, hash).map(|id| (id, ()));
     lb::with_affinity(&key, svc, now, exists, fresh).map(|(id, ())| id)
 }

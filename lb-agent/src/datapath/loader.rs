@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use aya::{
-    maps::{HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
+    maps::{Array, HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
     programs::{
         links::{FdLink, PinnedLink},
         CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
@@ -249,7 +249,9 @@ pub struct Datapath {
 pub struct PinnedMaps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
-    pub backends: HashMap<MapData, BackendId, Backend>,
+    /// By `BackendId`; read through [`PinnedMaps::backend`] and
+    /// [`PinnedMaps::backend_entries`], which skip free ids.
+    pub backends: Array<MapData, Backend>,
     /// Maglev tables by backend set (see `new_maglev_table`).
     pub maglev: HashOfMaps<MapData, u32>,
     /// `maglev` again, for the batch writes aya's `HashOfMaps` does not
@@ -273,7 +275,7 @@ impl PinnedMaps {
         Ok(Self {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
             slots: HashMap::try_from(open(map_names::SLOTS)?)?,
-            backends: HashMap::try_from(open(map_names::BACKENDS)?)?,
+            backends: Array::try_from(open(map_names::BACKENDS)?)?,
             maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(open(map_names::UNPROGRAMMED)?)?,
@@ -447,7 +449,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
     [
         layout::<ServiceKey, ServiceValue>(map_names::SERVICES, HASH, c.max_services),
         layout::<BackendSlotKey, BackendSlot>(map_names::SLOTS, HASH, c.max_slots),
-        layout::<BackendId, Backend>(map_names::BACKENDS, HASH, c.max_backends),
+        layout::<u32, Backend>(map_names::BACKENDS, ARRAY, c.max_backends),
         // The value of a map of maps is the inner map's id (u32).
         layout::<u32, u32>(map_names::MAGLEV, HASH_OF_MAPS, c.max_maglev_tables),
         layout::<ServiceKey, Unprogrammed>(
@@ -747,7 +749,7 @@ impl Datapath {
         let maps = PinnedMaps {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
             slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
-            backends: HashMap::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
+            backends: Array::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
             maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(pin_dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(take(&mut ebpf, map_names::UNPROGRAMMED)?)?,
@@ -757,7 +759,12 @@ impl Datapath {
         };
         adopted.services = unstamped_entries(&maps.services);
         adopted.slots = unstamped_entries(&maps.slots);
-        adopted.backends = unstamped_entries(&maps.backends);
+        adopted.backends = maps
+            .backend_entries()
+            .context("reading LB_BACKENDS")?
+            .into_iter()
+            .map(|(id, b)| (id, unstamp(&id, b)))
+            .collect();
         adopted.maglev = maps.maglev.keys().filter_map(Result::ok).collect();
         Ok((
             Self {
@@ -1069,6 +1076,8 @@ fn io(e: MapError) -> std::io::Error {
         MapError::KeyNotFound | MapError::ElementNotFound => {
             std::io::Error::from(std::io::ErrorKind::NotFound)
         }
+        // An id past `LB_BACKENDS`' length: full, as the kernel says of it.
+        MapError::OutOfBounds { .. } => std::io::Error::from_raw_os_error(libc::E2BIG),
         other => std::io::Error::other(other.to_string()),
     }
 }
@@ -1124,6 +1133,29 @@ fn unstamped_entries<K: aya::Pod + KeyCheck, V: aya::Pod + Stamped<K>>(
         .collect()
 }
 
+impl PinnedMaps {
+    /// Backend `id` as the programs see it: `None` for a free id.
+    pub fn backend(&self, id: u32) -> Option<Backend> {
+        let b = self.backends.get(&id, 0).ok()?;
+        (b.key_check == BackendId { id }.key_check()).then_some(b)
+    }
+
+    /// Every `LB_BACKENDS` element that is not free (zeros), with its
+    /// check as found, in id order.
+    pub fn backend_entries(&self) -> std::io::Result<Vec<(BackendId, Backend)>> {
+        use std::os::fd::AsFd as _;
+        let map = self.backends.map();
+        let len = self.backends.len();
+        let values: Vec<Backend> = crate::datapath::batch::lookup_array(map.fd().as_fd(), len)?;
+        Ok(values
+            .into_iter()
+            .zip(0u32..)
+            .filter(|(b, _)| *b != Backend::default())
+            .map(|(b, id)| (BackendId { id }, b))
+            .collect())
+    }
+}
+
 impl MapOps for PinnedMaps {
     fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
         self.services.insert(key, stamp(&key, value), 0).map_err(io)
@@ -1138,10 +1170,11 @@ impl MapOps for PinnedMaps {
         self.slots.remove(&key).map_err(io)
     }
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
-        self.backends.insert(id, stamp(&id, backend), 0).map_err(io)
+        self.backends.set(id.id, stamp(&id, backend), 0).map_err(io)
     }
+    /// An array element is not deleted: zeros free it (their check fails).
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
-        self.backends.remove(&id).map_err(io)
+        self.backends.set(id.id, Backend::default(), 0).map_err(io)
     }
     fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
         let table = new_maglev_table(table).map_err(MaglevWriteError::Table)?;
@@ -1330,13 +1363,36 @@ mod tests {
         assert_eq!(unstamp(&key, reader.services.get(&key, 0).unwrap()), value);
         assert_eq!(reader.maglev_table(7, 251).unwrap(), table);
         drop(reader);
+        // LB_BACKENDS is an array: a backend is its id's element, freed by
+        // zeros; an id past its length does not fit.
+        let backend = Backend {
+            addr: [1; 16],
+            port: 8080,
+            proto: 6,
+            flags: 0,
+            key_check: 0,
+        };
+        dp.maps().put_backend(BackendId { id: 7 }, backend).unwrap();
+        let reader = PinnedMaps::open(&scratch.pins).unwrap();
+        assert_eq!(
+            reader.backend(7).map(|b| unstamp(&BackendId { id: 7 }, b)),
+            Some(backend)
+        );
+        assert_eq!(reader.backend(6), None);
+        dp.maps().del_backend(BackendId { id: 7 }).unwrap();
+        assert_eq!(reader.backend(7), None);
+        assert_eq!(reader.backend_entries().unwrap(), vec![]);
+        let past = BackendId {
+            id: small.max_backends,
+        };
         assert_eq!(
             dp.maps()
-                .del_backend(BackendId { id: 7 })
+                .put_backend(past, backend)
                 .unwrap_err()
-                .kind(),
-            std::io::ErrorKind::NotFound
+                .raw_os_error(),
+            Some(libc::E2BIG)
         );
+        drop(reader);
         drop(dp);
         // A second load adopts the pinned maps and replaces the links.
         let (mut dp, adopted) =
