@@ -31,14 +31,20 @@ pub fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
 }
 
 /// Backend `id`, if the id is in use: a free id's element is zeros, whose
-/// `key_check` fails.
+/// `key_check` fails; one written for another id (by hand) is counted.
 #[inline(always)]
 pub fn backend_by_id(id: u32) -> Option<Backend> {
     // SAFETY: copied out at once. The agent writes an element in place
     // only to change its flags (its address stays), to free it once no
     // published set names it, or to reuse a freed id later.
     let b = unsafe { core::ptr::read(LB_BACKENDS.get_ptr(id)?) };
-    (b.key_check == BackendId { id }.key_check()).then_some(b)
+    if b.key_check == (BackendId { id }).key_check() {
+        return Some(b);
+    }
+    if b.key_check != 0 {
+        count(stat::FOREIGN_VALUE);
+    }
+    None
 }
 
 /// Whether backend `id` is in use (`backend_by_id` without the copy).
