@@ -157,7 +157,7 @@ impl Subject for Services {
             .backend_entries()
             .context("reading LB_BACKENDS")?
             .into_iter()
-            .filter(|(id, b)| b.key_check == lb_common::KeyCheck::key_check(id))
+            .filter(|(id, b)| crate::datapath::loader::backend_in_use(*id, b))
             .map(|(id, _)| id.id)
             .collect();
         let mut out = BTreeMap::new();

@@ -55,7 +55,7 @@ pub static LB_REV_SOCK: LruHashMap<
 > = LruHashMap::new();
 
 /// The reverse view of connected TCP sockets: an array of
-/// `SockPeerEntry` by socket cookie (see `sock::peer_slots`), written at
+/// `SockPeerEntry` by socket cookie (see `sock::PeerSlots`), written at
 /// connect, freed by `sock_release` when the socket is closed.
 #[btf_map]
 pub static LB_SOCK_PEER: Array<SockPeerEntry, { capacity::SOCK_PEERS as usize }> = Array::new();

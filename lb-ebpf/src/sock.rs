@@ -276,15 +276,14 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 /// A TCP socket's one peer, until `release` forgets it: in its own slot
 /// of `LB_SOCK_PEER` if it has one (a second connect of the socket
 /// overwrites the first's peer), else in the first free one of its slots.
+/// A socket thus holds at most one slot.
 ///
-/// A function of its own (not inlined): the record is built on its own
-/// stack frame, beside the hook's deepest chain of calls, which it would
-/// push past 512 bytes as the verifiers of 5.10 and 6.1 count. A per-CPU
-/// scratch is no place for it: sock_addr programs run in process context,
-/// where another task may preempt this one on its CPU.
+/// A function of its own (not inlined): its probing and digest spill on
+/// its own stack frame, beside the hook's deepest chain of calls, which
+/// they would push past 512 bytes as the verifiers of 5.10 and 6.1 count.
 #[inline(never)]
 fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend) {
-    let Some(entry) = peer_slot_for(cookie) else {
+    let Some(entry) = PeerSlots::of(cookie).and_then(|s| s.own_or_free(cookie)) else {
         // Every slot held by an open socket: only the reverse view is
         // lost, never the connection.
         count(stat::SOCK_PEER_LOST);
@@ -307,44 +306,84 @@ fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend) {
     }
 }
 
-/// The slot `cookie`'s socket holds, else the first free one of its
-/// slots.
-#[inline(always)]
-fn peer_slot_for(cookie: u64) -> Option<*mut SockPeerEntry> {
-    let mut free = None;
-    let mut i = 0;
-    while i < SOCK_PEER_PROBES {
-        let Some(entry) = LB_SOCK_PEER.get_ptr_mut(peer_slot(cookie, i)?) else {
-            break;
-        };
-        // SAFETY: a valid element, read once.
-        let held = unsafe { core::ptr::read_volatile(&(*entry).cookie) };
-        if held == cookie {
-            return Some(entry);
-        }
-        if held == 0 && free.is_none() {
-            free = Some(entry);
-        }
-        i += 1;
-    }
-    free
-}
-
-/// The `i`th `LB_SOCK_PEER` index a socket may hold: `SOCK_PEER_PROBES`
-/// in a row from `cookie % slots`, wrapping. Cookies are handed out in
+/// The `LB_SOCK_PEER` slots a socket may hold: `SOCK_PEER_PROBES` in a
+/// row from `cookie % slots`, wrapping. Cookies are handed out in
 /// increasing order (per CPU, in batches), so the sockets open at once
 /// mostly take distinct slots.
-#[inline(always)]
-fn peer_slot(cookie: u64, i: u32) -> Option<u32> {
-    let slots = sock_peer_slots();
-    if i >= slots {
-        return None;
-    }
-    let at = cookie.checked_rem(slots as u64)? as u32 + i;
-    Some(if at >= slots { at - slots } else { at })
+#[derive(Clone, Copy)]
+struct PeerSlots {
+    first: u32,
+    slots: u32,
 }
 
-/// `sock_release`: a closed TCP socket's slots are freed, so that
+impl PeerSlots {
+    /// `None` only for an array of no slots.
+    #[inline(always)]
+    fn of(cookie: u64) -> Option<Self> {
+        let slots = sock_peer_slots();
+        let first = cookie.checked_rem(slots as u64)? as u32;
+        Some(Self { first, slots })
+    }
+
+    /// The `i`th slot, `None` past the array (a table of fewer slots than
+    /// `SOCK_PEER_PROBES`).
+    #[inline(always)]
+    fn entry(self, i: u32) -> Option<*mut SockPeerEntry> {
+        if i >= self.slots {
+            return None;
+        }
+        let at = self.first + i;
+        LB_SOCK_PEER.get_ptr_mut(if at >= self.slots {
+            at - self.slots
+        } else {
+            at
+        })
+    }
+
+    /// The slot holding `cookie`.
+    #[inline(always)]
+    fn own(self, cookie: u64) -> Option<*mut SockPeerEntry> {
+        let mut i = 0;
+        while i < SOCK_PEER_PROBES {
+            let entry = self.entry(i)?;
+            if held_by(entry) == cookie {
+                return Some(entry);
+            }
+            i += 1;
+        }
+        None
+    }
+
+    /// The slot holding `cookie`, else the first free one.
+    #[inline(always)]
+    fn own_or_free(self, cookie: u64) -> Option<*mut SockPeerEntry> {
+        let mut free = None;
+        let mut i = 0;
+        while i < SOCK_PEER_PROBES {
+            let Some(entry) = self.entry(i) else {
+                break;
+            };
+            let held = held_by(entry);
+            if held == cookie {
+                return Some(entry);
+            }
+            if held == 0 && free.is_none() {
+                free = Some(entry);
+            }
+            i += 1;
+        }
+        free
+    }
+}
+
+/// The cookie of the socket holding `entry`, 0 if it is free.
+#[inline(always)]
+fn held_by(entry: *mut SockPeerEntry) -> u64 {
+    // SAFETY: a valid element of `LB_SOCK_PEER`, read once.
+    unsafe { core::ptr::read_volatile(&(*entry).cookie) }
+}
+
+/// `sock_release`: a closed TCP socket's slot is freed, so that
 /// `LB_SOCK_PEER` holds only open sockets. Other sockets have none.
 #[inline(always)]
 pub fn release(ctx: &SockContext) -> i32 {
@@ -353,19 +392,10 @@ pub fn release(ctx: &SockContext) -> i32 {
     if proto == proto::TCP as u32 {
         // SAFETY: plain helper call on the program's own context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-        let mut i = 0;
-        while i < SOCK_PEER_PROBES {
-            let Some(entry) = peer_slot(cookie, i).and_then(|s| LB_SOCK_PEER.get_ptr_mut(s)) else {
-                break;
-            };
+        if let Some(entry) = PeerSlots::of(cookie).and_then(|s| s.own(cookie)) {
             // SAFETY: a valid element; only this socket writes a slot that
-            // holds its cookie. A reconnect may have left it two.
-            unsafe {
-                if core::ptr::read_volatile(&(*entry).cookie) == cookie {
-                    core::ptr::write_volatile(&mut (*entry).cookie, 0);
-                }
-            }
-            i += 1;
+            // holds its cookie.
+            unsafe { core::ptr::write_volatile(&mut (*entry).cookie, 0) };
         }
     }
     PROCEED
@@ -429,17 +459,10 @@ fn tcp_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)
 /// What the TCP socket `cookie` was connected to, from `LB_SOCK_PEER`.
 #[inline(always)]
 pub fn tcp_peer(cookie: u64) -> Option<SockPeer> {
-    let mut i = 0;
-    while i < SOCK_PEER_PROBES {
-        let entry = LB_SOCK_PEER.get_ptr(peer_slot(cookie, i)?)?;
-        // SAFETY: a valid element; its cookie read once, the rest copied
-        // out, and `peer_of` rejects an entry torn by two writers.
-        if unsafe { core::ptr::read_volatile(&(*entry).cookie) } == cookie {
-            return unsafe { core::ptr::read(entry) }.peer_of(cookie);
-        }
-        i += 1;
-    }
-    None
+    let entry = PeerSlots::of(cookie)?.own(cookie)?;
+    // SAFETY: a valid element, copied out; `peer_of` rejects an entry torn
+    // by two writers (or taken by another socket since `own`).
+    unsafe { core::ptr::read(entry) }.peer_of(cookie)
 }
 
 #[inline(always)]

@@ -1133,11 +1133,17 @@ fn unstamped_entries<K: aya::Pod + KeyCheck, V: aya::Pod + Stamped<K>>(
         .collect()
 }
 
+/// Whether `LB_BACKENDS` element `b` is backend `id`, as the programs
+/// take it: a free element is zeros, one written for another id is not.
+pub fn backend_in_use(id: BackendId, b: &Backend) -> bool {
+    b.key_check == id.key_check()
+}
+
 impl PinnedMaps {
     /// Backend `id` as the programs see it: `None` for a free id.
     pub fn backend(&self, id: u32) -> Option<Backend> {
         let b = self.backends.get(&id, 0).ok()?;
-        (b.key_check == BackendId { id }.key_check()).then_some(b)
+        backend_in_use(BackendId { id }, &b).then_some(b)
     }
 
     /// Every `LB_BACKENDS` element that is not free (zeros), with its
