@@ -30,7 +30,7 @@ use aya_ebpf::{
         __sk_buff, bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST,
     },
     btf_maps::PerCpuArray,
-    helpers::{bpf_csum_diff, bpf_get_prandom_u32, bpf_ktime_get_ns},
+    helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns},
     macros::btf_map,
     programs::TcContext,
 };
@@ -240,41 +240,170 @@ fn l4_flags(p: &Pkt) -> u64 {
     udp | v6
 }
 
-/// Rewrites the source (`is_src`) or destination address, checksums included.
+/// An incremental checksum update (RFC 1624): the ones'-complement sum of
+/// `!old + new` over the 32-bit words that change, each read from the
+/// packet's bytes in native order, as the kernel's csum helpers read them.
+/// Computed in the program: a helper call per field cost more than the
+/// field's arithmetic (the kernel's calls return through the SRSO thunk).
+#[derive(Clone, Copy)]
+struct CsumDiff(u64);
+
+impl CsumDiff {
+    #[inline(always)]
+    fn word(self, old: u32, new: u32) -> Self {
+        CsumDiff(self.0 + (!old) as u64 + new as u64)
+    }
+
+    /// The words of an address as the packet carries it: IPv4's one word,
+    /// IPv6's four.
+    #[inline(always)]
+    fn addr(self, v6: bool, old: &[u8; 16], new: &[u8; 16]) -> Self {
+        let w = |a: &[u8; 16], i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        let d = self.word(w(old, 12), w(new, 12));
+        if !v6 {
+            return d;
+        }
+        d.word(w(old, 0), w(new, 0))
+            .word(w(old, 4), w(new, 4))
+            .word(w(old, 8), w(new, 8))
+    }
+
+    /// The 32-bit partial sum (`__wsum`) the csum helpers take as a diff.
+    #[inline(always)]
+    fn wsum(self) -> u32 {
+        let s = (self.0 & 0xffff_ffff) + (self.0 >> 32);
+        ((s & 0xffff_ffff) + (s >> 32)) as u32
+    }
+
+    /// A 16-bit checksum field, as read from the packet, updated.
+    #[inline(always)]
+    fn apply(self, field: u16) -> u16 {
+        let s = (!field) as u64 + self.wsum() as u64;
+        let s = (s & 0xffff) + (s >> 16);
+        let s = (s & 0xffff) + (s >> 16);
+        let s = (s & 0xffff) + (s >> 16);
+        !(s as u16)
+    }
+}
+
+/// Writes `v` at `off`: straight into the packet when the bytes are in its
+/// linear part (the verifier has the program unclone the packet first),
+/// else through `bpf_skb_store_bytes`.
 #[inline(always)]
-fn set_addr(ctx: &TcContext, p: &Pkt, is_src: bool, old: &[u8; 16], new: &[u8; 16]) -> bool {
-    if old == new {
+pub(crate) fn put<T: Copy>(ctx: &TcContext, off: usize, v: &T) -> bool {
+    let start = ctx.data();
+    if start + off + core::mem::size_of::<T>() <= ctx.data_end() {
+        // SAFETY: bounds checked against data_end just above (the verifier
+        // checks it too); packet bytes have no alignment.
+        unsafe { core::ptr::write_unaligned((start + off) as *mut T, *v) };
         return true;
     }
-    let flags = l4_flags(p) | BPF_F_PSEUDO_HDR as u64;
-    if !p.v6 {
-        let o = u32::from_ne_bytes([old[12], old[13], old[14], old[15]]);
-        let n = u32::from_ne_bytes([new[12], new[13], new[14], new[15]]);
-        let off = ETH_HLEN + if is_src { 12 } else { 16 };
-        ctx.l4_csum_replace(csum_off(p), o as u64, n as u64, flags | 4)
-            .is_ok()
-            && ctx
-                .l3_csum_replace(ETH_HLEN + 10, o as u64, n as u64, 4)
-                .is_ok()
-            && ctx.store(off, &n, 0).is_ok()
-    } else {
-        let mut o = *old;
-        let mut n = *new;
-        // SAFETY: both buffers are 16 initialised bytes on this stack.
-        let diff = unsafe {
-            bpf_csum_diff(
-                o.as_mut_ptr() as *mut u32,
-                16,
-                n.as_mut_ptr() as *mut u32,
-                16,
-                0,
-            )
-        };
-        let off = ETH_HLEN + if is_src { 8 } else { 24 };
-        ctx.l4_csum_replace(csum_off(p), 0, diff as u32 as u64, flags)
-            .is_ok()
-            && ctx.store(off, new, 0).is_ok()
+    ctx.store(off, v, 0).is_ok()
+}
+
+/// `put` at the transport header, at a constant offset where it can be
+/// (see `l4_head`).
+#[inline(always)]
+fn put_l4<T: Copy>(ctx: &TcContext, l4: usize, v: &T) -> bool {
+    match l4 {
+        L4_V4 => put(ctx, L4_V4, v),
+        L4_V6 => put(ctx, L4_V6, v),
+        _ => ctx.store(l4, v, 0).is_ok(),
     }
+}
+
+/// A packet's addresses and ports (host order), as it is or as it is to be.
+pub(crate) struct Tuple<'a> {
+    pub src: &'a [u8; 16],
+    pub dst: &'a [u8; 16],
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// What a flow's entry rewrites a packet to.
+#[inline(always)]
+pub(crate) fn nat_tuple(e: &CtEntry) -> Tuple<'_> {
+    Tuple {
+        src: &e.nat_src,
+        dst: &e.nat_dst,
+        sport: e.nat_sport,
+        dport: e.nat_dport,
+    }
+}
+
+impl Pkt {
+    #[inline(always)]
+    pub(crate) fn tuple(&self) -> Tuple<'_> {
+        Tuple {
+            src: &self.src,
+            dst: &self.dst,
+            sport: self.sport,
+            dport: self.dport,
+        }
+    }
+}
+
+/// Rewrites packet `p` from tuple `old` to tuple `new`, checksums
+/// included: the addresses and ports are stored, the IPv4 header checksum
+/// is computed here, and the transport checksum takes two differences, one
+/// for the addresses (its pseudo-header) and one for the ports. They stay
+/// two helper calls: for a packet whose checksum the device is still to
+/// compute (CHECKSUM_PARTIAL, as from a veth) the field holds only the
+/// pseudo-header's sum, and only the helper knows which kind of packet it
+/// is.
+#[inline(always)]
+fn rewrite_tuple(ctx: &TcContext, p: &Pkt, old: &Tuple, new: &Tuple) -> bool {
+    let addrs = CsumDiff(0)
+        .addr(p.v6, old.src, new.src)
+        .addr(p.v6, old.dst, new.dst);
+    let addrs_change = old.src != new.src || old.dst != new.dst;
+    let ports_change = old.sport != new.sport || old.dport != new.dport;
+    if addrs_change {
+        let stored = if p.v6 {
+            put(ctx, ETH_HLEN + 8, new.src) && put(ctx, ETH_HLEN + 24, new.dst)
+        } else {
+            let Some(check) = at::<u16>(ctx, ETH_HLEN + 10) else {
+                return false;
+            };
+            let a = |x: &[u8; 16]| [x[12], x[13], x[14], x[15]];
+            put(ctx, ETH_HLEN + 10, &addrs.apply(check))
+                && put(ctx, ETH_HLEN + 12, &a(new.src))
+                && put(ctx, ETH_HLEN + 16, &a(new.dst))
+        };
+        if !stored {
+            return false;
+        }
+    }
+    let ports = |sport: u16, dport: u16| {
+        let (s, d) = (sport.to_be_bytes(), dport.to_be_bytes());
+        [s[0], s[1], d[0], d[1]]
+    };
+    let (old_ports, new_ports) = (ports(old.sport, old.dport), ports(new.sport, new.dport));
+    if ports_change && !put_l4(ctx, p.l4, &new_ports) {
+        return false;
+    }
+    let flags = l4_flags(p);
+    // The stores come first: a csum helper moves the packet's data.
+    (!addrs_change
+        || ctx
+            .l4_csum_replace(
+                csum_off(p),
+                0,
+                addrs.wsum() as u64,
+                flags | BPF_F_PSEUDO_HDR as u64,
+            )
+            .is_ok())
+        && (!ports_change
+            || ctx
+                .l4_csum_replace(
+                    csum_off(p),
+                    0,
+                    CsumDiff(0)
+                        .word(u32::from_ne_bytes(old_ports), u32::from_ne_bytes(new_ports))
+                        .wsum() as u64,
+                    flags,
+                )
+                .is_ok())
 }
 
 /// Rewrites the source and destination of the IPv4 header at `hdr`, each
@@ -296,25 +425,10 @@ pub(crate) fn set_ipv4_addrs(
         && ctx.store(hdr + 16, &new_dst, 0).is_ok()
 }
 
-#[inline(always)]
-fn set_port(ctx: &TcContext, p: &Pkt, is_src: bool, old: u16, new: u16) -> bool {
-    if old == new {
-        return true;
-    }
-    let (o, n) = (old.to_be(), new.to_be());
-    let off = p.l4 + if is_src { 0 } else { 2 };
-    ctx.l4_csum_replace(csum_off(p), o as u64, n as u64, l4_flags(p) | 2)
-        .is_ok()
-        && ctx.store(off, &n, 0).is_ok()
-}
-
 /// Rewrites the packet to the entry's tuple.
 #[inline(always)]
 fn rewrite(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> bool {
-    set_addr(ctx, p, true, &p.src, &e.nat_src)
-        && set_addr(ctx, p, false, &p.dst, &e.nat_dst)
-        && set_port(ctx, p, true, p.sport, e.nat_sport)
-        && set_port(ctx, p, false, p.dport, e.nat_dport)
+    rewrite_tuple(ctx, p, &p.tuple(), &nat_tuple(e))
 }
 
 /// Sends a rewritten packet out of the device the FIB says, resolving the

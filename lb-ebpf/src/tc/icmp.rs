@@ -30,7 +30,7 @@ use aya_ebpf::{
 use lb_common::{proto, stat, CtEntry, CtKey};
 
 use super::{
-    quoted_flow, set_addr, set_port, Pkt, ETH_HLEN, ETH_P_IPV6, TCP_ACK, TCP_RST, TCP_SYN,
+    nat_tuple, quoted_flow, rewrite_tuple, Pkt, ETH_HLEN, ETH_P_IPV6, TCP_ACK, TCP_RST, TCP_SYN,
     TC_ACT_OK, TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use crate::maps::{count, this_cpu};
@@ -313,11 +313,7 @@ pub fn too_big(ctx: &TcContext, p: &Pkt, e: &CtEntry, mtu: u16) -> i32 {
             return TC_ACT_SHOT;
         }
     }
-    let restored = set_addr(ctx, p, true, &e.nat_src, &p.src)
-        && set_addr(ctx, p, false, &e.nat_dst, &p.dst)
-        && set_port(ctx, p, true, e.nat_sport, p.sport)
-        && set_port(ctx, p, false, e.nat_dport, p.dport);
-    if !restored {
+    if !rewrite_tuple(ctx, p, &nat_tuple(e), &p.tuple()) {
         return TC_ACT_SHOT;
     }
     if p.v6 {

@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use lb_common::proto;
 
-use super::{AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
+use super::{put, AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
 use crate::maps::this_cpu;
 
 const FIB_FRAG_NEEDED: i64 = 8;
@@ -94,7 +94,7 @@ pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
     match rc {
         // The next hop's MAC and the device's, from the lookup (map memory,
         // as the helper takes it): the Ethernet header is complete.
-        FIB_SUCCESS if ctx.store(0, &fib.dmac, 0).is_ok() && ctx.store(6, &fib.smac, 0).is_ok() => {
+        FIB_SUCCESS if put(ctx, 0, &fib.dmac) && put(ctx, 6, &fib.smac) => {
             // SAFETY: plain helper call; the packet leaves by that device.
             Fib::Sent(unsafe { bpf_redirect(fib.ifindex, 0) } as i32)
         }

@@ -637,9 +637,18 @@ fn nodeport_section(o: &mut String, r: &Results) {
          conntrack lookup, a miss for most packets there (profiled before `LB_LOCAL_PORTS`). \
          What makes the tc path cheaper is therefore touching less memory per packet (fewer \
          tables per flow, tc_egress deciding \"not ours\" before any lookup), more than fewer \
-         instructions: replacing the per-field checksum helpers of an established packet by \
-         one difference for the addresses and one for the ports, computed in the program, \
-         measured 911 → 901 ns (`cost_by_packet_kind`), within the noise, and was not kept.\n",
+         instructions, on the machine these figures come from: there, replacing the per-field \
+         checksum helpers of an established packet by one difference for the addresses and \
+         one for the ports, computed in the program, measured 911 → 901 ns \
+         (`cost_by_packet_kind`), within the noise. On a machine whose kernel returns from \
+         every call through the SRSO safe-return thunk (`/sys/devices/system/cpu/\
+         vulnerabilities/spec_rstack_overflow`: \"Mitigation: Safe RET\"), every helper call \
+         costs far more and the same test measures about twice the figures above; there the \
+         change (a masqueraded packet's addresses, ports and IPv4 header checksum stored \
+         directly, the transport checksum updated by two differences, the MACs stored \
+         directly: ten helper calls fewer) took an established ACK from 1440 to 1217 ns \
+         (medians of six runs of each build, alternated; their ranges 1162–1663 and \
+         1112–1293 ns), and it was kept (issue 13).\n",
     );
     if np.ours_stats.iter().any(|s| s.2 > 0) {
         o.push_str(
