@@ -1158,6 +1158,23 @@ pub mod select {
         h as u32
     }
 
+    /// A uniformly random draw for the socket path (a backend for a new
+    /// connection when neither Maglev nor affinity decides): one step of
+    /// this CPU's SplitMix64 sequence `state`, mixed with the CPU's number
+    /// so that CPUs whose sequences start alike draw apart. It takes no
+    /// helper call where `bpf_get_prandom_u32` does (60-130 ns of a
+    /// connect on a kernel that returns from every call through the SRSO
+    /// thunk). A socket connecting again (after ECONNREFUSED from a backend
+    /// gone stale) draws afresh, since the sequence has moved on.
+    #[inline(always)]
+    pub fn draw(state: &mut u64, cpu: u32) -> u32 {
+        *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = *state ^ (cpu as u64).wrapping_mul(0xd6e8_feb8_6659_fd93);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 32) as u32
+    }
+
     /// A 32-bit hash of a packet's 5-tuple, for Maglev on the tc path: the
     /// same flow always lands on the same table position.
     #[inline(always)]
@@ -1283,6 +1300,31 @@ pub mod select {
             assert!(!f.live(65_000_000_001, 60));
             // Used on another CPU after this one read the clock.
             assert!(f.live(4_000_000_000, 1));
+        }
+
+        #[test]
+        fn draw_is_uniform_and_cpus_draw_apart() {
+            // One CPU's sequence over 3 and 8 backends.
+            for n in [3u32, 8] {
+                let mut state = 0u64;
+                let mut buckets = [0u32; 8];
+                for _ in 0..8000 {
+                    buckets[(draw(&mut state, 0) % n) as usize] += 1;
+                }
+                let expect = 8000 / n;
+                for b in &buckets[..n as usize] {
+                    assert!(b.abs_diff(expect) < expect / 8, "{n}: {buckets:?}");
+                }
+            }
+            // Two CPUs whose sequences are at the same step (both start at
+            // 0): their draws are not correlated.
+            for (c1, c2) in [(0, 1), (1, 2), (0, 63)] {
+                let (mut a, mut b) = (0u64, 0u64);
+                let same = (0..8000)
+                    .filter(|_| draw(&mut a, c1) % 8 == draw(&mut b, c2) % 8)
+                    .count();
+                assert!((800..1200).contains(&same), "cpus {c1} {c2}: {same}");
+            }
         }
 
         #[test]

@@ -1,10 +1,7 @@
 //! Frontend lookup and backend selection shared by every hook, as Cilium's
 //! `lb.h` is: the socket programs and the tc programs differ only in how
 //! they hash a flow and who the client is.
-use aya_ebpf::{
-    bindings::{BPF_ANY, BPF_NOEXIST},
-    helpers::bpf_get_prandom_u32,
-};
+use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use lb_common::{
     select, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlotKey, DatagramFlow,
     DatagramFlowKey, KeyCheck, ServiceKey, ServiceValue,
@@ -88,17 +85,26 @@ fn table_backend(svc: &ServiceValue, position: u32) -> Option<u32> {
 }
 
 /// A backend for a new flow: through the Maglev table (with the flow hash
-/// the hook computes, only when it is needed) or uniformly at random.
+/// the hook computes, only when it is needed) or uniformly at random (with
+/// the hook's random number, only when it is needed).
 #[inline(always)]
-pub fn choose(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<(u32, Backend)> {
-    let id = choose_id(svc, flow_hash)?;
+pub fn choose(
+    svc: &ServiceValue,
+    flow_hash: impl FnOnce() -> u32,
+    random: impl FnOnce() -> u32,
+) -> Option<(u32, Backend)> {
+    let id = choose_id(svc, flow_hash, random)?;
     Some((id, backend_by_id(id)?))
 }
 
 /// `choose`, the backend's id only (a caller that copies the backend
 /// elsewhere itself).
 #[inline(always)]
-pub fn choose_id(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<u32> {
+pub fn choose_id(
+    svc: &ServiceValue,
+    flow_hash: impl FnOnce() -> u32,
+    random: impl FnOnce() -> u32,
+) -> Option<u32> {
     let from_table = if select::uses_maglev(svc) {
         table_backend(svc, select::maglev_position(svc, flow_hash()))
     } else {
@@ -109,8 +115,7 @@ pub fn choose_id(svc: &ServiceValue, flow_hash: impl FnOnce() -> u32) -> Option<
         // Not Maglev, or no table: maps of an agent version that kept the
         // tables in `LB_SLOTS`, until its first sync rewrites them; the
         // active backends are all there to choose from.
-        // SAFETY: plain helper call.
-        None => slot_backend(svc, select::slot(svc, unsafe { bpf_get_prandom_u32() })?),
+        None => slot_backend(svc, select::slot(svc, random())?),
     }
 }
 

@@ -54,6 +54,13 @@ pub static LB_REV_SOCK: LruHashMap<
     { capacity::REV_SOCK as usize },
 > = LruHashMap::new();
 
+/// Each CPU's state for `select::draw`, the sockets' random backend
+/// choice (not pinned: a restart only starts the sequence afresh). Two
+/// connects preempting each other on one CPU may take one step twice;
+/// their cookies still tell their draws apart.
+#[btf_map]
+pub static LB_SOCK_DRAW: PerCpuArray<u64, 1> = PerCpuArray::new();
+
 /// The reverse view of connected TCP sockets: an array of
 /// `SockPeerEntry` by socket cookie (see `sock::PeerSlots`), written at
 /// connect, freed by `sock_release` when the socket is closed.

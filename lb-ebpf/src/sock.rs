@@ -8,7 +8,10 @@
 //! `lb-common` (IPv4 mapped), so both families share one path.
 use aya_ebpf::{
     bindings::{bpf_sock_addr, BPF_ANY},
-    helpers::{bpf_get_netns_cookie, bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_set_retval},
+    helpers::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_smp_processor_id, bpf_get_socket_cookie,
+        bpf_ktime_get_ns, bpf_set_retval,
+    },
     programs::{SockAddrContext, SockContext},
     EbpfContext,
 };
@@ -20,7 +23,10 @@ use lb_common::{
 
 use crate::{
     lb,
-    maps::{count, sock_peer_slots, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_PEER},
+    maps::{
+        count, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_DRAW,
+        LB_SOCK_PEER,
+    },
 };
 
 /// Let the syscall proceed (with whatever address the program left).
@@ -162,12 +168,27 @@ fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
         select::flow_hash(sock, netns, svc.id)
     };
     if svc.flags & service_flags::AFFINITY == 0 {
-        return lb::choose(svc, hash);
+        return lb::choose(svc, hash, random);
     }
     // SAFETY: plain helper calls on the program's own context.
     let (netns, now) = unsafe { (bpf_get_netns_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
     let key = AffinityKey::for_netns(netns, svc.affinity_id);
-    lb::with_affinity(&key, svc, now, lb::backend_by_id, || lb::choose(svc, hash))
+    lb::with_affinity(&key, svc, now, lb::backend_by_id, || {
+        lb::choose(svc, hash, random)
+    })
+}
+
+/// A uniformly random number for a socket's choice (`select::draw`): no
+/// helper call on the kernels that inline the per-CPU array lookup and the
+/// CPU number (6.10 and later).
+#[inline(always)]
+fn random() -> u32 {
+    match this_cpu(&LB_SOCK_DRAW) {
+        // SAFETY: plain helper call (inlined by the verifier).
+        Some(state) => select::draw(state, unsafe { bpf_get_smp_processor_id() }),
+        // SAFETY: plain helper call.
+        None => unsafe { bpf_get_prandom_u32() },
+    }
 }
 
 /// A backend for a UDP socket's datagram to `frontend`: the one of its flow

@@ -632,8 +632,10 @@ fn source_allowed(p: &Pkt) -> bool {
 #[inline(always)]
 fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
     let hash = || select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto);
+    // SAFETY: plain helper call.
+    let random = || unsafe { bpf_get_prandom_u32() };
     if svc.flags & service_flags::AFFINITY == 0 {
-        return lb::choose_id(svc, hash);
+        return lb::choose_id(svc, hash, random);
     }
     let key = AffinityKey {
         client: p.src,
@@ -642,7 +644,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
         _pad: [0; 3],
     };
     let exists = lb::backend_exists;
-    let fresh = || lb::choose_id(svc, hash).map(|id| (id, ()));
+    let fresh = || lb::choose_id(svc, hash, random).map(|id| (id, ()));
     lb::with_affinity(&key, svc, now, exists, fresh).map(|(id, ())| id)
 }
 
