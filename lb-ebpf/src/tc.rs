@@ -1160,15 +1160,52 @@ pub extern "C" fn tc_ingress_other(skb: *mut __sk_buff) -> i32 {
     }
 }
 
+/// Most of what leaves a device is not a local backend's reply, and the
+/// usual packet says so in a few bytes: IPv4 without options and not a
+/// later fragment, or IPv6 without extension headers, carrying TCP or UDP
+/// from a source port no local backend serves for that protocol
+/// (`LB_LOCAL_PORTS`). Decided here, before `parse` copies the packet's
+/// addresses into map memory; anything else goes the whole way, to the
+/// same decision or a translation.
+#[inline(always)]
+fn surely_not_a_reply(ctx: &TcContext) -> bool {
+    let (l4proto, sport) = match at::<u16>(ctx, 12).map(u16::from_be) {
+        Some(ETH_P_IP) => {
+            let Some(h) = at::<[u8; 10]>(ctx, ETH_HLEN) else {
+                return false;
+            };
+            if h[0] != 0x45 || u16::from_be_bytes([h[6], h[7]]) & 0x1fff != 0 {
+                return false;
+            }
+            (h[9], at::<u16>(ctx, L4_V4))
+        }
+        Some(ETH_P_IPV6) => (
+            at::<u8>(ctx, ETH_HLEN + 6).unwrap_or(0),
+            at::<u16>(ctx, L4_V6),
+        ),
+        _ => return false,
+    };
+    let Some(sport) = sport else {
+        return false;
+    };
+    (l4proto == proto::TCP || l4proto == proto::UDP)
+        && !LB_LOCAL_PORTS
+            .get(u16::from_be(sport) as u32)
+            .is_some_and(|port| port.serves(l4proto))
+}
+
 /// tc egress of an external device: replies of local backends.
 #[inline(always)]
 pub fn egress(ctx: &TcContext) -> i32 {
+    if surely_not_a_reply(ctx) {
+        return TC_ACT_UNSPEC;
+    }
     let Some(p) = parse(ctx) else {
         return frag::later(ctx, false).unwrap_or(TC_ACT_UNSPEC);
     };
-    // Only a local backend's reply can be ours: most of what leaves a
-    // device is decided here, on one array read, without the conntrack
-    // lookup that misses for it.
+    // Only a local backend's reply can be ours (as above, for the packets
+    // `surely_not_a_reply` does not parse), decided without the conntrack
+    // lookup that misses for the rest.
     if !LB_LOCAL_PORTS
         .get(p.sport as u32)
         .is_some_and(|port| port.serves(p.proto))

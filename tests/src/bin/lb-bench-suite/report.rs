@@ -621,7 +621,11 @@ fn nodeport_section(o: &mut String, r: &Results) {
          twice the test runs'. tc_egress went the same way (~150 ns, 290–360 ns, 540–580 ns; \
          ~480 ns per run here) until it decided \"not ours\" from the source port \
          (`LB_LOCAL_PORTS`) before its conntrack lookup: 240 → 171 ns, 351 → 271 ns, 540 → 351 ns \
-         in one run of `cost_with_cold_caches` before and after (issue 13; docs/maps.md). \
+         in one run of `cost_with_cold_caches` before and after (issue 13; docs/maps.md), and \
+         later decided it from the packet's bytes before copying the packet's addresses out \
+         (`surely_not_a_reply`): medians of four alternated runs of each build on the SRSO \
+         machine, 240 → 136 ns (one flow), 356 → 260 ns (flows in turn), 496 → 335 ns (1 MiB \
+         written between runs). \
          Since issue 13 a masqueraded packet whose next hop is resolved also leaves with the \
          MACs the program writes and `bpf_redirect`, not `bpf_redirect_neigh`, so the route \
          and neighbour lookup after the program is gone and the two stores are in tc_ingress's \
