@@ -2206,6 +2206,7 @@ fn cost_by_packet_kind() {
     fx.frontend(NODE4, 30080, proto::TCP, 9, &[1]);
     let client = "192.168.77.100";
     let mut cost: std::collections::BTreeMap<&str, Vec<u128>> = Default::default();
+    let mut not_ours = Vec::new();
     let mut timed = |fx: &mut Fixture, kind: &'static str, f: &Frame| -> Vec<u8> {
         let (rc, out, ns) = fx.run_timed("tc_ingress", &f.bytes());
         assert_eq!(rc, REDIRECT, "{kind}");
@@ -2240,7 +2241,15 @@ fn cost_by_packet_kind() {
             "5 RST",
             &Frame::tcp(client, cport, NODE4, 30080, TCP_RST | TCP_ACK),
         );
+        // The node's own traffic: no flow, no frontend.
+        let (rc, _, ns) = fx.run_timed(
+            "tc_ingress",
+            &Frame::tcp(client, cport, NODE4, 22, TCP_ACK).bytes(),
+        );
+        assert_eq!(rc, UNSPEC, "not ours");
+        not_ours.push(ns);
     }
+    cost.insert("6 not ours (no flow, no frontend)", not_ours);
     for (k, mut v) in cost {
         v.sort();
         println!(

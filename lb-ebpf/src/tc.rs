@@ -726,14 +726,7 @@ fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -
 /// entries are in, else the packet's verdict; the packet itself is
 /// translated afterwards as one of the flow (see `ingress`).
 #[inline(always)]
-fn new_flow(
-    ctx: &TcContext,
-    p: &Pkt,
-    scratch: &mut Scratch,
-    key: &CtKey,
-    now: u64,
-    cfg: &TcConfig,
-) -> i32 {
+fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &TcConfig) -> i32 {
     let skey = ServiceKey {
         addr: p.dst,
         port: p.dport,
@@ -746,6 +739,8 @@ fn new_flow(
     if svc.flags & service_flags::WILDCARD != 0 {
         return TC_ACT_UNSPEC;
     }
+    // SAFETY: plain helper call (only for a frontend: most packets are not).
+    let now = unsafe { bpf_ktime_get_ns() };
     if !source_allowed(p) {
         count(stat::TC_DROP_SOURCE_RANGE);
         return TC_ACT_SHOT;
@@ -1118,8 +1113,6 @@ pub extern "C" fn tc_ingress_flow(skb: *mut __sk_buff) -> i32 {
         count(stat::TC_DROP_LOOPBACK);
         return TC_ACT_SHOT;
     }
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
     let Some(cfg) = config() else {
         return TC_ACT_UNSPEC;
     };
@@ -1127,6 +1120,8 @@ pub extern "C" fn tc_ingress_flow(skb: *mut __sk_buff) -> i32 {
     let Some(found) = lookup(&key, p) else {
         return NO_FLOW;
     };
+    // SAFETY: plain helper call (only for a flow: most packets have none).
+    let now = unsafe { bpf_ktime_get_ns() };
     follow(ctx, p, &key, found, now, cfg, true).unwrap_or(NO_FLOW)
 }
 
@@ -1138,12 +1133,10 @@ pub extern "C" fn tc_ingress_new_flow(skb: *mut __sk_buff) -> i32 {
     let Some(p) = parse(ctx) else {
         return TC_ACT_UNSPEC;
     };
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
     let (Some(cfg), Some(scratch)) = (config(), this_cpu(&LB_TC_SCRATCH)) else {
         return TC_ACT_UNSPEC;
     };
-    new_flow(ctx, p, scratch, &key_of(p), now, cfg)
+    new_flow(ctx, p, scratch, &key_of(p), cfg)
 }
 
 /// Later fragments, and ICMP errors about a flow's replies.
