@@ -2030,6 +2030,71 @@ fn fragments_follow_the_first_fragment() {
     }
 }
 
+/// An IPv4 frame with `words` 4-byte words of options (NOPs) after its
+/// header, its IHL, total length and header checksum set accordingly (the
+/// transport checksum does not cover them).
+fn with_ipv4_options(f: &[u8], words: usize) -> Vec<u8> {
+    let mut out = f[..34].to_vec();
+    out.extend(std::iter::repeat_n(1u8, 4 * words));
+    out.extend_from_slice(&f[34..]);
+    out[14] = 0x40 | (5 + words) as u8;
+    let total = (out.len() - 14) as u16;
+    out[16..18].copy_from_slice(&total.to_be_bytes());
+    out[24..26].copy_from_slice(&[0, 0]);
+    let c = fold(sum16(&out[14..34 + 4 * words]));
+    out[24..26].copy_from_slice(&c.to_be_bytes());
+    out
+}
+
+/// `with_ipv4_options` undone, after checking the header checksum over the
+/// whole header, so that `parse` can read the frame.
+fn without_ipv4_options(f: &[u8]) -> Vec<u8> {
+    let ihl = (f[14] & 0x0f) as usize * 4;
+    assert_eq!(fold(sum16(&f[14..14 + ihl])), 0, "IPv4 header checksum");
+    let mut out = f[..34].to_vec();
+    out.extend_from_slice(&f[14 + ihl..]);
+    out[14] = 0x45;
+    let total = (out.len() - 14) as u16;
+    out[16..18].copy_from_slice(&total.to_be_bytes());
+    out[24..26].copy_from_slice(&[0, 0]);
+    let c = fold(sum16(&out[14..34]));
+    out[24..26].copy_from_slice(&c.to_be_bytes());
+    out
+}
+
+/// tc_egress decides most packets from their first bytes
+/// (`surely_not_a_reply`); a packet it cannot read that way (IPv4 with
+/// options) goes the whole way: a local backend's reply with options is
+/// translated all the same, checksums included, and one from a port no
+/// local backend serves passes untouched.
+#[test]
+fn egress_reply_with_ipv4_options_is_translated() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.1.10");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 7, &[1]);
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    assert_eq!(rc, OK);
+    for (flags, what) in [(TCP_SYN | TCP_ACK, "SYN-ACK"), (TCP_ACK, "ACK")] {
+        let reply = with_ipv4_options(&Frame::tcp(pod, 8080, client, 40000, flags).bytes(), 2);
+        let (rc, out) = fx.run_bytes("tc_egress", &reply);
+        assert_eq!(rc, OK, "{what}");
+        assert_eq!(out.len(), reply.len(), "{what}: options kept");
+        assert_eq!(&out[34..42], &reply[34..42], "{what}: options untouched");
+        let p = parse(&without_ipv4_options(&out));
+        assert_eq!((p.src, p.sport), (ip(NODE4), 30080), "{what}");
+        assert_eq!((p.dst, p.dport), (ip(client), 40000), "{what}");
+    }
+    let other = with_ipv4_options(&Frame::tcp(pod, 9999, client, 40000, TCP_ACK).bytes(), 2);
+    assert_eq!(fx.run_bytes("tc_egress", &other), (UNSPEC, other.clone()));
+}
+
 /// A flow's entries outlive it until the agent's sweep. A new flow that
 /// takes its SNAT port (or, with a local backend, its client port) again
 /// lives in LB_CT_SYN; the old, expired entry in LB_CONNTRACK must not
