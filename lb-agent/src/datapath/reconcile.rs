@@ -422,6 +422,10 @@ const BACKEND_CHUNK: usize = 4096;
 /// bounds the memory of tables being written and the files they hold open.
 const MAGLEV_CHUNK: usize = 256;
 
+/// Frontends planned and written at a time (see `Reconciler::write_plans`).
+/// A few in unit tests, so that their applies cross chunk boundaries.
+const FRONTEND_CHUNK: usize = if cfg!(test) { 3 } else { 1024 };
+
 /// What a failed plan left of its new set (see `Reconciler::undo`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Written {
@@ -1033,7 +1037,6 @@ impl Reconciler {
         // of every new backend set, then every new Maglev table, then the
         // ServiceValues that publish them, so that no ServiceValue ever
         // names a set or table not fully written.
-        let mut plans = Vec::new();
         let candidates: Box<dyn Iterator<Item = (&Frontend, &Arc<FrontendState>)>> = match touched {
             None => Box::new(desired.frontends.iter()),
             Some(touched) => Box::new(
@@ -1042,110 +1045,29 @@ impl Reconciler {
                     .filter_map(|f| desired.frontends.get_key_value(f)),
             ),
         };
-        for (frontend, state) in candidates {
-            if let Some(p) = self.frontends.get(frontend) {
-                if p.state.as_ref() == Some(state) {
-                    // Programmed as desired: a change that failed was
-                    // taken back.
-                    if !self.unprogrammed.is_empty() {
-                        self.unprogrammed.remove(&Target::Frontend(*frontend));
-                    }
-                    continue;
-                }
-            }
-            match self.plan_frontend(frontend, state, &backend_errors, ops) {
-                Ok(plan) => plans.push(plan),
-                Err(failure) => self.fail(failure, &mut report),
-            }
-        }
-        let slot_items: Vec<(BackendSlotKey, BackendSlot)> = plans
-            .iter()
-            .filter(|p| p.fresh_set)
-            .flat_map(|p| p.slot_items())
-            .collect();
-        let batched = match ops.put_slots(&slot_items) {
-            Ok(()) => slot_items.len(),
-            Err((written, _)) => written,
-        };
-        let mut offset = 0;
-        let mut with_slots = Vec::with_capacity(plans.len());
-        for plan in plans {
-            if plan.fresh_set {
-                let end = offset + plan.slots.len();
-                offset = end;
-                if end > batched {
-                    // Not all written by the batch: slot by slot.
-                    if let Err(e) = Self::write_slots(&plan, ops) {
-                        self.undo(&plan, Written::Nothing);
-                        self.fail(plan.failure(unprogrammed_map::SLOTS, &e), &mut report);
+        let mut candidates = candidates.peekable();
+        let mut plans = Vec::with_capacity(FRONTEND_CHUNK.min(desired.frontends.len()));
+        while candidates.peek().is_some() {
+            for (frontend, state) in candidates.by_ref() {
+                if let Some(p) = self.frontends.get(frontend) {
+                    if p.state.as_ref() == Some(state) {
+                        // Programmed as desired: a change that failed was
+                        // taken back.
+                        if !self.unprogrammed.is_empty() {
+                            self.unprogrammed.remove(&Target::Frontend(*frontend));
+                        }
                         continue;
                     }
                 }
-            }
-            with_slots.push(plan);
-        }
-        // In place: a second vector of every plan would be this sync's
-        // largest allocation at 10 000 frontends.
-        let tabled: Vec<Plan> = with_slots
-            .extract_if(.., |p| p.fresh_set && p.has_table())
-            .collect();
-        let mut ready = with_slots;
-        // Built and written a chunk at a time: a table is 4 bytes a
-        // position here too, and each is an open file until it is in.
-        let mut tabled = tabled.into_iter().peekable();
-        while tabled.peek().is_some() {
-            let chunk: Vec<Plan> = tabled.by_ref().take(MAGLEV_CHUNK).collect();
-            let tables: Vec<(u32, Vec<u32>)> = chunk.iter().map(|p| (p.set, p.table())).collect();
-            let written = ops.put_maglevs(&tables);
-            drop(tables);
-            for (plan, written) in chunk.into_iter().zip(written) {
-                match written {
-                    Ok(()) => ready.push(plan),
-                    Err(e) => {
-                        let (map, e) = match e {
-                            MaglevWriteError::Table(e) => (unprogrammed_map::MAGLEV_TABLE, e),
-                            MaglevWriteError::Insert(e) => (unprogrammed_map::MAGLEV, e),
-                        };
-                        self.undo(&plan, Written::Slots);
-                        self.fail(plan.failure(map, &e), &mut report);
-                    }
+                match self.plan_frontend(frontend, state, &backend_errors, ops) {
+                    Ok(plan) => plans.push(plan),
+                    Err(failure) => self.fail(failure, &mut report),
+                }
+                if plans.len() == FRONTEND_CHUNK {
+                    break;
                 }
             }
-        }
-        let service_items: Vec<(ServiceKey, ServiceValue)> = ready
-            .iter()
-            .filter(|p| !p.adopt_only)
-            .map(|p| (service_key(&p.frontend), p.value))
-            .collect();
-        let mut written = batch_then_each(
-            ops,
-            &service_items,
-            MapOps::put_services,
-            MapOps::put_service,
-        )
-        .into_iter();
-        for plan in ready {
-            if plan.adopt_only {
-                let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
-                adopted.stopped =
-                    self.note_udp_change(&plan.frontend, Some(&adopted), &plan.state, &mut report);
-                adopted.state = Some(plan.state.clone());
-                self.frontends.insert(plan.frontend, adopted);
-                report.frontends_adopted += 1;
-                continue;
-            }
-            let written = written.next().expect("one result per written plan");
-            if let Err(e) = written {
-                let left = if plan.has_table() {
-                    Written::SlotsAndTable
-                } else {
-                    Written::Slots
-                };
-                self.undo(&plan, left);
-                self.fail(plan.failure(unprogrammed_map::SERVICES, &e), &mut report);
-                continue;
-            }
-            self.commit(plan, &mut report);
+            self.write_plans(&mut plans, ops, &mut report);
         }
 
         // 4. VIP markers, before stale ones go, so a VIP never flickers to
@@ -1224,6 +1146,108 @@ impl Reconciler {
         self.needs_full = !report.errors.is_empty() || !self.unprogrammed.is_empty();
         self.stray_backends |= self.needs_full;
         report
+    }
+
+    /// Writes a chunk of plans (emptying `plans`): every slot of their new
+    /// backend sets, then their new Maglev tables, then the ServiceValues
+    /// that publish them, so that no ServiceValue ever names a set or table
+    /// not fully written. In chunks: the plans, their slots and values of a
+    /// first sync at 10 000 frontends were its largest allocations.
+    fn write_plans(
+        &mut self,
+        plans: &mut Vec<Plan>,
+        ops: &mut impl MapOps,
+        report: &mut SyncReport,
+    ) {
+        let slot_items: Vec<(BackendSlotKey, BackendSlot)> = plans
+            .iter()
+            .filter(|p| p.fresh_set)
+            .flat_map(|p| p.slot_items())
+            .collect();
+        let batched = match ops.put_slots(&slot_items) {
+            Ok(()) => slot_items.len(),
+            Err((written, _)) => written,
+        };
+        let mut offset = 0;
+        let mut with_slots = Vec::with_capacity(plans.len());
+        for plan in plans.drain(..) {
+            if plan.fresh_set {
+                let end = offset + plan.slots.len();
+                offset = end;
+                if end > batched {
+                    // Not all written by the batch: slot by slot.
+                    if let Err(e) = Self::write_slots(&plan, ops) {
+                        self.undo(&plan, Written::Nothing);
+                        self.fail(plan.failure(unprogrammed_map::SLOTS, &e), report);
+                        continue;
+                    }
+                }
+            }
+            with_slots.push(plan);
+        }
+        // In place: a second vector of every plan would be this sync's
+        // largest allocation at 10 000 frontends.
+        let tabled: Vec<Plan> = with_slots
+            .extract_if(.., |p| p.fresh_set && p.has_table())
+            .collect();
+        let mut ready = with_slots;
+        // Built and written a chunk at a time: a table is 4 bytes a
+        // position here too, and each is an open file until it is in.
+        let mut tabled = tabled.into_iter().peekable();
+        while tabled.peek().is_some() {
+            let chunk: Vec<Plan> = tabled.by_ref().take(MAGLEV_CHUNK).collect();
+            let tables: Vec<(u32, Vec<u32>)> = chunk.iter().map(|p| (p.set, p.table())).collect();
+            let written = ops.put_maglevs(&tables);
+            drop(tables);
+            for (plan, written) in chunk.into_iter().zip(written) {
+                match written {
+                    Ok(()) => ready.push(plan),
+                    Err(e) => {
+                        let (map, e) = match e {
+                            MaglevWriteError::Table(e) => (unprogrammed_map::MAGLEV_TABLE, e),
+                            MaglevWriteError::Insert(e) => (unprogrammed_map::MAGLEV, e),
+                        };
+                        self.undo(&plan, Written::Slots);
+                        self.fail(plan.failure(map, &e), report);
+                    }
+                }
+            }
+        }
+        let service_items: Vec<(ServiceKey, ServiceValue)> = ready
+            .iter()
+            .filter(|p| !p.adopt_only)
+            .map(|p| (service_key(&p.frontend), p.value))
+            .collect();
+        let mut written = batch_then_each(
+            ops,
+            &service_items,
+            MapOps::put_services,
+            MapOps::put_service,
+        )
+        .into_iter();
+        for plan in ready {
+            if plan.adopt_only {
+                let mut adopted = plan.previous.clone().expect("adoption reuses an entry");
+                adopted.stopped =
+                    self.note_udp_change(&plan.frontend, Some(&adopted), &plan.state, report);
+                adopted.state = Some(plan.state.clone());
+                self.frontends.insert(plan.frontend, adopted);
+                report.frontends_adopted += 1;
+                continue;
+            }
+            let written = written.next().expect("one result per written plan");
+            if let Err(e) = written {
+                let left = if plan.has_table() {
+                    Written::SlotsAndTable
+                } else {
+                    Written::Slots
+                };
+                self.undo(&plan, left);
+                self.fail(plan.failure(unprogrammed_map::SERVICES, &e), report);
+                continue;
+            }
+            self.commit(plan, report);
+        }
     }
 
     /// Records a failure: in the report, and as unprogrammed until an apply
@@ -2670,9 +2694,11 @@ pub(super) mod tests {
             };
             let report = r.apply(&d, &mut m);
             assert!(report.errors.is_empty(), "{:?}", report.errors);
+            let chunks = frontends.len().div_ceil(FRONTEND_CHUNK);
             assert_eq!(
-                m.batches, 4,
-                "backends, slots, services, VIP markers: one batch each"
+                m.batches,
+                2 + 2 * chunks,
+                "backends and VIP markers: one batch each; slots and services: one per chunk"
             );
             assert_eq!((report.frontends_written, report.backends_written), (5, 15));
             for (f, s) in &frontends {
