@@ -488,9 +488,7 @@ pub struct Reconciler {
     maglev_size: u16,
     frontends: BTreeMap<Frontend, Programmed>,
     vips: BTreeSet<(IpAddr, Scope)>,
-    /// Hashed: a tree built in address order, as a first sync builds it,
-    /// leaves its nodes half empty, and this is the largest map here.
-    backends: FxHashMap<BackendAddr, ProgrammedBackend>,
+    backends: Backends,
     used_service_ids: IdSet,
     used_backend_ids: IdSet,
     used_sets: BTreeSet<u32>,
@@ -511,9 +509,6 @@ pub struct Reconciler {
     next_affinity: u32,
     /// Sets replaced, removed or left over, for `retire`.
     retiring: Vec<Retired>,
-    /// How the desired frontends of the last `apply` use each backend,
-    /// which decides its flags without looking at every frontend.
-    uses: FxHashMap<BackendAddr, BackendUse>,
     /// The maps may differ from the last desired state (a write failed, or
     /// entries were adopted): `apply_touched` must look at everything.
     needs_full: bool,
@@ -559,32 +554,139 @@ fn backend_value(addr: &BackendAddr, flags: u8) -> Backend {
     }
 }
 
-/// Adds (`add`) or takes away the backend uses of one frontend, noting the
-/// backends whose use changed in `affected` (a full count needs no note:
-/// every backend left in `uses` is affected).
-fn count_uses(
-    uses: &mut FxHashMap<BackendAddr, BackendUse>,
-    state: &FrontendState,
-    add: bool,
-    mut affected: Option<&mut BTreeSet<BackendAddr>>,
-) {
-    let lists = [(&state.active, false), (&state.terminating, true)];
-    for (list, terminating) in lists {
-        for r in list {
-            if let Some(affected) = affected.as_deref_mut() {
-                affected.insert(r.backend);
-            }
-            let entry = uses.entry(r.backend).or_default();
-            let step = |n: &mut u32, on: bool| {
-                if on {
-                    *n = if add { *n + 1 } else { n.saturating_sub(1) };
+/// Every backend address the reconciler knows of: how the desired
+/// frontends of the last `apply` use it (which decides its flags without
+/// looking at every frontend), and its `LB_BACKENDS` entry once written.
+/// One table for both, as the two hold nearly the same addresses: at
+/// 10 000 x 10, 100 000 entries of 40 bytes where two tables took 60.
+///
+/// Hashed: a tree built in address order, as a first sync builds it,
+/// leaves its nodes half empty, and this is the largest map here.
+#[derive(Debug, Default)]
+struct Backends {
+    entries: FxHashMap<BackendAddr, BackendEntry>,
+    /// How many entries are written (`id != 0`).
+    programmed: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct BackendEntry {
+    uses: BackendUse,
+    /// Its `LB_BACKENDS` id; 0 while it is not written (ids start at 1).
+    id: u32,
+    flags: u8,
+}
+
+impl Backends {
+    /// Its `LB_BACKENDS` entry, if written.
+    fn programmed(&self, addr: &BackendAddr) -> Option<ProgrammedBackend> {
+        self.entries
+            .get(addr)
+            .filter(|e| e.id != 0)
+            .map(|e| ProgrammedBackend {
+                id: e.id,
+                flags: e.flags,
+            })
+    }
+
+    fn programmed_iter(&self) -> impl Iterator<Item = (&BackendAddr, ProgrammedBackend)> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.id != 0)
+            .map(|(a, e)| {
+                (
+                    a,
+                    ProgrammedBackend {
+                        id: e.id,
+                        flags: e.flags,
+                    },
+                )
+            })
+    }
+
+    fn programmed_count(&self) -> usize {
+        self.programmed
+    }
+
+    fn set_programmed(&mut self, addr: BackendAddr, b: ProgrammedBackend) {
+        debug_assert_ne!(b.id, 0);
+        let e = self.entries.entry(addr).or_default();
+        if e.id == 0 {
+            self.programmed += 1;
+        }
+        e.id = b.id;
+        e.flags = b.flags;
+    }
+
+    fn unprogram(&mut self, addr: &BackendAddr) {
+        let Some(e) = self.entries.get_mut(addr) else {
+            return;
+        };
+        if e.id != 0 {
+            self.programmed -= 1;
+        }
+        if e.uses.frontends == 0 {
+            self.entries.remove(addr);
+        } else {
+            e.id = 0;
+            e.flags = 0;
+        }
+    }
+
+    /// How the desired frontends use it; `None` when none does.
+    fn uses(&self, addr: &BackendAddr) -> Option<BackendUse> {
+        self.entries
+            .get(addr)
+            .map(|e| e.uses)
+            .filter(|u| u.frontends > 0)
+    }
+
+    fn used_iter(&self) -> impl Iterator<Item = (&BackendAddr, BackendUse)> {
+        self.entries
+            .iter()
+            .filter(|(_, e)| e.uses.frontends > 0)
+            .map(|(a, e)| (a, e.uses))
+    }
+
+    /// Forgets every use, for a full count.
+    fn clear_uses(&mut self) {
+        self.entries.retain(|_, e| {
+            e.uses = BackendUse::default();
+            e.id != 0
+        });
+    }
+
+    /// Adds (`add`) or takes away the backend uses of one frontend, noting
+    /// the backends whose use changed in `affected` (a full count needs no
+    /// note: every backend used is affected).
+    fn count_uses(
+        &mut self,
+        state: &FrontendState,
+        add: bool,
+        mut affected: Option<&mut BTreeSet<BackendAddr>>,
+    ) {
+        let lists = [(&state.active, false), (&state.terminating, true)];
+        for (list, terminating) in lists {
+            for r in list {
+                if let Some(affected) = affected.as_deref_mut() {
+                    affected.insert(r.backend);
                 }
-            };
-            step(&mut entry.frontends, true);
-            step(&mut entry.local, r.local);
-            step(&mut entry.terminating, terminating);
-            if entry.frontends == 0 {
-                uses.remove(&r.backend);
+                let entry = self.entries.entry(r.backend).or_default();
+                let uses = &mut entry.uses;
+                let step = |n: &mut u32, on: bool| {
+                    if on {
+                        *n = if add { *n + 1 } else { n.saturating_sub(1) };
+                    }
+                };
+                step(&mut uses.frontends, true);
+                step(&mut uses.local, r.local);
+                step(&mut uses.terminating, terminating);
+                if uses.frontends == 0 {
+                    *uses = BackendUse::default();
+                    if entry.id == 0 {
+                        self.entries.remove(&r.backend);
+                    }
+                }
             }
         }
     }
@@ -592,30 +694,64 @@ fn count_uses(
 
 /// Ids in use, handing out the lowest free one. Ids start at 1 so that 0
 /// never names a live object in a dump.
+///
+/// A bit per id below [`DENSE_IDS`]: the ids handed out are dense, and
+/// 100 000 backends take 12 KiB here where a tree of them took ~1.3 MiB.
+/// An id above it can only come from maps written by something else
+/// (adopted), and is kept aside.
 #[derive(Debug, Default)]
 struct IdSet {
-    used: BTreeSet<u32>,
-    /// No id below this one is free: the search starts here, so handing out
-    /// n ids in a row costs O(n log n), not O(n²).
+    words: Vec<u64>,
+    sparse: BTreeSet<u32>,
+    /// No id below this one is free: the search starts here.
     floor: u32,
 }
 
+const DENSE_IDS: u32 = 1 << 24;
+
 impl IdSet {
     fn insert(&mut self, id: u32) {
-        self.used.insert(id);
+        if id >= DENSE_IDS {
+            self.sparse.insert(id);
+            return;
+        }
+        let word = (id / 64) as usize;
+        if word >= self.words.len() {
+            self.words.resize(word + 1, 0);
+        }
+        self.words[word] |= 1 << (id % 64);
+    }
+
+    fn contains(&self, id: u32) -> bool {
+        if id >= DENSE_IDS {
+            return self.sparse.contains(&id);
+        }
+        self.words
+            .get((id / 64) as usize)
+            .is_some_and(|w| w & (1 << (id % 64)) != 0)
     }
 
     fn remove(&mut self, id: &u32) {
-        self.used.remove(id);
-        self.floor = self.floor.min(*id);
+        let id = *id;
+        if id >= DENSE_IDS {
+            self.sparse.remove(&id);
+        } else if let Some(w) = self.words.get_mut((id / 64) as usize) {
+            *w &= !(1 << (id % 64));
+        }
+        self.floor = self.floor.min(id);
     }
 
     fn lowest_free(&mut self) -> u32 {
         let mut candidate = self.floor.max(1);
-        for &id in self.used.range(candidate..) {
-            if id != candidate {
+        while let Some(&word) = self.words.get((candidate / 64) as usize) {
+            let free = !word & (u64::MAX << (candidate % 64));
+            if free != 0 {
+                candidate = candidate / 64 * 64 + free.trailing_zeros();
                 break;
             }
+            candidate = (candidate / 64 + 1) * 64;
+        }
+        while self.sparse.contains(&candidate) {
             candidate += 1;
         }
         self.floor = candidate;
@@ -683,7 +819,7 @@ impl Reconciler {
             maglev_size,
             frontends: BTreeMap::new(),
             vips: BTreeSet::new(),
-            backends: FxHashMap::default(),
+            backends: Backends::default(),
             used_service_ids: IdSet::default(),
             used_backend_ids: IdSet::default(),
             used_sets: BTreeSet::new(),
@@ -693,7 +829,6 @@ impl Reconciler {
             affinity_refs: BTreeMap::new(),
             next_affinity: 1,
             retiring: Vec::new(),
-            uses: FxHashMap::default(),
             needs_full: true,
             stray_backends: false,
             unprogrammed: BTreeMap::new(),
@@ -739,7 +874,7 @@ impl Reconciler {
                 protocol,
             };
             r.used_backend_ids.insert(id.id);
-            r.backends.insert(
+            r.backends.set_programmed(
                 addr,
                 ProgrammedBackend {
                     id: id.id,
@@ -747,7 +882,6 @@ impl Reconciler {
                 },
             );
         }
-        let backend_ids: BTreeSet<u32> = r.used_backend_ids.used.clone();
         for (key, value) in services {
             let addr = crate::base::addr::ip_from_bytes(&key.addr);
             let Some(scope) = Scope::from_number(key.scope) else {
@@ -769,7 +903,7 @@ impl Reconciler {
                             slot,
                         })
                         .copied()
-                        .filter(|id| backend_ids.contains(id))
+                        .filter(|id| r.used_backend_ids.contains(*id))
                 })
                 .collect();
             // A table missing where the value has one (maps of a version
@@ -836,7 +970,7 @@ impl Reconciler {
         Usage {
             frontends: self.frontends.len(),
             vips: self.vips.len(),
-            backends: self.backends.len(),
+            backends: self.backends.programmed_count(),
             slots: live + retiring,
             maglev_tables: tables,
         }
@@ -847,7 +981,7 @@ impl Reconciler {
     }
 
     pub fn backend_count(&self) -> usize {
-        self.backends.len()
+        self.backends.programmed_count()
     }
 
     /// Desired frontends and VIP markers that the last apply could not
@@ -913,14 +1047,17 @@ impl Reconciler {
         // that uses it; with `touched`, only those whose use changed.
         let wanted: Vec<(BackendAddr, u8)> = match touched {
             None => {
-                self.uses.clear();
+                self.backends.clear_uses();
                 for state in desired.frontends.values() {
-                    count_uses(&mut self.uses, state, true, None);
+                    self.backends.count_uses(state, true, None);
                 }
                 // In address order, as the touched path gives them (new
                 // ids are handed out in this order).
-                let mut all: Vec<(BackendAddr, u8)> =
-                    self.uses.iter().map(|(a, u)| (*a, u.flags())).collect();
+                let mut all: Vec<(BackendAddr, u8)> = self
+                    .backends
+                    .used_iter()
+                    .map(|(a, u)| (*a, u.flags()))
+                    .collect();
                 all.sort_unstable_by_key(|(a, _)| *a);
                 all
             }
@@ -930,15 +1067,15 @@ impl Reconciler {
                     // Without a failed write since, what is programmed is
                     // what the last desired state held.
                     if let Some(old) = self.frontends.get(f).and_then(|p| p.state.as_ref()) {
-                        count_uses(&mut self.uses, old, false, Some(&mut affected));
+                        self.backends.count_uses(old, false, Some(&mut affected));
                     }
                     if let Some(new) = desired.frontends.get(f) {
-                        count_uses(&mut self.uses, new, true, Some(&mut affected));
+                        self.backends.count_uses(new, true, Some(&mut affected));
                     }
                 }
                 affected
                     .iter()
-                    .filter_map(|a| self.uses.get(a).map(|u| (*a, u.flags())))
+                    .filter_map(|a| self.backends.uses(a).map(|u| (*a, u.flags())))
                     .collect()
             }
         };
@@ -992,7 +1129,7 @@ impl Reconciler {
         while wanted.peek().is_some() {
             pending.clear();
             for (addr, flags) in wanted.by_ref() {
-                match self.backends.get(&addr) {
+                match self.backends.programmed(&addr) {
                     Some(b) if b.flags == flags => continue,
                     Some(b) => pending.push((addr, b.id, flags, false)),
                     None => {
@@ -1013,7 +1150,8 @@ impl Reconciler {
             for ((addr, id, flags, fresh), written) in pending.drain(..).zip(written) {
                 match written {
                     Ok(()) => {
-                        self.backends.insert(addr, ProgrammedBackend { id, flags });
+                        self.backends
+                            .set_programmed(addr, ProgrammedBackend { id, flags });
                         report.backends_written += 1;
                     }
                     Err(source) => {
@@ -1344,7 +1482,7 @@ impl Reconciler {
         let ids: BTreeSet<u32> = p.slots[..selectable].iter().copied().collect();
         let mut found: Vec<BackendAddr> = self
             .backends
-            .iter()
+            .programmed_iter()
             .filter(|(_, b)| ids.contains(&b.id))
             .map(|(addr, _)| *addr)
             .collect();
@@ -1371,7 +1509,7 @@ impl Reconciler {
         let previous = self.frontends.get(frontend).cloned();
         let mut slots = Vec::with_capacity(state.active.len() + state.terminating.len());
         for r in state.active.iter().chain(&state.terminating) {
-            match self.backends.get(&r.backend) {
+            match self.backends.programmed(&r.backend) {
                 Some(b) => slots.push(b.id),
                 None => {
                     let errno = backend_errors.get(&r.backend).copied().unwrap_or(libc::EIO);
@@ -1665,22 +1803,21 @@ impl Reconciler {
         }
         self.room_made |= retiring.iter().any(|r| r.published);
         let referenced = self.referenced_backends();
-        let mut unused: Vec<BackendAddr> = self
+        let mut unused: Vec<(BackendAddr, u32)> = self
             .backends
-            .iter()
+            .programmed_iter()
             .filter(|(_, b)| !referenced.contains(&b.id))
-            .map(|(a, _)| *a)
+            .map(|(a, b)| (*a, b.id))
             .collect();
         unused.sort_unstable();
-        for addr in unused {
-            let id = self.backends[&addr].id;
+        for (addr, id) in unused {
             match ops.del_backend(BackendId { id }) {
                 Ok(()) => {
-                    self.backends.remove(&addr);
+                    self.backends.unprogram(&addr);
                     self.used_backend_ids.remove(&id);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    self.backends.remove(&addr);
+                    self.backends.unprogram(&addr);
                     self.used_backend_ids.remove(&id);
                 }
                 Err(source) => errors.push(
@@ -2419,7 +2556,7 @@ pub(super) mod tests {
         assert_eq!(p.service_id, m.services[&key].id);
         let ids: BTreeSet<u32> = ["10.244.1.1", "10.244.1.2"]
             .iter()
-            .map(|ip| r.backends[&udp_be(ip)].id)
+            .map(|ip| r.backends.programmed(&udp_be(ip)).unwrap().id)
             .collect();
         assert_eq!(p.serving, ids);
         assert_eq!(adopt_from(&m).datagram_flow_policies(), policies);
@@ -2669,6 +2806,35 @@ pub(super) mod tests {
         fn put_services(&mut self, items: &[(ServiceKey, ServiceValue)]) -> BatchResult {
             self.batch(items, FakeMaps::put_service)
         }
+    }
+
+    #[test]
+    fn id_sets_hand_out_the_lowest_free_id() {
+        let mut ids = IdSet::default();
+        let handed: Vec<u32> = (0..130)
+            .map(|_| {
+                let id = ids.lowest_free();
+                ids.insert(id);
+                id
+            })
+            .collect();
+        assert_eq!(handed, (1..=130).collect::<Vec<u32>>());
+        for id in [127, 64, 3] {
+            ids.remove(&id);
+            assert!(!ids.contains(id));
+        }
+        for want in [3, 64, 127, 131] {
+            let id = ids.lowest_free();
+            assert_eq!(id, want);
+            ids.insert(id);
+        }
+        // One an earlier writer left far above the dense range.
+        ids.insert(u32::MAX - 1);
+        assert!(ids.contains(u32::MAX - 1) && !ids.contains(u32::MAX));
+        assert_eq!(ids.lowest_free(), 132);
+        ids.remove(&(u32::MAX - 1));
+        assert!(!ids.contains(u32::MAX - 1));
+        assert_eq!(ids.words.len(), 3, "no bit for the far id");
     }
 
     #[test]
