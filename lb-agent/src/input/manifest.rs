@@ -32,7 +32,7 @@ use serde::{
 };
 use serde_json::{value::RawValue, Value};
 
-use crate::input::store::{Changes, ObjectKey, Rejection, Slice, Store};
+use crate::input::store::{Changes, ObjectKey, Rejection, Slice, Store, StoredService};
 
 /// The namespace of a namespaced object whose manifest does not say.
 pub const DEFAULT_NAMESPACE: &str = "default";
@@ -408,7 +408,7 @@ enum Kind {
 /// One decoded object, with its key in the store (a Node's namespace is "").
 #[derive(Clone, Debug, PartialEq)]
 enum Object {
-    Service(Box<Service>),
+    Service(Box<StoredService>),
     Slice(Box<Slice>),
     Endpoints(Box<Endpoints>),
     Node(Box<Node>),
@@ -1177,7 +1177,8 @@ impl ParsedFile {
             _ => (Kind::Node, format!("Node {name}"), ObjectKey::new("", name)),
         };
         let decoded = decode(kind).map(|object| match object {
-            Object::Service(o) => Object::Service(Box::new(with_namespace(*o, &key.namespace))),
+            // Keeps no namespace: its key says.
+            Object::Service(o) => Object::Service(o),
             // Keeps no namespace: its key says.
             Object::Slice(o) => Object::Slice(o),
             Object::Endpoints(o) => Object::Endpoints(Box::new(with_namespace(*o, &key.namespace))),
@@ -1206,7 +1207,7 @@ impl ParsedFile {
 
 fn decode_value(kind: Kind, value: Value) -> Result<Object, (String, String)> {
     Ok(match kind {
-        Kind::Service => Object::Service(decode(value)?),
+        Kind::Service => Object::Service(Box::new((*decode::<Service>(value)?).into())),
         Kind::Slice => Object::Slice(Box::new(Slice::from(*decode::<EndpointSlice>(value)?))),
         Kind::Endpoints => Object::Endpoints(decode(value)?),
         Kind::Node => Object::Node(decode(value)?),
@@ -1215,7 +1216,7 @@ fn decode_value(kind: Kind, value: Value) -> Result<Object, (String, String)> {
 
 fn decode_text(kind: Kind, text: &str) -> Result<Object, (String, String)> {
     let mut object = match kind {
-        Kind::Service => Object::Service(decode_str(text)?),
+        Kind::Service => Object::Service(Box::new((*decode_str::<Service>(text)?).into())),
         // Converted right away: the API type is several times the size of
         // what translation reads, and only one object's worth of it lives.
         // Straight into the compact form when it decodes; on any error the
@@ -1714,7 +1715,6 @@ mod tests {
         )]);
         assert!(rejections.is_empty(), "{rejections:?}");
         let svc = &store.services[&ObjectKey::new("default", "web")];
-        assert_eq!(svc.metadata.namespace.as_deref(), Some("default"));
         let spec = svc.spec.as_ref().unwrap();
         assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.10"));
         assert_eq!(

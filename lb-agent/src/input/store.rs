@@ -8,9 +8,12 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::{
-    core::v1::{Endpoints, Node, Service},
-    discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
+use k8s_openapi::{
+    api::{
+        core::v1::{Endpoints, Node, Service, ServiceSpec, ServiceStatus},
+        discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
+    },
+    apimachinery::pkg::apis::meta::v1::Time,
 };
 
 /// `discovery.k8s.io/v1` label joining an EndpointSlice to its Service.
@@ -22,6 +25,10 @@ pub const LABEL_SERVICE_PROXY_NAME: &str = "service.kubernetes.io/service-proxy-
 /// The label the EndpointSlice controller puts on the slices of headless
 /// Services; no proxy serves what carries it.
 pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
+
+/// The annotation choosing a Service's selection algorithm (`maglev` or
+/// `random`; the agent's `--lb-algorithm` when absent).
+pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
 
 /// The well-known label carrying a Node's zone (`v1.LabelTopologyZone`).
 pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
@@ -58,9 +65,9 @@ impl fmt::Display for ObjectKey {
 /// Every object the translation looks at, keyed for deterministic iteration.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Store {
-    /// Boxed: a Service is ~820 bytes inline, and a map node holds room
+    /// Boxed: a Service is ~460 bytes inline, and a map node holds room
     /// for eleven entries, a third of it unused on average.
-    pub services: BTreeMap<ObjectKey, Box<Service>>,
+    pub services: BTreeMap<ObjectKey, Box<StoredService>>,
     /// Kept as [`Slice`], not `EndpointSlice`: slices are most of a large
     /// store, and the API type's endpoints are ~350 bytes each even when
     /// nearly every field is unset.
@@ -68,6 +75,63 @@ pub struct Store {
     pub endpoints: BTreeMap<ObjectKey, Endpoints>,
     /// Nodes are cluster-scoped: keyed by name only.
     pub nodes: BTreeMap<String, Node>,
+}
+
+/// What translation reads of a Service. The API type's metadata (360 bytes
+/// inline, and the name and namespace again beside the key, each a string
+/// of its own) gives way to the three things read of it; spec and status
+/// stay the API's, whose fields translation validates and names in its
+/// messages, less those it never reads.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StoredService {
+    pub metadata: ServiceMeta,
+    pub spec: Option<ServiceSpec>,
+    pub status: Option<ServiceStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ServiceMeta {
+    /// Whether it carries [`LABEL_SERVICE_PROXY_NAME`] or
+    /// [`LABEL_HEADLESS`]: no Service of ours.
+    pub proxy_labels: bool,
+    /// Its [`ANNOTATION_ALGORITHM`] annotation.
+    pub algorithm: Option<Box<str>>,
+    /// The older of two Services claiming one frontend wins it.
+    pub creation_timestamp: Option<Time>,
+}
+
+impl From<Service> for StoredService {
+    fn from(svc: Service) -> Self {
+        let meta = svc.metadata;
+        let proxy_labels = meta.labels.is_some_and(|labels| {
+            labels.contains_key(LABEL_SERVICE_PROXY_NAME) || labels.contains_key(LABEL_HEADLESS)
+        });
+        let algorithm = meta
+            .annotations
+            .and_then(|mut a| a.remove(ANNOTATION_ALGORITHM))
+            .map(String::into_boxed_str);
+        let spec = svc.spec.map(|spec| ServiceSpec {
+            // What no proxy reads: selectors are the EndpointSlice
+            // controller's, families and names the API server's.
+            selector: None,
+            external_name: None,
+            ip_family_policy: None,
+            ip_families: None,
+            load_balancer_class: None,
+            allocate_load_balancer_node_ports: None,
+            publish_not_ready_addresses: None,
+            ..spec
+        });
+        StoredService {
+            metadata: ServiceMeta {
+                proxy_labels,
+                algorithm,
+                creation_timestamp: meta.creation_timestamp,
+            },
+            spec,
+            status: svc.status,
+        }
+    }
 }
 
 /// What translation reads of an EndpointSlice, and nothing else. Raw

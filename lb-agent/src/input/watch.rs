@@ -13,7 +13,7 @@ use std::{
 
 use crate::{
     base::metrics::Metrics,
-    input::store::{Changes, ObjectKey, Slice, Store},
+    input::store::{Changes, ObjectKey, Slice, Store, StoredService},
 };
 use anyhow::Context as _;
 use futures::{Stream, StreamExt as _};
@@ -148,7 +148,8 @@ macro_rules! stored {
     };
 }
 
-stored!(Service, kept: Box<Service> = Box::new, objects: store.services,
+// Compact on arrival, like the manifests: both modes share one store.
+stored!(Service, kept: Box<StoredService> = |s: Service| Box::new(s.into()), objects: store.services,
     listed: services_listed, note: |c, k| { c.services.insert(k.clone()); });
 // Compact on arrival, like the manifests: both modes share one store.
 stored!(EndpointSlice, kept: Slice = Slice::from, objects: store.slices,

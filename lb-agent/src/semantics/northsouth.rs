@@ -306,7 +306,7 @@ mod tests {
         };
         store
             .services
-            .insert(ObjectKey::new("demo", name), Box::new(service));
+            .insert(ObjectKey::new("demo", name), Box::new(service.into()));
     }
 
     #[test]
@@ -415,7 +415,14 @@ mod tests {
                 .services
                 .get_mut(&ObjectKey::new("demo", name))
                 .unwrap();
-            svc.metadata.labels = Some([(label.to_owned(), "x".to_owned())].into());
+            let mut metadata = meta(name);
+            metadata.labels = Some([(label.to_owned(), "x".to_owned())].into());
+            let labelled = Service {
+                metadata,
+                spec: svc.spec.clone(),
+                ..Default::default()
+            };
+            **svc = labelled.into();
         }
         store.slices.insert(
             ObjectKey::new("demo", "ours-x"),

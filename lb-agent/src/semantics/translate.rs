@@ -13,20 +13,19 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::{Endpoints, Service, ServiceSpec};
+use k8s_openapi::api::core::v1::{Endpoints, ServiceSpec};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
 use crate::{
-    input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store},
+    input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store, StoredService},
     semantics::model::{
         Algorithm, BackendAddr, BackendRef, Cidr, DesiredState, Frontend, FrontendKind,
         FrontendState, NotServed, Protocol, Scope, Selection, ServiceName,
     },
 };
 
-pub use crate::input::store::{LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+pub use crate::input::store::{ANNOTATION_ALGORITHM, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
 /// Per-Service override of the selection algorithm: `maglev` or `random`.
-pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
 /// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// The largest timeout the API server accepts.
@@ -195,11 +194,11 @@ impl Translator {
         let ctx = Context { store, node, opts };
         // Each Service translates on its own, so a large store is split
         // over the cores; the claims are settled afterwards, by `Rank`.
-        let services: Vec<(&ObjectKey, &Service)> =
+        let services: Vec<(&ObjectKey, &StoredService)> =
             store.services.iter().map(|(k, s)| (k, &**s)).collect();
         let chunk = services.len().div_ceil(threads).max(PARALLEL_SERVICES);
         let this = &*self;
-        let translate = |part: &[(&ObjectKey, &Service)]| -> Vec<_> {
+        let translate = |part: &[(&ObjectKey, &StoredService)]| -> Vec<_> {
             part.iter()
                 .map(|(key, svc)| this.translate_one(&ctx, key, svc))
                 .collect()
@@ -235,7 +234,7 @@ impl Translator {
     /// Service index (key order), claim index to the rejection's reason.
     fn elect(
         &mut self,
-        services: &[(&ObjectKey, &Service)],
+        services: &[(&ObjectKey, &StoredService)],
         outs: &[Option<(ServiceOut, Report)>],
     ) -> BTreeMap<usize, BTreeMap<usize, String>> {
         let claim =
@@ -347,7 +346,7 @@ impl Translator {
         &self,
         ctx: &Context<'_>,
         key: &ObjectKey,
-        svc: &Service,
+        svc: &StoredService,
     ) -> Option<(ServiceOut, Report)> {
         if !serves(svc) {
             return None;
@@ -590,10 +589,8 @@ impl Report {
 /// `!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless`),
 /// a Service labelled `service-proxy-name` (any value: another proxy's) or
 /// `headless` is left alone, with its health-check node port.
-pub fn serves(svc: &Service) -> bool {
-    svc.metadata.labels.as_ref().is_none_or(|labels| {
-        !labels.contains_key(LABEL_SERVICE_PROXY_NAME) && !labels.contains_key(LABEL_HEADLESS)
-    })
+pub fn serves(svc: &StoredService) -> bool {
+    !svc.metadata.proxy_labels
 }
 
 // ---------------------------------------------------------------------------
@@ -657,7 +654,7 @@ type Addr = (IpAddr, String);
 fn translate_service(
     ctx: &Context<'_>,
     key: &ObjectKey,
-    svc: &Service,
+    svc: &StoredService,
     slices: Option<&Vec<(&ObjectKey, &Slice)>>,
     report: &mut Report,
     out: &mut ServiceOut,
@@ -966,7 +963,11 @@ fn external_ips(
 
 /// `status.loadBalancer.ingress[].ip` of VIP-mode entries: a `Proxy`-mode
 /// load balancer delivers to the nodes itself, kube-proxy leaves it alone.
-fn load_balancer_ips(svc: &Service, families: &BTreeSet<Family>, report: &mut Report) -> Vec<Addr> {
+fn load_balancer_ips(
+    svc: &StoredService,
+    families: &BTreeSet<Family>,
+    report: &mut Report,
+) -> Vec<Addr> {
     let ingress = svc
         .status
         .as_ref()
@@ -1081,13 +1082,8 @@ fn affinity_timeout(spec: &ServiceSpec, report: &mut Report) -> Option<u32> {
     }
 }
 
-fn algorithm(svc: &Service, default: Algorithm, report: &mut Report) -> Algorithm {
-    let value = svc
-        .metadata
-        .annotations
-        .as_ref()
-        .and_then(|a| a.get(ANNOTATION_ALGORITHM));
-    match value.map(String::as_str) {
+fn algorithm(svc: &StoredService, default: Algorithm, report: &mut Report) -> Algorithm {
+    match svc.metadata.algorithm.as_deref() {
         None => default,
         Some("maglev") => Algorithm::Maglev,
         Some("random") => Algorithm::Random,
