@@ -12,7 +12,7 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    input::store::{ObjectKey, Rejection, Store},
+    input::store::{EndpointAddr, ObjectKey, Rejection, Store},
     semantics::{
         model::{Cidr, DesiredState, Frontend, FrontendKind, Scope, ServiceName},
         translate,
@@ -135,7 +135,7 @@ pub struct HealthCheck {
 /// those labels do not count, as in `translate`.
 pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
     // The Local Services first (usually few), then one walk over the slices.
-    let mut local: BTreeMap<&ObjectKey, (u16, BTreeSet<&str>)> = BTreeMap::new();
+    let mut local: BTreeMap<&ObjectKey, (u16, BTreeSet<&EndpointAddr>)> = BTreeMap::new();
     for (key, svc) in &store.services {
         let Some(spec) = &svc.spec else { continue };
         if !translate::serves(svc) || spec.external_traffic_policy.as_deref() != Some("Local") {
@@ -161,7 +161,7 @@ pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
             };
             for ep in slice.endpoints.iter() {
                 if ep.ready.unwrap_or(true) && ep.node_name.as_deref() == Some(node_name) {
-                    if let Some(a) = ep.address.as_deref() {
+                    if let Some(a) = &ep.address {
                         addresses.insert(a);
                     }
                 }

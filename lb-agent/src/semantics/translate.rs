@@ -1230,18 +1230,21 @@ fn slice_group(slice: &Slice, report: &mut Report) -> Option<EndpointGroup> {
     for (i, ep) in slice.endpoints.iter().enumerate() {
         // Like kube-proxy, only the first address is used: the API allows
         // exactly one.
-        let Some(raw) = ep.address.as_deref() else {
+        let Some(address) = &ep.address else {
             report.reject(format!("endpoints[{i}].addresses"), "no address");
             continue;
         };
-        let field = format!("endpoints[{i}].addresses[0]");
-        let Ok(addr) = raw.parse::<IpAddr>() else {
-            report.reject(field, format!("{raw:?} is not an IP address"));
-            continue;
+        let field = || format!("endpoints[{i}].addresses[0]");
+        let addr = match address.ip() {
+            Ok(addr) => addr,
+            Err(raw) => {
+                report.reject(field(), format!("{raw:?} is not an IP address"));
+                continue;
+            }
         };
         if Family::of(addr) != family {
             report.reject(
-                field,
+                field(),
                 format!(
                     "{addr} is not an {} address as the slice's addressType says",
                     family.name()
