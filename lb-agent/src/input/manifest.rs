@@ -10,13 +10,14 @@
 //! one-endpoint change cheap next to a large file of other Services.
 use std::{
     collections::{BTreeMap, BTreeSet},
-    ffi::OsString,
+    ffi::{OsStr, OsString},
     fs,
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use k8s_openapi::{
     api::{
@@ -464,7 +465,8 @@ enum Item {
     /// field and reason. Whether it is a duplicate depends on the other
     /// files, so its rejection is worked out in [`Objects::rejections`].
     Object {
-        label: String,
+        /// Shared with the indexes of [`Objects`], which key by it.
+        label: Arc<str>,
         kind: Kind,
         key: ObjectKey,
         decoded: Result<(), (String, String)>,
@@ -478,6 +480,8 @@ struct ParsedFile {
     items: Vec<Item>,
     /// The decoded objects, by their index in `items`.
     objects: Vec<(usize, Object)>,
+    /// One string for each namespace, which every key in it shares.
+    namespaces: FxHashSet<Arc<str>>,
 }
 
 impl ParsedFile {
@@ -506,7 +510,8 @@ impl ParsedFile {
 }
 
 /// Where a definition is: file name, then index among the file's items.
-type Position = (OsString, usize);
+/// The name is shared by every definition of the file.
+type Position = (Arc<OsStr>, usize);
 
 /// The objects of every file, and which definition of each wins.
 #[derive(Default)]
@@ -517,13 +522,13 @@ struct Objects {
     /// The definition each stored object came from, by label. Fx-hashed,
     /// as the other two: labels come from the operator's own files, and
     /// SipHash over every label was a tenth of reading 20 000 objects.
-    winners: FxHashMap<String, Position>,
+    winners: FxHashMap<Arc<str>, Position>,
     /// Decoded definitions that lost to an earlier one, kept so that one
     /// takes over when the winner goes away without re-reading its file.
-    shadowed: FxHashMap<String, BTreeMap<Position, Object>>,
+    shadowed: FxHashMap<Arc<str>, BTreeMap<Position, Object>>,
     /// The files with an object of this label that did not decode: what
     /// they report depends on whether an earlier definition wins.
-    failed: FxHashMap<String, BTreeSet<OsString>>,
+    failed: FxHashMap<Arc<str>, BTreeSet<OsString>>,
     /// Each file's problems as last worked out (files without any left
     /// out), so that a change elsewhere costs nothing here.
     file_rejections: BTreeMap<OsString, Vec<Rejection>>,
@@ -536,7 +541,8 @@ impl Objects {
     /// gone), keeping "the first definition in file name order wins".
     fn replace_file(&mut self, name: OsString, parsed: Option<ParsedFile>, changes: &mut Changes) {
         // Every label this file defined or defines now, to elect again.
-        let mut contested: BTreeMap<String, (Kind, ObjectKey)> = BTreeMap::new();
+        let mut contested: BTreeMap<Arc<str>, (Kind, ObjectKey)> = BTreeMap::new();
+        let file: Arc<OsStr> = name.as_os_str().into();
         self.dirty.insert(name.clone());
         if let Some((_, items)) = self.files.remove(&name) {
             for (i, item) in items.into_iter().enumerate() {
@@ -553,7 +559,7 @@ impl Objects {
                     self.unfail(&label, &name);
                     continue;
                 }
-                let pos = (name.clone(), i);
+                let pos = (file.clone(), i);
                 if self.winners.get(&label) == Some(&pos) {
                     // Its object stays in the store until `elect` knows
                     // what replaces it: unchanged objects are no change.
@@ -572,6 +578,7 @@ impl Objects {
                 source,
                 items,
                 objects,
+                ..
             } = parsed;
             for (i, object) in objects {
                 let Item::Object {
@@ -583,7 +590,7 @@ impl Objects {
                 self.shadowed
                     .entry(label.clone())
                     .or_default()
-                    .insert((name.clone(), i), object);
+                    .insert((file.clone(), i), object);
                 contested.insert(label.clone(), (*kind, key.clone()));
             }
             for item in &items {
@@ -606,7 +613,13 @@ impl Objects {
             let shadowed = self.shadowed.get(&label).into_iter().flatten();
             let failed = self.failed.get(&label).into_iter().flatten();
             let files = winner.into_iter().chain(shadowed.map(|((f, _), _)| f));
-            self.dirty.extend(files.chain(failed).cloned());
+            let files = files.map(|f| f.to_os_string());
+            self.dirty.extend(files.chain(failed.cloned()));
+        }
+        // Every definition of a file passes through `shadowed` on its way
+        // to the store: a large file leaves the table's room behind.
+        if self.shadowed.is_empty() {
+            self.shadowed.shrink_to_fit();
         }
     }
 
@@ -651,7 +664,7 @@ impl Objects {
 
     /// Puts the earliest definition of `label` into the store. A winner
     /// whose file changed was unregistered but is still in the store.
-    fn elect(&mut self, label: &str, kind: Kind, key: &ObjectKey, changes: &mut Changes) {
+    fn elect(&mut self, label: &Arc<str>, kind: Kind, key: &ObjectKey, changes: &mut Changes) {
         let best = self
             .shadowed
             .get(label)
@@ -680,12 +693,12 @@ impl Objects {
                 // object is gone.)
                 if let (Some(cur), Some(previous)) = (current, previous) {
                     self.shadowed
-                        .entry(label.to_owned())
+                        .entry(label.clone())
                         .or_default()
                         .insert(cur, previous);
                 }
                 object.put(&mut self.store, key);
-                self.winners.insert(label.to_owned(), best);
+                self.winners.insert(label.clone(), best);
             }
         }
     }
@@ -693,7 +706,7 @@ impl Objects {
     /// The source (path) of the file whose definition of `label` is stored.
     fn source_of(&self, label: &str) -> Option<&str> {
         let (name, _) = self.winners.get(label)?;
-        self.files.get(name).map(|(source, _)| source.as_str())
+        self.files.get(&**name).map(|(source, _)| source.as_str())
     }
 
     /// The problems of file `name`, in item order.
@@ -711,20 +724,20 @@ impl Objects {
                     Item::Object { label, decoded, .. } => {
                         let winner = self.winners.get(label);
                         let here = (name.as_os_str(), i);
-                        fn at(w: &Position) -> (&std::ffi::OsStr, usize) {
-                            (w.0.as_os_str(), w.1)
+                        fn at(w: &Position) -> (&OsStr, usize) {
+                            (&w.0, w.1)
                         }
                         match winner {
                             Some(w) if at(w) == here => {}
                             // The first definition wins; a rejected one
                             // never counts as a definition.
                             Some(w) if at(w) < here => {
-                                let first = &self.files[&w.0].0;
+                                let first = &self.files[&*w.0].0;
                                 let reason =
                                     format!("duplicate: already defined in {first}, which wins");
                                 out.push(Rejection::new(
                                     source.clone(),
-                                    label.clone(),
+                                    &**label,
                                     "metadata.name",
                                     reason,
                                 ));
@@ -733,7 +746,7 @@ impl Objects {
                                 if let Err((field, reason)) = decoded {
                                     out.push(Rejection::new(
                                         source.clone(),
-                                        label.clone(),
+                                        &**label,
                                         field.clone(),
                                         reason.clone(),
                                     ));
@@ -1158,24 +1171,26 @@ impl ParsedFile {
                 format!("a {kind_str} needs a metadata.name"),
             );
         }
-        let (kind, label, key) = match kind_str {
-            "Service" => (
-                Kind::Service,
-                format!("Service {namespace}/{name}"),
-                ObjectKey::new(namespace, name),
-            ),
-            "EndpointSlice" => (
-                Kind::Slice,
-                format!("EndpointSlice {namespace}/{name}"),
-                ObjectKey::new(namespace, name),
-            ),
-            "Endpoints" => (
-                Kind::Endpoints,
-                format!("Endpoints {namespace}/{name}"),
-                ObjectKey::new(namespace, name),
-            ),
-            _ => (Kind::Node, format!("Node {name}"), ObjectKey::new("", name)),
+        let (kind, label) = match kind_str {
+            "Service" => (Kind::Service, format!("Service {namespace}/{name}")),
+            "EndpointSlice" => (Kind::Slice, format!("EndpointSlice {namespace}/{name}")),
+            "Endpoints" => (Kind::Endpoints, format!("Endpoints {namespace}/{name}")),
+            _ => (Kind::Node, format!("Node {name}")),
         };
+        let namespace = match kind {
+            Kind::Node => "",
+            _ => &namespace,
+        };
+        let namespace = match self.namespaces.get(namespace) {
+            Some(shared) => shared.clone(),
+            None => {
+                let shared: Arc<str> = namespace.into();
+                self.namespaces.insert(shared.clone());
+                shared
+            }
+        };
+        let key = ObjectKey::new(namespace, name);
+        let label: Arc<str> = label.into();
         let decoded = decode(kind).map(|object| match object {
             // Keeps no namespace: its key says.
             Object::Service(o) => Object::Service(o),
