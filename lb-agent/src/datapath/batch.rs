@@ -205,9 +205,22 @@ fn chunked<K: Copy, V: Copy>(
 /// order: [`CHUNK`] at a time with `BPF_MAP_LOOKUP_BATCH`, or one by one
 /// where the kernel refuses it.
 pub fn lookup_array<V: Copy + Default>(map: BorrowedFd<'_>, len: u32) -> io::Result<Vec<V>> {
+    let mut values = Vec::with_capacity(len as usize);
+    visit_array(map, len, |_, v| values.push(v))?;
+    Ok(values)
+}
+
+/// Hands every element of an array map of `len` elements of `V` to `f`
+/// with its index, in index order, as [`lookup_array`] reads them; only a
+/// chunk is held at a time (`LB_BACKENDS` at its default size is 7 MiB).
+pub fn visit_array<V: Copy + Default>(
+    map: BorrowedFd<'_>,
+    len: u32,
+    mut f: impl FnMut(u32, V),
+) -> io::Result<()> {
     let len = len as usize;
-    let mut values = vec![V::default(); len];
-    let mut keys = vec![0u32; len];
+    let mut values = vec![V::default(); CHUNK.min(len)];
+    let mut keys = vec![0u32; CHUNK.min(len)];
     let mut done = 0;
     // The last index read, where the next call goes on.
     let (mut after, mut last) = (0u32, 0u32);
@@ -220,48 +233,58 @@ pub fn lookup_array<V: Copy + Default>(map: BorrowedFd<'_>, len: u32) -> io::Res
                 &after as *const u32 as u64
             },
             out_batch: &mut last as *mut u32 as u64,
-            keys: keys[done..].as_mut_ptr() as u64,
-            values: values[done..].as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
             count: count as u32,
             map_fd: map.as_raw_fd() as u32,
             ..Default::default()
         };
-        match sys_bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
-            Ok(()) => {}
+        let at_end = match sys_bpf(BPF_MAP_LOOKUP_BATCH, &mut attr) {
+            Ok(()) => false,
             // The end of the map: `count` says how many this call read.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
-                done += (attr.count as usize).min(count);
-                break;
-            }
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => true,
             Err(e) if done == 0 && unsupported(&e) => {
                 BATCH_UNSUPPORTED.store(true, Ordering::Relaxed);
                 break;
             }
             Err(e) => return Err(e),
+        };
+        let read = (attr.count as usize).min(count);
+        for (i, (key, value)) in keys[..read].iter().zip(&values[..read]).enumerate() {
+            if *key as usize != done + i {
+                return Err(io::Error::other(format!(
+                    "read element {key} of an array where {} was due",
+                    done + i
+                )));
+            }
+            f(*key, *value);
         }
-        done += (attr.count as usize).min(count);
+        done += read;
         after = last;
+        if at_end {
+            break;
+        }
     }
     if done < len && !batch_supported() {
-        for (i, (value, key)) in values.iter_mut().zip(&mut keys).enumerate().skip(done) {
-            let index = i as u32;
-            *key = index;
+        for index in done as u32..len as u32 {
+            let mut value = V::default();
             let mut attr = ElemAttr {
                 map_fd: map.as_raw_fd() as u32,
                 key: &index as *const u32 as u64,
-                value: value as *mut V as u64,
+                value: &mut value as *mut V as u64,
                 ..Default::default()
             };
             sys_bpf(BPF_MAP_LOOKUP_ELEM, &mut attr)?;
+            f(index, value);
         }
         done = len;
     }
-    if done < len || keys.iter().enumerate().any(|(i, k)| *k as usize != i) {
+    if done < len {
         return Err(io::Error::other(format!(
-            "read {done} of {len} elements of an array, or out of order"
+            "read {done} of {len} elements of an array"
         )));
     }
-    Ok(values)
+    Ok(())
 }
 
 /// The per-element fallback of [`update`].

@@ -1152,13 +1152,13 @@ impl PinnedMaps {
         use std::os::fd::AsFd as _;
         let map = self.backends.map();
         let len = self.backends.len();
-        let values: Vec<Backend> = crate::datapath::batch::lookup_array(map.fd().as_fd(), len)?;
-        Ok(values
-            .into_iter()
-            .zip(0u32..)
-            .filter(|(b, _)| *b != Backend::default())
-            .map(|(b, id)| (BackendId { id }, b))
-            .collect())
+        let mut entries = Vec::new();
+        crate::datapath::batch::visit_array(map.fd().as_fd(), len, |id, b: Backend| {
+            if b != Backend::default() {
+                entries.push((BackendId { id }, b));
+            }
+        })?;
+        Ok(entries)
     }
 }
 

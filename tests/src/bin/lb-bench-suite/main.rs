@@ -67,6 +67,12 @@ pub struct Opts {
     /// Only rewrite BENCHMARKS.md and the chart from target/bench/results.json.
     #[arg(long)]
     pub report_only: bool,
+    /// Control plane: ours only, without the rule loads of the other arms
+    /// (a quick A/B of the agent's first sync and memory; with
+    /// `--no-datapath --no-nodeport --root <scratch>`, as the report then
+    /// shows the others as not run).
+    #[arg(long)]
+    pub only_ours: bool,
     /// Endpoints of the target Service (addresses 10.244.1.1..=N of the backend).
     #[arg(long, default_value_t = 4)]
     pub target_endpoints: u8,
@@ -1510,11 +1516,12 @@ fn control_plane(
         Ok(c) => cp.cluster = Some(c),
         Err(e) => cp.notes.push(format!("cluster mode: {e:#}")),
     }
-    for (kind, slot) in [
+    let others = [
         (ArmKind::IptablesNft, &mut cp.iptables_nft_s),
         (ArmKind::IptablesLegacy, &mut cp.iptables_legacy_s),
         (ArmKind::Nftables, &mut cp.nft_s),
-    ] {
+    ];
+    for (kind, slot) in others.into_iter().filter(|_| !opts.only_ours) {
         let mut topo = Topology::new(&format!("cp-{}", kind.short()))?;
         topo.add_host(
             "client",
