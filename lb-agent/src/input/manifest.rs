@@ -455,11 +455,13 @@ impl Changes {
     }
 }
 
-/// One entry of a file's outcome, in document order.
+/// One entry of a file's outcome, in document order. Kept for every
+/// object of every file, so the rare cases are boxed: 64 bytes an item,
+/// not 104.
 #[derive(Debug)]
 enum Item {
     /// Reported as it is (syntax, unknown kind, no name).
-    Rejected(Rejection),
+    Rejected(Box<Rejection>),
     /// An object named `label` ("Service ns/name"): `Ok` when it decoded
     /// (the object went to the store or waits as a duplicate), else the
     /// field and reason. Whether it is a duplicate depends on the other
@@ -469,9 +471,11 @@ enum Item {
         label: Arc<str>,
         kind: Kind,
         key: ObjectKey,
-        decoded: Result<(), (String, String)>,
+        decoded: Result<(), Box<(String, String)>>,
     },
 }
+
+const _: () = assert!(std::mem::size_of::<Item>() <= 64);
 
 /// What one file decoded to.
 #[derive(Debug, Default)]
@@ -505,7 +509,7 @@ impl ParsedFile {
         reason: impl Into<String>,
     ) {
         let rejection = Rejection::new(self.source.clone(), object, field, reason);
-        self.items.push(Item::Rejected(rejection));
+        self.items.push(Item::Rejected(Box::new(rejection)));
     }
 }
 
@@ -715,7 +719,7 @@ impl Objects {
         if let Some((source, items)) = self.files.get(name) {
             for (i, item) in items.iter().enumerate() {
                 match item {
-                    Item::Rejected(r) => out.push(r.clone()),
+                    Item::Rejected(r) => out.push((**r).clone()),
                     // Without any shadowed definition, every decoded
                     // object is the one stored: no lookup for the many.
                     Item::Object {
@@ -743,7 +747,8 @@ impl Objects {
                                 ));
                             }
                             _ => {
-                                if let Err((field, reason)) = decoded {
+                                if let Err(e) = decoded {
+                                    let (field, reason) = &**e;
                                     out.push(Rejection::new(
                                         source.clone(),
                                         &**label,
@@ -1209,7 +1214,7 @@ impl ParsedFile {
                 self.objects.push((index, object));
                 Ok(())
             }
-            Err(e) => Err(e),
+            Err(e) => Err(Box::new(e)),
         };
         self.items.push(Item::Object {
             label,
