@@ -1287,7 +1287,64 @@ enum WireField {
 
 impl FromMap for WireSlice {
     const NAME: &'static str = "EndpointSlice";
-    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+    fn from_map<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        Ok(WireSlice(slice_from_map(map)?.1))
+    }
+}
+
+/// An EndpointSlice as cluster mode's watch decodes it: the metadata the
+/// watcher reads (name, namespace, resourceVersion) and, straight, the
+/// compact form the store keeps, as [`WireSlice`] decodes manifests: the
+/// API type's endpoints (~350 bytes each, and their strings) are never
+/// built only to be converted.
+#[derive(Clone, Debug, Default)]
+pub struct WatchedSlice {
+    pub metadata: ObjectMeta,
+    pub slice: Slice,
+}
+
+impl k8s_openapi::Resource for WatchedSlice {
+    const API_VERSION: &'static str = EndpointSlice::API_VERSION;
+    const GROUP: &'static str = EndpointSlice::GROUP;
+    const KIND: &'static str = EndpointSlice::KIND;
+    const VERSION: &'static str = EndpointSlice::VERSION;
+    const URL_PATH_SEGMENT: &'static str = EndpointSlice::URL_PATH_SEGMENT;
+    type Scope = <EndpointSlice as k8s_openapi::Resource>::Scope;
+}
+
+impl k8s_openapi::Metadata for WatchedSlice {
+    type Ty = ObjectMeta;
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+impl FromMap for WatchedSlice {
+    const NAME: &'static str = "EndpointSlice";
+    fn from_map<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
+        let (metadata, slice) = slice_from_map(map)?;
+        Ok(WatchedSlice {
+            metadata: metadata.unwrap_or_default(),
+            slice,
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for WatchedSlice {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        MapVisitor::<Self>::deserialize(de)
+    }
+}
+
+/// Decodes an EndpointSlice into its metadata (less the labels, which the
+/// slice takes) and the compact form.
+fn slice_from_map<'de, A: MapAccess<'de>>(
+    mut map: A,
+) -> Result<(Option<ObjectMeta>, Slice), A::Error> {
+    {
         let mut address_type: Option<String> = None;
         let mut endpoints: Option<Vec<WireEndpoint>> = None;
         let mut metadata: Option<ObjectMeta> = None;
@@ -1314,12 +1371,14 @@ impl FromMap for WireSlice {
                 }
             }
         }
-        Ok(WireSlice(Slice::new(
-            metadata.and_then(|m| m.labels),
+        let labels = metadata.as_mut().and_then(|m| m.labels.take());
+        let slice = Slice::new(
+            labels,
             address_type.unwrap_or_default(),
             ports.unwrap_or_default(),
             endpoints.unwrap_or_default().into_iter().map(|e| e.0),
-        )))
+        );
+        Ok((metadata, slice))
     }
 }
 
@@ -2052,12 +2111,40 @@ mod tests {
         for text in cases {
             let direct = serde_json::from_str::<WireSlice>(text).map(|w| w.0);
             let typed = decode_str::<EndpointSlice>(text).map(|s| Slice::from(*s));
-            match (direct, typed) {
-                (Ok(direct), Ok(typed)) => assert_eq!(direct, typed, "{text}"),
-                (Err(_), Err(_)) => {}
-                (direct, typed) => panic!("{text}: direct {direct:?}, API type {typed:?}"),
+            // Cluster mode's watch decodes the same way, keeping the
+            // metadata but for the labels, which the slice took.
+            let watched = serde_json::from_str::<WatchedSlice>(text);
+            let typed_meta = decode_str::<EndpointSlice>(text).map(|s| ObjectMeta {
+                labels: None,
+                ..s.metadata
+            });
+            match (&direct, &typed, &watched) {
+                (Ok(direct), Ok(typed), Ok(watched)) => {
+                    assert_eq!(direct, typed, "{text}");
+                    assert_eq!(&watched.slice, typed, "{text}");
+                    assert_eq!(Ok(&watched.metadata), typed_meta.as_ref(), "{text}");
+                }
+                (Err(_), Err(_), Err(_)) => {}
+                _ => panic!("{text}: direct {direct:?}, API type {typed:?}, watched {watched:?}"),
             }
         }
+        // What a list or watch of the API server carries.
+        let text = r#"{"metadata": {"name": "web-x1", "namespace": "shop", "resourceVersion": "42",
+            "uid": "u1", "creationTimestamp": "2024-01-01T00:00:00Z",
+            "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "endpoints": [{"addresses": ["10.244.1.5"]}]}"#;
+        let watched: WatchedSlice = serde_json::from_str(text).unwrap();
+        let meta = &watched.metadata;
+        assert_eq!(
+            (meta.name.as_deref(), meta.namespace.as_deref()),
+            (Some("web-x1"), Some("shop"))
+        );
+        assert_eq!(meta.resource_version.as_deref(), Some("42"));
+        assert_eq!(watched.slice.service.as_deref(), Some("web"));
+        assert_eq!(
+            watched.slice.endpoints[0].address,
+            Some(crate::input::store::EndpointAddr::from("10.244.1.5"))
+        );
     }
 
     /// Repeated keys, which a Value tree resolves (the last wins), still

@@ -13,14 +13,14 @@ use std::{
 
 use crate::{
     base::metrics::Metrics,
-    input::store::{Changes, ObjectKey, Slice, Store, StoredService},
+    input::{
+        manifest::WatchedSlice,
+        store::{Changes, ObjectKey, Slice, Store, StoredService},
+    },
 };
 use anyhow::Context as _;
 use futures::{Stream, StreamExt as _};
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
-};
+use k8s_openapi::api::core::v1::{Node, Service};
 use kube::{
     api::ObjectMeta,
     runtime::{watcher, WatchStreamExt as _},
@@ -129,7 +129,7 @@ macro_rules! stored {
     ($kind:ty, kept: $kept:ty = $keep:expr, objects: $($objects:ident).+, listed: $listed:ident,
      note: $note:expr) => {
         impl Stored for $kind {
-            const KIND: &'static str = stringify!($kind);
+            const KIND: &'static str = <$kind as k8s_openapi::Resource>::KIND;
             type Kept = $kept;
             fn keep(self) -> $kept {
                 $keep(self)
@@ -151,8 +151,9 @@ macro_rules! stored {
 // Compact on arrival, like the manifests: both modes share one store.
 stored!(Service, kept: Box<StoredService> = |s: Service| Box::new(s.into()), objects: store.services,
     listed: services_listed, note: |c, k| { c.services.insert(k.clone()); });
-// Compact on arrival, like the manifests: both modes share one store.
-stored!(EndpointSlice, kept: Slice = Slice::from, objects: store.slices,
+// Decoded straight into the compact form, like the manifests: both modes
+// share one store.
+stored!(WatchedSlice, kept: Slice = |w: WatchedSlice| w.slice, objects: store.slices,
     listed: slices_listed, note: |c, k| { c.slices.insert(k.clone()); });
 // Nodes are keyed by name alone in the store; this wrapper map keeps the
 // loop generic and `Store::nodes` is refreshed from it.
@@ -275,7 +276,7 @@ where
 /// is left out of `/metrics` altogether, so without this the restarts and
 /// errors of the watches would only appear after the first one.
 fn init_watch_metrics(metrics: &Metrics) {
-    for kind in [Service::KIND, EndpointSlice::KIND, Node::KIND] {
+    for kind in [Service::KIND, WatchedSlice::KIND, Node::KIND] {
         let _ = metrics.watch_restarts.get_or_create(&kind_label(kind));
         let _ = metrics.watch_errors.get_or_create(&kind_label(kind));
     }
@@ -299,7 +300,7 @@ pub fn start(
 ) {
     init_watch_metrics(&metrics);
     let services: Api<Service> = Api::all(client.clone());
-    let slices: Api<EndpointSlice> = Api::all(client.clone());
+    let slices: Api<WatchedSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
     let (cfg, labelled) = configs();
     tokio::spawn(follow(
@@ -342,8 +343,8 @@ mod tests {
         }
     }
 
-    fn slice(name: &str) -> EndpointSlice {
-        EndpointSlice {
+    fn slice(name: &str) -> WatchedSlice {
+        WatchedSlice {
             metadata: meta(name),
             ..Default::default()
         }
