@@ -21,10 +21,10 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use k8s_openapi::{
     api::{
-        core::v1::{Endpoints, Node, Service},
+        core::v1::{Endpoints, Node, Service, ServiceSpec, ServiceStatus},
         discovery::v1::EndpointSlice,
     },
-    apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    apimachinery::pkg::apis::meta::v1::{ObjectMeta, Time},
     Metadata,
 };
 use serde::{
@@ -1288,7 +1288,7 @@ enum WireField {
 impl FromMap for WireSlice {
     const NAME: &'static str = "EndpointSlice";
     fn from_map<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        Ok(WireSlice(slice_from_map(map)?.1))
+        Ok(WireSlice(slice_from_map::<ObjectMeta, _>(map)?.1))
     }
 }
 
@@ -1325,9 +1325,9 @@ impl k8s_openapi::Metadata for WatchedSlice {
 impl FromMap for WatchedSlice {
     const NAME: &'static str = "EndpointSlice";
     fn from_map<'de, A: MapAccess<'de>>(map: A) -> Result<Self, A::Error> {
-        let (metadata, slice) = slice_from_map(map)?;
+        let (metadata, slice) = slice_from_map::<WatchedMeta, _>(map)?;
         Ok(WatchedSlice {
-            metadata: metadata.unwrap_or_default(),
+            metadata: metadata.unwrap_or_default().into(),
             slice,
         })
     }
@@ -1339,15 +1339,156 @@ impl<'de> Deserialize<'de> for WatchedSlice {
     }
 }
 
+/// The metadata a watch decodes of an object: what the watcher needs (name,
+/// namespace, resourceVersion, uid) and what the store keeps (labels,
+/// annotations, the creation time). The rest, managedFields above all
+/// (often most of an object's bytes in a real cluster), is skipped unread.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WatchedMeta {
+    name: Option<String>,
+    namespace: Option<String>,
+    resource_version: Option<String>,
+    uid: Option<String>,
+    labels: Option<BTreeMap<String, String>>,
+    annotations: Option<BTreeMap<String, String>>,
+    creation_timestamp: Option<Time>,
+    deletion_timestamp: Option<Time>,
+}
+
+impl From<WatchedMeta> for ObjectMeta {
+    fn from(m: WatchedMeta) -> Self {
+        ObjectMeta {
+            name: m.name,
+            namespace: m.namespace,
+            resource_version: m.resource_version,
+            uid: m.uid,
+            labels: m.labels,
+            annotations: m.annotations,
+            creation_timestamp: m.creation_timestamp,
+            deletion_timestamp: m.deletion_timestamp,
+            ..Default::default()
+        }
+    }
+}
+
+/// Metadata whose labels a compact form takes.
+trait Labelled {
+    fn take_labels(&mut self) -> Option<BTreeMap<String, String>>;
+}
+
+impl Labelled for ObjectMeta {
+    fn take_labels(&mut self) -> Option<BTreeMap<String, String>> {
+        self.labels.take()
+    }
+}
+
+impl Labelled for WatchedMeta {
+    fn take_labels(&mut self) -> Option<BTreeMap<String, String>> {
+        self.labels.take()
+    }
+}
+
+/// A Service as cluster mode's watch decodes it: the metadata the watcher
+/// reads and the form the store keeps, built from the API type's spec and
+/// status as they decode, without a whole Service in between.
+#[derive(Clone, Debug, Default)]
+pub struct WatchedService {
+    pub metadata: ObjectMeta,
+    pub service: StoredService,
+}
+
+impl k8s_openapi::Resource for WatchedService {
+    const API_VERSION: &'static str = Service::API_VERSION;
+    const GROUP: &'static str = Service::GROUP;
+    const KIND: &'static str = Service::KIND;
+    const VERSION: &'static str = Service::VERSION;
+    const URL_PATH_SEGMENT: &'static str = Service::URL_PATH_SEGMENT;
+    type Scope = <Service as k8s_openapi::Resource>::Scope;
+}
+
+impl k8s_openapi::Metadata for WatchedService {
+    type Ty = ObjectMeta;
+    fn metadata(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn metadata_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// The keys of a Service the watch decodes.
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "camelCase")]
+enum ServiceField {
+    ApiVersion,
+    Kind,
+    Metadata,
+    Spec,
+    Status,
+    #[serde(other)]
+    Other,
+}
+
+impl FromMap for WatchedService {
+    const NAME: &'static str = "Service";
+    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        let mut metadata: Option<WatchedMeta> = None;
+        let mut spec: Option<ServiceSpec> = None;
+        let mut status: Option<ServiceStatus> = None;
+        while let Some(key) = map.next_key::<ServiceField>()? {
+            match key {
+                ServiceField::ApiVersion | ServiceField::Kind => {
+                    let found = map.next_value::<String>()?;
+                    let want = match key {
+                        ServiceField::ApiVersion => <Service as k8s_openapi::Resource>::API_VERSION,
+                        _ => <Service as k8s_openapi::Resource>::KIND,
+                    };
+                    if found != want {
+                        return Err(A::Error::invalid_value(Unexpected::Str(&found), &want));
+                    }
+                }
+                ServiceField::Metadata => metadata = map.next_value()?,
+                ServiceField::Spec => spec = map.next_value()?,
+                ServiceField::Status => status = map.next_value()?,
+                ServiceField::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        let mut metadata = metadata.unwrap_or_default();
+        // What the stored form takes of the metadata.
+        let read = ObjectMeta {
+            labels: metadata.labels.take(),
+            annotations: metadata.annotations.take(),
+            creation_timestamp: metadata.creation_timestamp.clone(),
+            ..Default::default()
+        };
+        let metadata = metadata.into();
+        let service = StoredService::from(Service {
+            metadata: read,
+            spec,
+            status,
+        });
+        Ok(WatchedService { metadata, service })
+    }
+}
+
+impl<'de> Deserialize<'de> for WatchedService {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        MapVisitor::<Self>::deserialize(de)
+    }
+}
+
 /// Decodes an EndpointSlice into its metadata (less the labels, which the
 /// slice takes) and the compact form.
-fn slice_from_map<'de, A: MapAccess<'de>>(
+fn slice_from_map<'de, M: Deserialize<'de> + Labelled, A: MapAccess<'de>>(
     mut map: A,
-) -> Result<(Option<ObjectMeta>, Slice), A::Error> {
+) -> Result<(Option<M>, Slice), A::Error> {
     {
         let mut address_type: Option<String> = None;
         let mut endpoints: Option<Vec<WireEndpoint>> = None;
-        let mut metadata: Option<ObjectMeta> = None;
+        let mut metadata: Option<M> = None;
         let mut ports: Option<Vec<k8s_openapi::api::discovery::v1::EndpointPort>> = None;
         while let Some(key) = map.next_key::<WireField>()? {
             match key {
@@ -1371,7 +1512,7 @@ fn slice_from_map<'de, A: MapAccess<'de>>(
                 }
             }
         }
-        let labels = metadata.as_mut().and_then(|m| m.labels.take());
+        let labels = metadata.as_mut().and_then(Labelled::take_labels);
         let slice = Slice::new(
             labels,
             address_type.unwrap_or_default(),
@@ -2116,7 +2257,7 @@ mod tests {
             let watched = serde_json::from_str::<WatchedSlice>(text);
             let typed_meta = decode_str::<EndpointSlice>(text).map(|s| ObjectMeta {
                 labels: None,
-                ..s.metadata
+                ..watched_part(s.metadata)
             });
             match (&direct, &typed, &watched) {
                 (Ok(direct), Ok(typed), Ok(watched)) => {
@@ -2145,6 +2286,74 @@ mod tests {
             watched.slice.endpoints[0].address,
             Some(crate::input::store::EndpointAddr::from("10.244.1.5"))
         );
+    }
+
+    /// Cluster mode's Service watch builds the stored form as the API type
+    /// and its conversion do, and keeps the watcher's metadata.
+    #[test]
+    fn watched_services_decode_as_through_the_api_type() {
+        let cases = [
+            r#"{"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": "shop", "resourceVersion": "7",
+                "labels": {"service.kubernetes.io/headless": "", "app": "web"}, "annotations": {"lb-agent.dev/lb-algorithm": "maglev", "x": "y"},
+                "creationTimestamp": "2024-01-01T00:00:00Z", "managedFields": [{"manager": "m", "fieldsV1": {"f:spec": {}}}]},
+                "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10"], "selector": {"app": "web"},
+                         "ports": [{"name": "http", "port": 80, "targetPort": "web", "nodePort": 30080}],
+                         "externalTrafficPolicy": "Local", "healthCheckNodePort": 32000, "sessionAffinity": "ClientIP",
+                         "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}}},
+                "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.1", "ipMode": "VIP"}]}}}"#,
+            r#"{"metadata": {"name": "a"}}"#,
+            r#"{"metadata": null, "spec": null, "status": null, "unknown": [1]}"#,
+            r#"{"apiVersion": "v2", "metadata": {"name": "a"}}"#,
+            r#"{"kind": "Node", "metadata": {"name": "a"}}"#,
+            r#"{"spec": {"ports": [{"port": "80"}]}}"#,
+            r#"{"metadata": {"labels": {"a": 1}}}"#,
+            r#"["Service"]"#,
+        ];
+        for text in cases {
+            let watched = serde_json::from_str::<WatchedService>(text);
+            let typed = decode_str::<Service>(text);
+            match (&watched, &typed) {
+                (Ok(watched), Ok(typed)) => {
+                    let typed = *typed.clone();
+                    let meta = ObjectMeta {
+                        labels: None,
+                        annotations: None,
+                        ..watched_part(typed.metadata.clone())
+                    };
+                    assert_eq!(watched.metadata, meta, "{text}");
+                    assert_eq!(watched.service, StoredService::from(typed), "{text}");
+                }
+                (Err(_), Err(_)) => {}
+                _ => panic!("{text}: watched {watched:?}, API type {typed:?}"),
+            }
+        }
+        let first: WatchedService = serde_json::from_str(cases[0]).unwrap();
+        assert!(first.service.metadata.proxy_labels);
+        assert_eq!(first.service.metadata.algorithm.as_deref(), Some("maglev"));
+        assert_eq!(first.metadata.resource_version.as_deref(), Some("7"));
+        // managedFields are skipped unread: not even their shape is checked.
+        let text = r#"{"metadata": {"name": "a", "managedFields": "not a list"}, "spec": {"clusterIP": "10.96.0.1"}}"#;
+        assert!(decode_str::<Service>(text).is_err());
+        let watched: WatchedService = serde_json::from_str(text).unwrap();
+        assert_eq!(watched.metadata.name.as_deref(), Some("a"));
+        let text = r#"{"metadata": {"name": "s", "managedFields": 5}, "addressType": "IPv4"}"#;
+        assert!(decode_str::<EndpointSlice>(text).is_err());
+        assert!(serde_json::from_str::<WatchedSlice>(text).is_ok());
+    }
+
+    /// What a watch keeps of an object's metadata.
+    fn watched_part(m: ObjectMeta) -> ObjectMeta {
+        ObjectMeta {
+            name: m.name,
+            namespace: m.namespace,
+            resource_version: m.resource_version,
+            uid: m.uid,
+            labels: m.labels,
+            annotations: m.annotations,
+            creation_timestamp: m.creation_timestamp,
+            deletion_timestamp: m.deletion_timestamp,
+            ..Default::default()
+        }
     }
 
     /// Repeated keys, which a Value tree resolves (the last wins), still

@@ -14,13 +14,13 @@ use std::{
 use crate::{
     base::metrics::Metrics,
     input::{
-        manifest::WatchedSlice,
+        manifest::{WatchedService, WatchedSlice},
         store::{Changes, ObjectKey, Slice, Store, StoredService},
     },
 };
 use anyhow::Context as _;
 use futures::{Stream, StreamExt as _};
-use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::core::v1::Node;
 use kube::{
     api::ObjectMeta,
     runtime::{watcher, WatchStreamExt as _},
@@ -148,8 +148,8 @@ macro_rules! stored {
     };
 }
 
-// Compact on arrival, like the manifests: both modes share one store.
-stored!(Service, kept: Box<StoredService> = |s: Service| Box::new(s.into()), objects: store.services,
+// Decoded straight into the stored form, like the slices.
+stored!(WatchedService, kept: Box<StoredService> = |s: WatchedService| Box::new(s.service), objects: store.services,
     listed: services_listed, note: |c, k| { c.services.insert(k.clone()); });
 // Decoded straight into the compact form, like the manifests: both modes
 // share one store.
@@ -276,7 +276,7 @@ where
 /// is left out of `/metrics` altogether, so without this the restarts and
 /// errors of the watches would only appear after the first one.
 fn init_watch_metrics(metrics: &Metrics) {
-    for kind in [Service::KIND, WatchedSlice::KIND, Node::KIND] {
+    for kind in [WatchedService::KIND, WatchedSlice::KIND, Node::KIND] {
         let _ = metrics.watch_restarts.get_or_create(&kind_label(kind));
         let _ = metrics.watch_errors.get_or_create(&kind_label(kind));
     }
@@ -299,7 +299,7 @@ pub fn start(
     metrics: Metrics,
 ) {
     init_watch_metrics(&metrics);
-    let services: Api<Service> = Api::all(client.clone());
+    let services: Api<WatchedService> = Api::all(client.clone());
     let slices: Api<WatchedSlice> = Api::all(client.clone());
     let nodes: Api<Node> = Api::all(client);
     let (cfg, labelled) = configs();
@@ -336,8 +336,8 @@ mod tests {
         }
     }
 
-    fn service(name: &str) -> Service {
-        Service {
+    fn service(name: &str) -> WatchedService {
+        WatchedService {
             metadata: meta(name),
             ..Default::default()
         }
