@@ -2062,6 +2062,21 @@ fn without_ipv4_options(f: &[u8]) -> Vec<u8> {
     out
 }
 
+/// A NodePort frontend (`NODE4`:30080) whose one backend, `pod`:8080, is
+/// local, and a flow from `client`:40000 whose SYN tc_ingress has passed
+/// (a local backend is reached without translation at ingress).
+fn local_backend_flow(client: &str, pod: &str) -> Fixture {
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 7, &[1]);
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    assert_eq!(rc, OK);
+    fx
+}
+
 /// tc_egress decides most packets from their first bytes
 /// (`surely_not_a_reply`); a packet it cannot read that way (IPv4 with
 /// options) goes the whole way: a local backend's reply with options is
@@ -2073,14 +2088,7 @@ fn egress_reply_with_ipv4_options_is_translated() {
         return;
     }
     let (client, pod) = ("192.168.77.100", "10.244.1.10");
-    let mut fx = Fixture::new();
-    fx.backend(1, pod, 8080, proto::TCP, true);
-    fx.frontend(NODE4, 30080, proto::TCP, 7, &[1]);
-    let (rc, _) = fx.run(
-        "tc_ingress",
-        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
-    );
-    assert_eq!(rc, OK);
+    let mut fx = local_backend_flow(client, pod);
     for (flags, what) in [(TCP_SYN | TCP_ACK, "SYN-ACK"), (TCP_ACK, "ACK")] {
         let reply = with_ipv4_options(&Frame::tcp(pod, 8080, client, 40000, flags).bytes(), 2);
         let (rc, out) = fx.run_bytes("tc_egress", &reply);
@@ -2228,15 +2236,8 @@ fn egress_looks_up_only_packets_from_local_backend_ports() {
     if skip() {
         return;
     }
-    let (pod, client) = ("10.244.1.10", "192.168.77.100");
-    let mut fx = Fixture::new();
-    fx.backend(1, pod, 8080, proto::TCP, true);
-    fx.frontend(NODE4, 30080, proto::TCP, 7, &[1]);
-    let (rc, _) = fx.run(
-        "tc_ingress",
-        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
-    );
-    assert_eq!(rc, OK);
+    let (client, pod) = ("192.168.77.100", "10.244.1.10");
+    let mut fx = local_backend_flow(client, pod);
     let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
     for marked in [LocalPort::default(), LocalPort::default().with(proto::UDP)] {
         fx.local_ports.set(8080, marked, 0).unwrap();

@@ -577,31 +577,25 @@ struct BackendEntry {
     flags: u8,
 }
 
+impl BackendEntry {
+    fn programmed(&self) -> Option<ProgrammedBackend> {
+        (self.id != 0).then_some(ProgrammedBackend {
+            id: self.id,
+            flags: self.flags,
+        })
+    }
+}
+
 impl Backends {
     /// Its `LB_BACKENDS` entry, if written.
     fn programmed(&self, addr: &BackendAddr) -> Option<ProgrammedBackend> {
-        self.entries
-            .get(addr)
-            .filter(|e| e.id != 0)
-            .map(|e| ProgrammedBackend {
-                id: e.id,
-                flags: e.flags,
-            })
+        self.entries.get(addr)?.programmed()
     }
 
     fn programmed_iter(&self) -> impl Iterator<Item = (&BackendAddr, ProgrammedBackend)> {
         self.entries
             .iter()
-            .filter(|(_, e)| e.id != 0)
-            .map(|(a, e)| {
-                (
-                    a,
-                    ProgrammedBackend {
-                        id: e.id,
-                        flags: e.flags,
-                    },
-                )
-            })
+            .filter_map(|(a, e)| Some((a, e.programmed()?)))
     }
 
     fn programmed_count(&self) -> usize {

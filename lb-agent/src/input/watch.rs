@@ -14,8 +14,8 @@ use std::{
 use crate::{
     base::metrics::Metrics,
     input::{
-        manifest::{WatchedService, WatchedSlice},
         store::{Changes, ObjectKey, Slice, Store, StoredService},
+        wire::{WatchedService, WatchedSlice},
     },
 };
 use anyhow::Context as _;
