@@ -1261,15 +1261,8 @@ fn compact(object: &mut Object) {
         }
     }
     match object {
-        Object::Service(svc) => {
-            if let Some(spec) = &mut svc.spec {
-                shrink(&mut spec.ports);
-                shrink(&mut spec.cluster_ips);
-                shrink(&mut spec.external_ips);
-            }
-        }
-        // Exact already: its lists are boxed slices.
-        Object::Slice(_) => {}
+        // Exact already: their lists are boxed slices.
+        Object::Service(_) | Object::Slice(_) => {}
         Object::Endpoints(endpoints) => {
             if let Some(subsets) = &mut endpoints.subsets {
                 subsets.shrink_to_fit();
@@ -1356,6 +1349,7 @@ fn describe(value: &Value) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::input::store::IpField;
 
     /// Writes `files` into a fresh directory and loads it.
     fn load(files: &[(&str, &str)]) -> (tempfile::TempDir, Store, Vec<Rejection>) {
@@ -1590,7 +1584,7 @@ mod tests {
         assert!(rejections.is_empty(), "{rejections:?}");
         let svc = &store.services[&ObjectKey::new("default", "web")];
         let spec = svc.spec.as_ref().unwrap();
-        assert_eq!(spec.cluster_ip.as_deref(), Some("10.96.0.10"));
+        assert_eq!(spec.cluster_ip, Some(IpField::from("10.96.0.10")));
         assert_eq!(
             spec.ports.as_ref().unwrap()[0].name.as_deref(),
             Some("http")

@@ -3,6 +3,7 @@
 //! cluster mode. `translate` reads it and nothing else, which keeps the
 //! Kubernetes semantics testable without a cluster.
 use std::{
+    borrow::Cow,
     collections::{BTreeMap, BTreeSet},
     fmt,
     net::IpAddr,
@@ -11,10 +12,10 @@ use std::{
 
 use k8s_openapi::{
     api::{
-        core::v1::{Endpoints, Node, Service, ServiceSpec, ServiceStatus},
+        core::v1::{Endpoints, Node, Service, ServicePort, ServiceSpec, ServiceStatus},
         discovery::v1::{Endpoint, EndpointPort, EndpointSlice},
     },
-    apimachinery::pkg::apis::meta::v1::Time,
+    apimachinery::pkg::{apis::meta::v1::Time, util::intstr::IntOrString},
 };
 
 /// `discovery.k8s.io/v1` label joining an EndpointSlice to its Service.
@@ -78,16 +79,16 @@ pub struct Store {
     pub nodes: BTreeMap<String, Node>,
 }
 
-/// What translation reads of a Service. The API type's metadata (360 bytes
-/// inline, and the name and namespace again beside the key, each a string
-/// of its own) gives way to the three things read of it; spec and status
-/// stay the API's, whose fields translation validates and names in its
-/// messages, less those it never reads.
+/// What translation reads of a Service. The API type (~530 bytes inline,
+/// and a string of its own for every field, `"TCP"` and `"Cluster"`
+/// included) gives way to the fields read, under the API's names: its
+/// metadata to the three things read of it, spec and status to the fields
+/// translation validates and names in its messages.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StoredService {
     pub metadata: ServiceMeta,
-    pub spec: Option<ServiceSpec>,
-    pub status: Option<ServiceStatus>,
+    pub spec: Option<StoredSpec>,
+    pub status: StoredStatus,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -101,6 +102,83 @@ pub struct ServiceMeta {
     pub creation_timestamp: Option<Time>,
 }
 
+/// The text of an enumerated field (`type`, `protocol`, the policies):
+/// one of the values the API defines is shared, not a string per object;
+/// any other is kept for translation to name.
+pub type Word = Cow<'static, str>;
+
+/// The values [`Word`] shares.
+const WORDS: &[&str] = &[
+    "ClusterIP",
+    "NodePort",
+    "LoadBalancer",
+    "ExternalName",
+    "TCP",
+    "UDP",
+    "SCTP",
+    "Cluster",
+    "Local",
+    "None",
+    "ClientIP",
+    "VIP",
+    "Proxy",
+];
+
+fn word(text: String) -> Word {
+    match WORDS.iter().find(|w| **w == text) {
+        Some(w) => Cow::Borrowed(w),
+        None => Cow::Owned(text),
+    }
+}
+
+fn words(list: Option<Vec<String>>) -> Option<Box<[Box<str>]>> {
+    list.map(|l| l.into_iter().map(String::into_boxed_str).collect())
+}
+
+/// What translation reads of `ServiceSpec`; what no proxy reads (selectors
+/// are the EndpointSlice controller's, families and names the API
+/// server's) is dropped on arrival.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StoredSpec {
+    pub type_: Option<Word>,
+    pub cluster_ip: Option<IpField>,
+    pub cluster_ips: Option<Box<[IpField]>>,
+    pub external_ips: Option<Box<[Box<str>]>>,
+    pub ports: Option<Box<[StoredPort]>>,
+    pub internal_traffic_policy: Option<Word>,
+    pub external_traffic_policy: Option<Word>,
+    pub health_check_node_port: Option<i32>,
+    pub session_affinity: Option<Word>,
+    /// `sessionAffinityConfig.clientIP.timeoutSeconds`.
+    pub session_affinity_timeout: Option<i32>,
+    pub load_balancer_source_ranges: Option<Box<[Box<str>]>>,
+}
+
+/// What translation reads of a `ServicePort`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StoredPort {
+    pub name: Option<Box<str>>,
+    pub protocol: Option<Word>,
+    pub port: i32,
+    /// `targetPort` when a number, the only form a Service can get wrong
+    /// (a name is looked up in the endpoints' ports, which are what is
+    /// used either way).
+    pub target_port: Option<i32>,
+    pub node_port: Option<i32>,
+}
+
+/// What translation reads of `ServiceStatus`: `loadBalancer.ingress`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StoredStatus {
+    pub load_balancer_ingress: Box<[StoredIngress]>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StoredIngress {
+    pub ip: Option<Box<str>>,
+    pub ip_mode: Option<Word>,
+}
+
 impl From<Service> for StoredService {
     fn from(svc: Service) -> Self {
         let meta = svc.metadata;
@@ -111,26 +189,72 @@ impl From<Service> for StoredService {
             .annotations
             .and_then(|mut a| a.remove(ANNOTATION_ALGORITHM))
             .map(String::into_boxed_str);
-        let spec = svc.spec.map(|spec| ServiceSpec {
-            // What no proxy reads: selectors are the EndpointSlice
-            // controller's, families and names the API server's.
-            selector: None,
-            external_name: None,
-            ip_family_policy: None,
-            ip_families: None,
-            load_balancer_class: None,
-            allocate_load_balancer_node_ports: None,
-            publish_not_ready_addresses: None,
-            ..spec
-        });
         StoredService {
             metadata: ServiceMeta {
                 proxy_labels,
                 algorithm,
                 creation_timestamp: meta.creation_timestamp,
             },
-            spec,
-            status: svc.status,
+            spec: svc.spec.map(StoredSpec::from),
+            status: svc.status.map(StoredStatus::from).unwrap_or_default(),
+        }
+    }
+}
+
+impl From<ServiceSpec> for StoredSpec {
+    fn from(spec: ServiceSpec) -> Self {
+        StoredSpec {
+            type_: spec.type_.map(word),
+            cluster_ip: spec.cluster_ip.map(IpField::from),
+            cluster_ips: spec
+                .cluster_ips
+                .map(|ips| ips.into_iter().map(IpField::from).collect()),
+            external_ips: words(spec.external_ips),
+            ports: spec
+                .ports
+                .map(|ports| ports.into_iter().map(StoredPort::from).collect()),
+            internal_traffic_policy: spec.internal_traffic_policy.map(word),
+            external_traffic_policy: spec.external_traffic_policy.map(word),
+            health_check_node_port: spec.health_check_node_port,
+            session_affinity: spec.session_affinity.map(word),
+            session_affinity_timeout: spec
+                .session_affinity_config
+                .and_then(|c| c.client_ip)
+                .and_then(|c| c.timeout_seconds),
+            load_balancer_source_ranges: words(spec.load_balancer_source_ranges),
+        }
+    }
+}
+
+impl From<ServicePort> for StoredPort {
+    fn from(port: ServicePort) -> Self {
+        StoredPort {
+            name: port.name.map(String::into_boxed_str),
+            protocol: port.protocol.map(word),
+            port: port.port,
+            target_port: match port.target_port {
+                Some(IntOrString::Int(n)) => Some(n),
+                Some(IntOrString::String(_)) | None => None,
+            },
+            node_port: port.node_port,
+        }
+    }
+}
+
+impl From<ServiceStatus> for StoredStatus {
+    fn from(status: ServiceStatus) -> Self {
+        let ingress = status
+            .load_balancer
+            .and_then(|lb| lb.ingress)
+            .unwrap_or_default();
+        StoredStatus {
+            load_balancer_ingress: ingress
+                .into_iter()
+                .map(|ing| StoredIngress {
+                    ip: ing.ip.map(String::into_boxed_str),
+                    ip_mode: ing.ip_mode.map(word),
+                })
+                .collect(),
         }
     }
 }
@@ -161,7 +285,7 @@ pub struct SlicePort {
 pub struct SliceEndpoint {
     /// The first address: like kube-proxy, the only one used (the API
     /// allows exactly one).
-    pub address: Option<EndpointAddr>,
+    pub address: Option<IpField>,
     pub node_name: Option<Box<str>>,
     pub ready: Option<bool>,
     pub serving: Option<bool>,
@@ -171,46 +295,55 @@ pub struct SliceEndpoint {
     pub hints: Option<Box<SliceHints>>,
 }
 
-/// An endpoint's address as its object gives it: parsed when the text is
-/// an IP address written as `IpAddr` writes it back (nearly always), which
-/// saves a string per endpoint (a tenth of a large store's allocations);
-/// else the text, for translation to report.
+/// An address field (an endpoint's, a cluster IP) as its object gives it:
+/// parsed when the text is an IP address written as `IpAddr` writes it back
+/// (nearly always), which saves a string per endpoint (a tenth of a large
+/// store's allocations); else the text (`None`, empty, malformed), for
+/// translation to read or report.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum EndpointAddr {
+pub enum IpField {
     Ip(IpAddr),
     Text(Box<str>),
 }
 
-impl EndpointAddr {
+impl IpField {
     /// The address, or the text that is none.
     pub fn ip(&self) -> Result<IpAddr, &str> {
         match self {
-            EndpointAddr::Ip(ip) => Ok(*ip),
-            EndpointAddr::Text(text) => text.parse().map_err(|_| &**text),
+            IpField::Ip(ip) => Ok(*ip),
+            IpField::Text(text) => text.parse().map_err(|_| &**text),
+        }
+    }
+
+    /// The text, when it was kept as such.
+    pub fn text(&self) -> Option<&str> {
+        match self {
+            IpField::Ip(_) => None,
+            IpField::Text(text) => Some(text),
         }
     }
 }
 
-impl From<String> for EndpointAddr {
+impl From<String> for IpField {
     fn from(text: String) -> Self {
         match text.parse::<IpAddr>() {
-            Ok(ip) if writes_as(ip, &text) => EndpointAddr::Ip(ip),
-            _ => EndpointAddr::Text(text.into_boxed_str()),
+            Ok(ip) if writes_as(ip, &text) => IpField::Ip(ip),
+            _ => IpField::Text(text.into_boxed_str()),
         }
     }
 }
 
-impl From<&str> for EndpointAddr {
+impl From<&str> for IpField {
     fn from(text: &str) -> Self {
         text.to_owned().into()
     }
 }
 
-impl fmt::Display for EndpointAddr {
+impl fmt::Display for IpField {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            EndpointAddr::Ip(ip) => ip.fmt(f),
-            EndpointAddr::Text(text) => f.write_str(text),
+            IpField::Ip(ip) => ip.fmt(f),
+            IpField::Text(text) => f.write_str(text),
         }
     }
 }
@@ -307,7 +440,7 @@ impl From<Endpoint> for SliceEndpoint {
             })
         });
         SliceEndpoint {
-            address: ep.addresses.into_iter().next().map(EndpointAddr::from),
+            address: ep.addresses.into_iter().next().map(IpField::from),
             node_name: ep.node_name.map(boxed),
             ready: conditions.ready,
             serving: conditions.serving,
@@ -408,6 +541,80 @@ mod tests {
     use super::*;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 
+    /// Every field translation reads survives the conversion, enumerated
+    /// values of the API shared rather than allocated, any other kept.
+    #[test]
+    fn stored_services_keep_what_translation_reads() {
+        let svc: Service = serde_json::from_str(
+            r#"{"metadata": {"name": "web", "labels": {"service.kubernetes.io/headless": ""},
+                "annotations": {"lb-agent.dev/lb-algorithm": "maglev"}, "creationTimestamp": "2024-01-01T00:00:00Z"},
+                "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00:96::A"],
+                         "externalIPs": ["192.0.2.7"], "selector": {"app": "web"},
+                         "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080},
+                                   {"port": 53, "protocol": "UDP", "targetPort": "dns"},
+                                   {"port": 9, "protocol": "QUIC"}],
+                         "internalTrafficPolicy": "Local", "externalTrafficPolicy": "Sideways", "healthCheckNodePort": 32000,
+                         "sessionAffinity": "ClientIP", "sessionAffinityConfig": {"clientIP": {"timeoutSeconds": 60}},
+                         "loadBalancerSourceRanges": ["192.0.2.0/24"]},
+                "status": {"loadBalancer": {"ingress": [{"ip": "192.0.2.1", "ipMode": "Proxy"}, {"hostname": "lb"}]}}}"#,
+        )
+        .unwrap();
+        let stored = StoredService::from(svc);
+        let shared = |w: &Option<Word>, text: &str| {
+            assert_eq!(w.as_deref(), Some(text));
+            assert!(matches!(w, Some(Cow::Borrowed(_))), "{text} allocated");
+        };
+        let meta = &stored.metadata;
+        assert!(meta.proxy_labels);
+        assert_eq!(meta.algorithm.as_deref(), Some("maglev"));
+        assert!(meta.creation_timestamp.is_some());
+        let spec = stored.spec.as_ref().unwrap();
+        shared(&spec.type_, "LoadBalancer");
+        assert_eq!(spec.cluster_ip, Some(IpField::from("10.96.0.10")));
+        assert_eq!(
+            spec.cluster_ips.as_deref(),
+            Some(
+                &[
+                    IpField::from("10.96.0.10"),
+                    IpField::Text("fd00:96::A".into())
+                ][..]
+            )
+        );
+        assert_eq!(
+            spec.external_ips.as_deref(),
+            Some(&["192.0.2.7".into()][..])
+        );
+        let ports = spec.ports.as_deref().unwrap();
+        assert_eq!(
+            (ports[0].name.as_deref(), ports[0].protocol.as_deref()),
+            (Some("http"), None)
+        );
+        assert_eq!(
+            (ports[0].port, ports[0].target_port, ports[0].node_port),
+            (80, Some(8080), Some(30080))
+        );
+        shared(&ports[1].protocol, "UDP");
+        assert_eq!((ports[1].port, ports[1].target_port), (53, None));
+        assert_eq!(ports[2].protocol.as_deref(), Some("QUIC"));
+        shared(&spec.internal_traffic_policy, "Local");
+        assert_eq!(spec.external_traffic_policy.as_deref(), Some("Sideways"));
+        assert_eq!(spec.health_check_node_port, Some(32000));
+        shared(&spec.session_affinity, "ClientIP");
+        assert_eq!(spec.session_affinity_timeout, Some(60));
+        assert_eq!(
+            spec.load_balancer_source_ranges.as_deref(),
+            Some(&["192.0.2.0/24".into()][..])
+        );
+        let ingress = &stored.status.load_balancer_ingress;
+        assert_eq!(ingress.len(), 2);
+        assert_eq!(ingress[0].ip.as_deref(), Some("192.0.2.1"));
+        shared(&ingress[0].ip_mode, "Proxy");
+        assert_eq!(
+            (ingress[1].ip.as_deref(), ingress[1].ip_mode.as_deref()),
+            (None, None)
+        );
+    }
+
     #[test]
     fn endpoint_addresses_keep_what_the_object_said() {
         let cases: &[(&str, Option<&str>)] = &[
@@ -423,11 +630,11 @@ mod tests {
             ("not-an-ip", None),
         ];
         for (text, ip) in cases {
-            let addr = EndpointAddr::from(*text);
+            let addr = IpField::from(*text);
             assert_eq!(addr.to_string(), *text, "{text:?} written back");
             let parsed = ip.map(|ip| ip.parse::<IpAddr>().unwrap());
             assert_eq!(addr.ip().ok(), parsed, "{text:?}");
-            let kept_parsed = matches!(addr, EndpointAddr::Ip(_));
+            let kept_parsed = matches!(addr, IpField::Ip(_));
             assert_eq!(kept_parsed, Some(*text) == *ip, "{text:?}: {addr:?}");
             if let Err(raw) = addr.ip() {
                 assert_eq!(raw, *text);

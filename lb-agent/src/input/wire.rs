@@ -422,7 +422,7 @@ mod tests {
         assert_eq!(watched.slice.service.as_deref(), Some("web"));
         assert_eq!(
             watched.slice.endpoints[0].address,
-            Some(crate::input::store::EndpointAddr::from("10.244.1.5"))
+            Some(crate::input::store::IpField::from("10.244.1.5"))
         );
     }
 

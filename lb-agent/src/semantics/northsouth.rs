@@ -12,7 +12,7 @@ use std::{
 use k8s_openapi::api::core::v1::Node;
 
 use crate::{
-    input::store::{EndpointAddr, ObjectKey, Rejection, Store},
+    input::store::{IpField, ObjectKey, Rejection, Store},
     semantics::{
         model::{Cidr, DesiredState, Frontend, FrontendKind, Scope, ServiceName},
         translate,
@@ -135,7 +135,7 @@ pub struct HealthCheck {
 /// those labels do not count, as in `translate`.
 pub fn health_checks(store: &Store, node_name: &str) -> Vec<HealthCheck> {
     // The Local Services first (usually few), then one walk over the slices.
-    let mut local: BTreeMap<&ObjectKey, (u16, BTreeSet<&EndpointAddr>)> = BTreeMap::new();
+    let mut local: BTreeMap<&ObjectKey, (u16, BTreeSet<&IpField>)> = BTreeMap::new();
     for (key, svc) in &store.services {
         let Some(spec) = &svc.spec else { continue };
         if !translate::serves(svc) || spec.external_traffic_policy.as_deref() != Some("Local") {
@@ -405,24 +405,22 @@ mod tests {
             s.health_check_node_port = Some(port);
         };
         add_service(&mut store, "ours", |s| local(s, 32000));
-        add_service(&mut store, "theirs", |s| local(s, 32001));
-        add_service(&mut store, "headless", |s| local(s, 32002));
-        for (name, label) in [
-            ("theirs", "service.kubernetes.io/service-proxy-name"),
-            ("headless", "service.kubernetes.io/headless"),
+        for (name, label, port) in [
+            ("theirs", "service.kubernetes.io/service-proxy-name", 32001),
+            ("headless", "service.kubernetes.io/headless", 32002),
         ] {
-            let svc = store
-                .services
-                .get_mut(&ObjectKey::new("demo", name))
-                .unwrap();
             let mut metadata = meta(name);
             metadata.labels = Some([(label.to_owned(), "x".to_owned())].into());
+            let mut spec = ServiceSpec::default();
+            local(&mut spec, port);
             let labelled = Service {
                 metadata,
-                spec: svc.spec.clone(),
+                spec: Some(spec),
                 ..Default::default()
             };
-            **svc = labelled.into();
+            store
+                .services
+                .insert(ObjectKey::new("demo", name), Box::new(labelled.into()));
         }
         store.slices.insert(
             ObjectKey::new("demo", "ours-x"),

@@ -13,11 +13,12 @@ use std::{
     sync::Arc,
 };
 
-use k8s_openapi::api::core::v1::{Endpoints, ServiceSpec};
-use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::api::core::v1::Endpoints;
 
 use crate::{
-    input::store::{Changes, NodeInfo, ObjectKey, Rejection, Slice, Store, StoredService},
+    input::store::{
+        Changes, IpField, NodeInfo, ObjectKey, Rejection, Slice, Store, StoredService, StoredSpec,
+    },
     semantics::model::{
         Algorithm, BackendAddr, BackendRef, Cidr, DesiredState, Frontend, FrontendKind,
         FrontendState, NotServed, Protocol, Scope, Selection, ServiceName,
@@ -863,26 +864,21 @@ fn report_not_served(port: &ServicePortInfo, not_served: &[NotServed], report: &
     );
 }
 
-fn is_headless(spec: &ServiceSpec) -> bool {
-    spec.cluster_ip.as_deref() == Some("None")
-        || spec
-            .cluster_ips
-            .as_ref()
-            .and_then(|ips| ips.first())
-            .map(String::as_str)
-            == Some("None")
+fn is_headless(spec: &StoredSpec) -> bool {
+    let none = |ip: Option<&IpField>| ip.and_then(IpField::text) == Some("None");
+    none(spec.cluster_ip.as_ref()) || none(spec.cluster_ips.as_deref().and_then(<[_]>::first))
 }
 
 /// `spec.clusterIPs`, falling back to the older single `spec.clusterIP`.
-fn cluster_ips(spec: &ServiceSpec, report: &mut Report) -> Vec<Addr> {
-    let listed: Vec<(&str, String)> = match spec.cluster_ips.as_deref() {
+fn cluster_ips(spec: &StoredSpec, report: &mut Report) -> Vec<Addr> {
+    let listed: Vec<(&IpField, String)> = match spec.cluster_ips.as_deref() {
         Some(ips) if !ips.is_empty() => ips
             .iter()
             .enumerate()
-            .map(|(i, ip)| (ip.as_str(), format!("spec.clusterIPs[{i}]")))
+            .map(|(i, ip)| (ip, format!("spec.clusterIPs[{i}]")))
             .collect(),
-        _ => match spec.cluster_ip.as_deref() {
-            Some(ip) if !ip.is_empty() => vec![(ip, "spec.clusterIP".to_owned())],
+        _ => match &spec.cluster_ip {
+            Some(ip) if ip.text() != Some("") => vec![(ip, "spec.clusterIP".to_owned())],
             _ => {
                 report.reject("spec.clusterIP", "missing: the Service has no cluster IP");
                 return Vec::new();
@@ -891,7 +887,13 @@ fn cluster_ips(spec: &ServiceSpec, report: &mut Report) -> Vec<Addr> {
     };
     listed
         .into_iter()
-        .filter_map(|(raw, field)| parse_ip(raw, field, report))
+        .filter_map(|(ip, field)| match ip.ip() {
+            Ok(ip) => Some((ip, field)),
+            Err(raw) => {
+                report.reject(field, format!("{raw:?} is not an IP address"));
+                None
+            }
+        })
         .collect()
 }
 
@@ -933,7 +935,7 @@ fn of_service_families(
 /// `spec.externalIPs` of the Service's families, without those outside
 /// `allowed` (when given).
 fn external_ips(
-    spec: &ServiceSpec,
+    spec: &StoredSpec,
     families: &BTreeSet<Family>,
     allowed: &[Cidr],
     report: &mut Report,
@@ -968,13 +970,9 @@ fn load_balancer_ips(
     families: &BTreeSet<Family>,
     report: &mut Report,
 ) -> Vec<Addr> {
-    let ingress = svc
+    let parsed = svc
         .status
-        .as_ref()
-        .and_then(|s| s.load_balancer.as_ref())
-        .and_then(|lb| lb.ingress.as_deref())
-        .unwrap_or_default();
-    let parsed = ingress
+        .load_balancer_ingress
         .iter()
         .enumerate()
         .filter(|(_, ing)| ing.ip_mode.as_deref().is_none_or(|mode| mode == "VIP"))
@@ -988,7 +986,7 @@ fn load_balancer_ips(
 
 /// The entries of `spec.ports` with a known protocol and a valid port
 /// number (SCTP ones only to be reported: see [`NotServed`]).
-fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo> {
+fn service_ports(spec: &StoredSpec, report: &mut Report) -> Vec<ServicePortInfo> {
     let mut ports = Vec::new();
     for (index, p) in spec.ports.iter().flatten().enumerate() {
         let protocol = match p.protocol.as_deref() {
@@ -1008,9 +1006,9 @@ fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo
         };
         // The endpoints' ports are what is used, but an API server would
         // not have taken a Service with this number.
-        if let Some(IntOrString::Int(n)) = &p.target_port {
+        if let Some(n) = p.target_port {
             if report
-                .port(*n, format_args!("spec.ports[{index}].targetPort"))
+                .port(n, format_args!("spec.ports[{index}].targetPort"))
                 .is_none()
             {
                 continue;
@@ -1023,7 +1021,7 @@ fn service_ports(spec: &ServiceSpec, report: &mut Report) -> Vec<ServicePortInfo
         };
         ports.push(ServicePortInfo {
             index,
-            name: p.name.clone().unwrap_or_default(),
+            name: p.name.as_deref().unwrap_or_default().to_owned(),
             protocol,
             port,
             node_port,
@@ -1047,31 +1045,24 @@ fn traffic_policy(value: Option<&str>, field: &str, report: &mut Report) -> Poli
 }
 
 /// `sessionAffinity: ClientIP` and its timeout, defaulted like the API server.
-fn affinity_timeout(spec: &ServiceSpec, report: &mut Report) -> Option<u32> {
+fn affinity_timeout(spec: &StoredSpec, report: &mut Report) -> Option<u32> {
     match spec.session_affinity.as_deref() {
         None | Some("None") => None,
-        Some("ClientIP") => {
-            let timeout = spec
-                .session_affinity_config
-                .as_ref()
-                .and_then(|c| c.client_ip.as_ref())
-                .and_then(|c| c.timeout_seconds);
-            match timeout {
-                None => Some(DEFAULT_AFFINITY_TIMEOUT),
-                Some(t) => match u32::try_from(t) {
-                    Ok(t) if (1..=MAX_AFFINITY_TIMEOUT).contains(&t) => Some(t),
-                    _ => {
-                        report.reject(
+        Some("ClientIP") => match spec.session_affinity_timeout {
+            None => Some(DEFAULT_AFFINITY_TIMEOUT),
+            Some(t) => match u32::try_from(t) {
+                Ok(t) if (1..=MAX_AFFINITY_TIMEOUT).contains(&t) => Some(t),
+                _ => {
+                    report.reject(
                             "spec.sessionAffinityConfig.clientIP.timeoutSeconds",
                             format!(
                                 "{t} is outside 1..{MAX_AFFINITY_TIMEOUT}; using {DEFAULT_AFFINITY_TIMEOUT}"
                             ),
                         );
-                        Some(DEFAULT_AFFINITY_TIMEOUT)
-                    }
-                },
-            }
-        }
+                    Some(DEFAULT_AFFINITY_TIMEOUT)
+                }
+            },
+        },
         Some(other) => {
             report.reject(
                 "spec.sessionAffinity",
@@ -1282,7 +1273,7 @@ fn endpoints_groups(endpoints: &Endpoints, report: &mut Report) -> Vec<EndpointG
                 continue;
             };
             ports.push(GroupPort {
-                name: p.name.clone().unwrap_or_default(),
+                name: p.name.as_deref().unwrap_or_default().to_owned(),
                 protocol,
                 port,
             });
@@ -1829,6 +1820,8 @@ mod tests {
                     "{apiVersion: v1, kind: Service, metadata: {name: b}, spec: {clusterIP: nope, ports: [{port: 80}]}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: c}, spec: {type: Weird, clusterIP: 10.96.0.12}}",
                     "{apiVersion: v1, kind: Service, metadata: {name: d}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: e}, spec: {clusterIP: '', ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: f}, spec: {clusterIP: '010.96.0.16', ports: [{port: 80}]}}",
                 ],
                 NONE,
             )
@@ -1837,6 +1830,8 @@ mod tests {
                 "Service default/b spec.clusterIP",
                 "Service default/c spec.type",
                 "Service default/d spec",
+                "Service default/e spec.clusterIP",
+                "Service default/f spec.clusterIP",
             ]),
             Case::new(
                 "session affinity: default timeout, explicit, out of range, unknown type",
