@@ -67,7 +67,7 @@ impl fmt::Display for ObjectKey {
 /// Every object the translation looks at, keyed for deterministic iteration.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Store {
-    /// Boxed: a stored Service is ~530 bytes inline, and a map node holds room
+    /// Boxed: a stored Service is 264 bytes inline, and a map node holds room
     /// for eleven entries, a third of it unused on average.
     pub services: BTreeMap<ObjectKey, Box<StoredService>>,
     /// Kept as [`Slice`], not `EndpointSlice`: slices are most of a large
