@@ -131,7 +131,7 @@ fn word(text: String) -> Word {
     }
 }
 
-fn words(list: Option<Vec<String>>) -> Option<Box<[Box<str>]>> {
+fn boxed_strs(list: Option<Vec<String>>) -> Option<Box<[Box<str>]>> {
     list.map(|l| l.into_iter().map(String::into_boxed_str).collect())
 }
 
@@ -209,7 +209,7 @@ impl From<ServiceSpec> for StoredSpec {
             cluster_ips: spec
                 .cluster_ips
                 .map(|ips| ips.into_iter().map(IpField::from).collect()),
-            external_ips: words(spec.external_ips),
+            external_ips: boxed_strs(spec.external_ips),
             ports: spec
                 .ports
                 .map(|ports| ports.into_iter().map(StoredPort::from).collect()),
@@ -221,7 +221,7 @@ impl From<ServiceSpec> for StoredSpec {
                 .session_affinity_config
                 .and_then(|c| c.client_ip)
                 .and_then(|c| c.timeout_seconds),
-            load_balancer_source_ranges: words(spec.load_balancer_source_ranges),
+            load_balancer_source_ranges: boxed_strs(spec.load_balancer_source_ranges),
         }
     }
 }

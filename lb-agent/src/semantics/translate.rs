@@ -75,6 +75,11 @@ struct Context<'a> {
     store: &'a Store,
     node: &'a NodeInfo,
     opts: &'a TranslateOptions,
+    /// A full translation's previous states, which the reconciler still
+    /// holds (what it has programmed): an unchanged frontend takes its
+    /// previous state rather than a copy, so that a periodic resync does not
+    /// hold every frontend twice (at 100 000 Services, ~40 MiB).
+    previous: Option<&'a BTreeMap<Frontend, Arc<FrontendState>>>,
 }
 
 /// The translation of one Service on its own, before its frontends are
@@ -82,7 +87,7 @@ struct Context<'a> {
 #[derive(Default)]
 struct ServiceOut {
     /// `(frontend, state, field)` in the order the Service asks for them.
-    claims: Vec<(Frontend, FrontendState, String)>,
+    claims: Vec<(Frontend, Arc<FrontendState>, String)>,
     vips: Vec<(IpAddr, Scope)>,
     /// Its SCTP frontends, in the order the Service asks for them.
     not_served: Vec<NotServed>,
@@ -181,6 +186,7 @@ impl Translator {
         opts: &TranslateOptions,
         threads: usize,
     ) -> Update {
+        let previous = std::mem::take(&mut self.state.frontends);
         *self = Translator {
             inputs: Some((node.clone(), opts.clone())),
             rejections_version: self.rejections_version + 1,
@@ -192,7 +198,12 @@ impl Translator {
                 self.slice_service.insert(key.clone(), service);
             }
         }
-        let ctx = Context { store, node, opts };
+        let ctx = Context {
+            store,
+            node,
+            opts,
+            previous: Some(&previous),
+        };
         // Each Service translates on its own, so a large store is split
         // over the cores; the claims are settled afterwards, by `Rank`.
         let services: Vec<(&ObjectKey, &StoredService)> =
@@ -325,7 +336,12 @@ impl Translator {
                 dirty.insert(new);
             }
         }
-        let ctx = Context { store, node, opts };
+        let ctx = Context {
+            store,
+            node,
+            opts,
+            previous: None,
+        };
         let mut touched = BTreeSet::new();
         for key in dirty {
             let out = store
@@ -389,7 +405,7 @@ impl Translator {
                 continue;
             }
             self.owners.insert(frontend, (key.clone(), field));
-            self.state.frontends.insert(frontend, Arc::new(state));
+            self.state.frontends.insert(frontend, state);
         }
         for vip in &vips {
             *self.vip_refs.entry(*vip).or_default() += 1;
@@ -774,6 +790,10 @@ fn translate_service(
                 source_ranges: kind == FrontendKind::LoadBalancer
                     && ranged_families.contains(&Family::of(addr)),
             };
+            let state = match ctx.previous.and_then(|p| p.get(&frontend)) {
+                Some(old) if **old == state => Arc::clone(old),
+                _ => Arc::new(state),
+            };
             out.claims.push((frontend, state, field));
         };
 
@@ -889,10 +909,8 @@ fn cluster_ips(spec: &StoredSpec, report: &mut Report) -> Vec<Addr> {
         .into_iter()
         .filter_map(|(ip, field)| match ip.ip() {
             Ok(ip) => Some((ip, field)),
-            Err(raw) => {
-                report.reject(field, format!("{raw:?} is not an IP address"));
-                None
-            }
+            // Which reports it.
+            Err(raw) => parse_ip(raw, field, report),
         })
         .collect()
 }
@@ -3038,6 +3056,54 @@ mod tests {
         // Some Services lost their cluster IP to an earlier one.
         assert!(one.state().frontends.len() < 1000);
         assert!(!one.rejections().is_empty());
+    }
+
+    /// A full translation again (the periodic resync) takes the previous
+    /// state of every unchanged frontend, which the reconciler still holds,
+    /// rather than a second copy; a changed frontend gets a new one.
+    #[test]
+    fn full_translation_again_shares_unchanged_states() {
+        let web = |ip: &str| {
+            store(&[
+                "{apiVersion: v1, kind: Service, metadata: {name: web}, spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80}]}}",
+                "{apiVersion: v1, kind: Service, metadata: {name: api}, spec: {clusterIP: 10.96.0.11, ports: [{name: http, port: 80}]}}",
+                &format!(
+                    "{{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                     metadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}, \
+                     addressType: IPv4, ports: [{{name: http, port: 8080}}], endpoints: [{{addresses: [{ip}]}}]}}"
+                ),
+                "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, \
+                 metadata: {name: api-1, labels: {kubernetes.io/service-name: api}}, \
+                 addressType: IPv4, ports: [{name: http, port: 8080}], endpoints: [{addresses: [10.1.0.2]}]}",
+            ])
+        };
+        let opts = TranslateOptions::default();
+        let frontend = |ip: &str| Frontend {
+            addr: ip.parse().unwrap(),
+            port: 80,
+            protocol: Protocol::Tcp,
+            scope: Scope::Internal,
+        };
+        let (web_f, api_f) = (frontend("10.96.0.10"), frontend("10.96.0.11"));
+        let mut translator = Translator::default();
+        translator.full(&web("10.1.0.1"), &node_a(), &opts);
+        // What the reconciler keeps of the first sync.
+        let programmed = translator.state().clone();
+        assert_eq!(programmed.frontends.len(), 2);
+
+        translator.full(&web("10.1.0.1"), &node_a(), &opts);
+        assert_eq!(*translator.state(), programmed);
+        for f in [web_f, api_f] {
+            assert!(
+                Arc::ptr_eq(&translator.state().frontends[&f], &programmed.frontends[&f]),
+                "{f}: a second copy of an unchanged state"
+            );
+        }
+
+        translator.full(&web("10.1.0.9"), &node_a(), &opts);
+        let now = &translator.state().frontends;
+        assert!(Arc::ptr_eq(&now[&api_f], &programmed.frontends[&api_f]));
+        assert_ne!(now[&web_f], programmed.frontends[&web_f]);
     }
 
     /// Random edit sequences: after each, the incremental translation
