@@ -374,7 +374,7 @@ fn goals(r: &Results) -> Vec<Goal> {
                 thousands(large.0),
                 large.1
             ),
-            limit: "The same per-object costs as at 10 000 × 10, on 100 000 Services of 2 endpoints each (the fillers) and the maps' capacity the scale point asks for: the store's Services and slices, the manifests' indexes, the translation's and the reconciler's records of each frontend, all held during the first sync.".into(),
+            limit: "The same per-object costs as at 10 000 × 10, on 100 000 Services of 2 endpoints each (the fillers) and the maps' capacity the scale point asks for: the store's Services and slices, the manifests' indexes, the translation's and the reconciler's records of each frontend, all held during the first sync. Read at the end of the point, so it includes the periodic full resync (every 30 s, and when the agent continues after a round), which once held every frontend twice: 371.3 MiB after loading, 413.1 MiB at the end of the point (BENCHMARKS.md at 7e0063f); since a full translation takes the state of every unchanged frontend that the reconciler already holds, a resync peaks below the first sync (100 000 × 2 from manifests, VmHWM after a resync: 406.5 → 368.3 MB).".into(),
         });
     }
     if let Some(v) = nodeport_view(r) {
