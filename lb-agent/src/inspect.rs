@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use aya::maps::{HashMap, MapData};
 use lb_common::{
     affinity_client, backend_flags, clock, ct_flags, ct_state, map_names, proto, service_flags,
-    BackendSlotKey, CtEntry, CtKey, ServiceKey,
+    BackendSlotKey, CtEntry, CtKey, KeyCheck, ServiceKey,
 };
 use serde::Serialize;
 
@@ -180,7 +180,14 @@ impl Subject for Services {
                     backend_set: value.backend_set,
                     slot,
                 };
-                let Ok(s) = maps.slots.get(&slot_key, 0) else {
+                // As the programs take it: the element must carry the
+                // check of this set's slot.
+                let Some(s) = maps
+                    .slots
+                    .get(&value.slot_base.wrapping_add(slot), 0)
+                    .ok()
+                    .filter(|s| s.key_check == slot_key.key_check())
+                else {
                     missing_slots.push(slot);
                     continue;
                 };

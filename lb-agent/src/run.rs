@@ -995,6 +995,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     );
     let reconciler = Reconciler::adopt(
         args.maglev_table_size,
+        args.capacity.max_slots,
         adopted.services,
         adopted.slots,
         adopted.backends,

@@ -236,7 +236,7 @@ fn parse(f: &[u8]) -> Parsed {
 struct Fixture {
     ebpf: Ebpf,
     services: HashMap<MapData, ServiceKey, ServiceValue>,
-    slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
+    slots: Array<MapData, BackendSlot>,
     backends: Array<MapData, Backend>,
     conntrack: HashMap<MapData, CtKey, CtEntry>,
     conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
@@ -244,6 +244,8 @@ struct Fixture {
     config: Array<MapData, TcConfig>,
     local_ports: Array<MapData, LocalPort>,
     next_set: u32,
+    /// The `LB_SLOTS` index of the next set's first slot.
+    next_slot: u32,
 }
 
 const NODE4: &str = "192.168.77.1";
@@ -327,7 +329,7 @@ impl Fixture {
         let take = |e: &mut Ebpf, n| e.take_map(n).unwrap();
         Fixture {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)).unwrap(),
-            slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)).unwrap(),
+            slots: Array::try_from(take(&mut ebpf, map_names::SLOTS)).unwrap(),
             backends: Array::try_from(take(&mut ebpf, map_names::BACKENDS)).unwrap(),
             conntrack: HashMap::try_from(take(&mut ebpf, map_names::CONNTRACK)).unwrap(),
             conntrack_syn: HashMap::try_from(take(&mut ebpf, map_names::CONNTRACK_SYN)).unwrap(),
@@ -336,6 +338,7 @@ impl Fixture {
             local_ports: Array::try_from(take(&mut ebpf, map_names::LOCAL_PORTS)).unwrap(),
             ebpf,
             next_set: 1,
+            next_slot: 0,
         }
     }
 
@@ -388,6 +391,9 @@ impl Fixture {
     fn frontend(&mut self, addr: &str, port: u16, proto: u8, service_id: u32, ids: &[u32]) {
         let set = self.next_set;
         self.next_set += 1;
+        // Sets placed one after another, as the agent's first sync does.
+        let base = self.next_slot;
+        self.next_slot += ids.len() as u32;
         for (i, id) in ids.iter().enumerate() {
             let key = BackendSlotKey {
                 backend_set: set,
@@ -397,7 +403,7 @@ impl Fixture {
                 backend_id: *id,
                 key_check: key.key_check(),
             };
-            self.slots.insert(key, slot, 0).unwrap();
+            self.slots.set(base + i as u32, slot, 0).unwrap();
         }
         let key = ServiceKey {
             addr: addr_bytes(ip(addr)),
@@ -415,6 +421,7 @@ impl Fixture {
             affinity_timeout: 0,
             affinity_id: service_id,
             key_check: key.key_check(),
+            slot_base: base,
         };
         self.services.insert(key, value, 0).unwrap();
     }
@@ -852,17 +859,10 @@ fn a_value_written_for_another_key_is_never_used() {
     let (a, b) = (key(30080), key(30081));
     let a_value = fx.services.get(&a, 0).unwrap();
     let b_value = fx.services.get(&b, 0).unwrap();
-    let a_slot = BackendSlotKey {
-        backend_set: a_value.backend_set,
-        slot: 0,
-    };
-    let b_slot = BackendSlotKey {
-        backend_set: b_value.backend_set,
-        slot: 0,
-    };
+    let a_slot = a_value.slot_base;
     let (a_slot_value, b_slot_value) = (
         fx.slots.get(&a_slot, 0).unwrap(),
-        fx.slots.get(&b_slot, 0).unwrap(),
+        fx.slots.get(&b_value.slot_base, 0).unwrap(),
     );
     let (backend1, backend2) = (
         fx.backends.get(&1, 0).unwrap(),
@@ -888,8 +888,8 @@ fn a_value_written_for_another_key_is_never_used() {
         ),
         (
             "LB_SLOTS: the other set's slot",
-            Box::new(move |fx| fx.slots.insert(a_slot, b_slot_value, 0).unwrap()),
-            Box::new(move |fx| fx.slots.insert(a_slot, a_slot_value, 0).unwrap()),
+            Box::new(move |fx| fx.slots.set(a_slot, b_slot_value, 0).unwrap()),
+            Box::new(move |fx| fx.slots.set(a_slot, a_slot_value, 0).unwrap()),
         ),
         (
             "LB_BACKENDS: the other backend",
@@ -1566,8 +1566,8 @@ fn affinity_by_source_address() {
 /// same tuple lands on the same backend even after its conntrack entries
 /// are gone (another node, or an LRU eviction, picks the same): the one at
 /// the tuple's position of the frontend's table in `LB_MAGLEV`. Without a
-/// table (maps of a version that kept tables in `LB_SLOTS`, until the
-/// agent's first sync) the flow still gets an active backend.
+/// table (a frontend programmed by hand) the flow still gets an active
+/// backend.
 #[test]
 fn maglev_selection_is_a_function_of_the_tuple() {
     if skip() {

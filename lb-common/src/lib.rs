@@ -118,25 +118,33 @@ impl ServiceKey {
 
 /// What a frontend resolves to. Value of `LB_SERVICES`.
 ///
-/// The backends of a frontend live in `LB_SLOTS` under `backend_set`: slots
-/// `0..active` hold the active backends, slots `active..active + terminating`
-/// the serving-but-terminating ones, chosen only while `active` is 0. A Maglev
-/// frontend's lookup table is an array of its own, `LB_MAGLEV[backend_set]`:
-/// `maglev_size` positions, each holding the backend id for that position.
-/// A new backend set (and table) is written under a fresh `backend_set` id
-/// and published by rewriting this one value, so no lookup ever sees a
-/// half-written set or table.
+/// The backends of a frontend are a range of `LB_SLOTS`, an array: elements
+/// `slot_base..slot_base + active` hold the active backends,
+/// `slot_base + active..slot_base + active + terminating` the
+/// serving-but-terminating ones, chosen only while `active` is 0. Each
+/// element carries the `KeyCheck` of its `BackendSlotKey` (`backend_set`,
+/// position in the set), so a program never takes an element written for
+/// another set. A Maglev frontend's lookup table is an array of its own,
+/// `LB_MAGLEV[backend_set]`: `maglev_size` positions, each holding the
+/// backend id for that position. A new backend set (and table) is written
+/// under a fresh `backend_set` id in a range no published value names, and
+/// published by rewriting this one value, so no lookup ever sees a
+/// half-written set or table; the old range is given back only after a
+/// delay (the agent's retire), so a program that read the old value still
+/// finds its set.
 ///
 /// | offset | field              | meaning                                     |
 /// |--------|--------------------|---------------------------------------------|
 /// | 0      | `id`               | `ServiceId`: stable per frontend            |
-/// | 4      | `backend_set`      | `BackendSetId` of the slots in `LB_SLOTS`  |
+/// | 4      | `backend_set`      | `BackendSetId`: names the set, its slots' checks and its Maglev table |
 /// | 8      | `active`           | number of active slots                      |
 /// | 10     | `terminating`      | number of terminating slots after them      |
 /// | 12     | `flags`            | `service_flags::*`                          |
 /// | 14     | `maglev_size`      | length M of `LB_MAGLEV[backend_set]`, with `MAGLEV` |
 /// | 16     | `affinity_timeout` | seconds, with `service_flags::AFFINITY`     |
 /// | 20     | `affinity_id`      | `AffinityKey::affinity_id`, with `AFFINITY`; 0 without |
+/// | 24     | `key_check`        | `KeyCheck` of the frontend's `ServiceKey`   |
+/// | 28     | `slot_base`        | index in `LB_SLOTS` of the set's first slot |
 ///
 /// `affinity_id` is shared by every frontend of one Service port whose
 /// backends come from the same selection of its endpoints (the ClusterIP,
@@ -157,9 +165,11 @@ pub struct ServiceValue {
     pub affinity_id: u32,
     /// `KeyCheck` of the frontend's `ServiceKey`.
     pub key_check: u32,
+    pub slot_base: u32,
 }
 
-/// One slot of a backend set. Key of `LB_SLOTS`.
+/// One slot of a backend set: what an `LB_SLOTS` element's `key_check`
+/// digests (the element's index is `ServiceValue::slot_base + slot`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendSlotKey {
@@ -167,9 +177,11 @@ pub struct BackendSlotKey {
     pub slot: u32,
 }
 
-/// The backend a slot points at. Value of `LB_SLOTS`.
+/// The backend a slot points at. Element of `LB_SLOTS`, an array (Katran's
+/// `ch_rings`): a lookup is the few instructions the verifier inlines. A
+/// free element is zeros, whose check names no slot.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct BackendSlot {
     pub backend_id: u32,
     /// `KeyCheck` of the slot's `BackendSlotKey`.
@@ -178,12 +190,14 @@ pub struct BackendSlot {
 
 /// A digest of a map key that its value carries (`key_check`), so that a
 /// program can tell a copied value was written for another key.
-/// `LB_SERVICES`, `LB_SLOTS` and `LB_BACKENDS` are preallocated hash maps:
-/// an update links a fresh element and keeps the replaced one as the
-/// writing CPU's spare, which the next update on that CPU overwrites with
-/// another key's value without waiting for readers (docs/maps.md, "Recycled
-/// elements"). A program interrupted between its lookup and its copy can
-/// thus copy a foreign value; it checks this digest and looks up again.
+/// `LB_SERVICES` is a preallocated hash map: an update links a fresh
+/// element and keeps the replaced one as the writing CPU's spare, which the
+/// next update on that CPU overwrites with another key's value without
+/// waiting for readers (docs/maps.md, "Recycled elements"). A program
+/// interrupted between its lookup and its copy can thus copy a foreign
+/// value; it checks this digest and looks up again. In the arrays
+/// (`LB_SLOTS`, `LB_BACKENDS`) it tells a free element, or one of another
+/// set or id, from the one the program asked for.
 pub trait KeyCheck {
     fn key_check(&self) -> u32;
 }
@@ -932,10 +946,11 @@ pub mod stat {
     /// by open sockets): its `getpeername` shows the backend, not the
     /// frontend.
     pub const SOCK_PEER_LOST: u32 = 22;
-    /// A value copied out of `LB_SERVICES`, `LB_SLOTS` or `LB_BACKENDS`
-    /// carried another key's `key_check` twice in a row (an element the
-    /// kernel reused for another key while the program read it): the
-    /// lookup counts as a miss.
+    /// A value copied out of `LB_SERVICES` carried another key's
+    /// `key_check` twice in a row (an element the kernel reused for another
+    /// key while the program read it), or an `LB_SLOTS` or `LB_BACKENDS`
+    /// element was written for another set or id (by hand: the agent never
+    /// publishes a set before its slots): the lookup counts as a miss.
     pub const FOREIGN_VALUE: u32 = 23;
     pub const COUNT: u32 = 24;
     /// Each counter's name, as `/metrics` and `inspect` show it.
@@ -1045,7 +1060,8 @@ pub mod capacity {
 
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey>() == 20);
-    assert!(core::mem::size_of::<ServiceValue>() == 28);
+    assert!(core::mem::size_of::<ServiceValue>() == 32);
+    assert!(core::mem::offset_of!(ServiceValue, slot_base) == 28);
     assert!(core::mem::offset_of!(ServiceValue, key_check) == 24);
     assert!(core::mem::offset_of!(ServiceValue, affinity_timeout) == 16);
     assert!(core::mem::offset_of!(ServiceValue, affinity_id) == 20);
@@ -1237,6 +1253,7 @@ pub mod select {
                 affinity_timeout: 0,
                 affinity_id: 0,
                 key_check: 0,
+                slot_base: 0,
             }
         }
 

@@ -56,17 +56,16 @@ pub fn backend_exists(id: u32) -> Option<()> {
 /// The backend id in `slot` of the frontend's set.
 #[inline(always)]
 fn slot_backend(svc: &ServiceValue, slot: u32) -> Option<u32> {
+    // SAFETY: copied out at once. A published range is never written: a
+    // new set takes a range no value names, and an old one is given back
+    // only after a delay (see `ServiceValue`).
+    let s = unsafe { core::ptr::read(LB_SLOTS.get_ptr(svc.slot_base.wrapping_add(slot))?) };
     let key = BackendSlotKey {
         backend_set: svc.backend_set,
         slot,
     };
-    let check = key.key_check();
-    for _ in 0..2 {
-        // SAFETY: copied out at once and checked, as in `lookup_service`.
-        let s = unsafe { core::ptr::read(LB_SLOTS.get_ptr(&key)?) };
-        if s.key_check == check {
-            return Some(s.backend_id);
-        }
+    if s.key_check == key.key_check() {
+        return Some(s.backend_id);
     }
     count(stat::FOREIGN_VALUE);
     None
@@ -112,8 +111,7 @@ pub fn choose_id(
     };
     match from_table {
         Some(id) => Some(id),
-        // Not Maglev, or no table: maps of an agent version that kept the
-        // tables in `LB_SLOTS`, until its first sync rewrites them; the
+        // Not Maglev, or no table (a frontend programmed by hand): the
         // active backends are all there to choose from.
         None => slot_backend(svc, select::slot(svc, random())?),
     }

@@ -6,19 +6,21 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, BackendSlotKey, CtEntry,
-    CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck,
-    SourceRangeData, TcConfig, Unprogrammed,
+    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, CtEntry, CtKey, DatagramFlow,
+    DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry, ReverseSockKey, ReverseSockValue,
+    ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck, SourceRangeData, TcConfig,
+    Unprogrammed,
 };
 
 #[btf_map]
 pub static LB_SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES as usize }> =
     HashMap::new();
 
+/// Backend sets, each a range of slots from `ServiceValue::slot_base`: an
+/// array, so that a lookup is inlined by the verifier, not a hash walk
+/// (Katran's `ch_rings`).
 #[btf_map]
-pub static LB_SLOTS: HashMap<BackendSlotKey, BackendSlot, { capacity::SLOTS as usize }> =
-    HashMap::new();
+pub static LB_SLOTS: Array<BackendSlot, { capacity::SLOTS as usize }> = Array::new();
 
 /// One Maglev table: 64 positions an element (see `MaglevEntry`). The
 /// agent creates one per Maglev frontend, as long as its `maglev_size`

@@ -10,14 +10,14 @@
 //! - `values_rewritten_in_place_are_never_seen_foreign`: the kernel side
 //!   alone. The pinned `LB_SERVICES`, `LB_SLOTS` and `LB_BACKENDS` entries
 //!   are rewritten with their own values in a tight loop on both CPUs: a
-//!   preallocated hash map takes a fresh element for every such update and
-//!   recycles the replaced one for the next update at once, so a reader
-//!   still holding a replaced element would copy another key's value
-//!   (see "Readers and recycled elements" in docs/maps.md). Two Services
-//!   with disjoint backends make a foreign value visible as an answer
-//!   from the other Service's pod, a marker's as a refusal. (`LB_BACKENDS`
-//!   is an array, written in place: rewriting an element with its own
-//!   bytes leaves nothing else to read.)
+//!   preallocated hash map (`LB_SERVICES`) takes a fresh element for every
+//!   such update and recycles the replaced one for the next update at
+//!   once, so a reader still holding a replaced element would copy another
+//!   key's value (see "Readers and recycled elements" in docs/maps.md).
+//!   Two Services with disjoint backends make a foreign value visible as
+//!   an answer from the other Service's pod, a marker's as a refusal.
+//!   (`LB_SLOTS` and `LB_BACKENDS` are arrays, written in place: rewriting
+//!   an element with its own bytes leaves nothing else to read.)
 mod common;
 
 use std::{
@@ -384,7 +384,8 @@ fn values_rewritten_in_place_are_never_seen_foreign() {
         .iter()
         .map(|name| {
             let map = PinnedMap::open(&env.agent().pin_dir().join(name)).unwrap();
-            // LB_BACKENDS is an array: its free ids (zeros) are no entries.
+            // LB_SLOTS and LB_BACKENDS are arrays: their free elements
+            // (zeros) are no entries.
             let mut entries = map.entries().unwrap();
             entries.retain(|(_, v)| v.iter().any(|b| *b != 0));
             assert!(!entries.is_empty(), "{name} is empty");

@@ -320,7 +320,7 @@ fn opts(algorithm: Algorithm) -> TranslateOptions {
 /// Syncs `desired` into fresh fake maps, then again (nothing to write),
 /// then an empty state (nothing left).
 fn check_reconciler(desired: &DesiredState) -> Result<(), TestCaseError> {
-    let mut r = Reconciler::new(251);
+    let mut r = Reconciler::new(251, lb_common::capacity::SLOTS);
     let mut m = FakeMaps::default();
     let report = r.apply(desired, &mut m);
     prop_assert!(report.errors.is_empty(), "{:?}", report.errors);

@@ -17,8 +17,8 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendSlotKey,
-    DatagramFlow, DatagramFlowKey, KeyCheck, MaglevEntry, ServiceKey, ServiceValue, Unprogrammed,
+    map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, DatagramFlow,
+    DatagramFlowKey, KeyCheck, MaglevEntry, ServiceKey, ServiceValue, Unprogrammed,
     MAGLEV_POSITIONS,
 };
 
@@ -248,7 +248,8 @@ pub struct Datapath {
 /// Typed handles on the pinned maps.
 pub struct PinnedMaps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
-    pub slots: HashMap<MapData, BackendSlotKey, BackendSlot>,
+    /// Backend sets, each a range from its `ServiceValue::slot_base`.
+    pub slots: Array<MapData, BackendSlot>,
     /// By `BackendId`; read through [`PinnedMaps::backend`] and
     /// [`PinnedMaps::backend_entries`], which skip free ids.
     pub backends: Array<MapData, Backend>,
@@ -274,7 +275,7 @@ impl PinnedMaps {
         };
         Ok(Self {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
-            slots: HashMap::try_from(open(map_names::SLOTS)?)?,
+            slots: Array::try_from(open(map_names::SLOTS)?)?,
             backends: Array::try_from(open(map_names::BACKENDS)?)?,
             maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(dir.join(map_names::MAGLEV))?,
@@ -448,7 +449,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
     );
     [
         layout::<ServiceKey, ServiceValue>(map_names::SERVICES, HASH, c.max_services),
-        layout::<BackendSlotKey, BackendSlot>(map_names::SLOTS, HASH, c.max_slots),
+        layout::<u32, BackendSlot>(map_names::SLOTS, ARRAY, c.max_slots),
         layout::<u32, Backend>(map_names::BACKENDS, ARRAY, c.max_backends),
         // The value of a map of maps is the inner map's id (u32).
         layout::<u32, u32>(map_names::MAGLEV, HASH_OF_MAPS, c.max_maglev_tables),
@@ -498,12 +499,6 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
 /// their entries name affinity, service and backend ids of the maps being
 /// replaced, which the new ones hand out afresh. Returns what was
 /// recreated, for the log.
-///
-/// A pin directory of a version without `LB_MAGLEV` (whose Maglev tables
-/// lived in `LB_SLOTS`) is adopted as it is: `LB_MAGLEV` is created empty,
-/// the programs choose at random for a frontend whose table is missing, and
-/// the first sync rewrites those frontends and retires their old slots
-/// (see `Reconciler::adopt`).
 fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result<Vec<String>> {
     const CORE: [&str; 4] = [
         map_names::SERVICES,
@@ -623,7 +618,8 @@ fn maglev_tables_incompatible(path: &Path) -> anyhow::Result<Option<String>> {
 #[derive(Default)]
 pub struct Adopted {
     pub services: Vec<(ServiceKey, ServiceValue)>,
-    pub slots: Vec<(BackendSlotKey, BackendSlot)>,
+    /// `LB_SLOTS` elements that are not zeros, by index.
+    pub slots: Vec<(u32, BackendSlot)>,
     pub backends: Vec<(BackendId, Backend)>,
     /// The backend sets that have a Maglev table.
     pub maglev: Vec<u32>,
@@ -748,7 +744,7 @@ impl Datapath {
         };
         let maps = PinnedMaps {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
-            slots: HashMap::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
+            slots: Array::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
             backends: Array::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
             maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(pin_dir.join(map_names::MAGLEV))?,
@@ -758,7 +754,7 @@ impl Datapath {
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
         };
         adopted.services = unstamped_entries(&maps.services);
-        adopted.slots = unstamped_entries(&maps.slots);
+        adopted.slots = maps.slot_entries().context("reading LB_SLOTS")?;
         adopted.backends = maps
             .backend_entries()
             .context("reading LB_BACKENDS")?
@@ -1082,20 +1078,15 @@ fn io(e: MapError) -> std::io::Error {
     }
 }
 
-/// A value of `LB_SERVICES`, `LB_SLOTS` or `LB_BACKENDS`, whose
-/// `key_check` this layer writes (`stamp`) and clears when it reads one
-/// back (`unstamp`): the reconciler deals in values without it.
+/// A value of `LB_SERVICES` or `LB_BACKENDS`, whose `key_check` this layer
+/// writes (`stamp`) and clears when it reads one back (`unstamp`): the
+/// reconciler deals in values without it. (An `LB_SLOTS` element's check
+/// digests its set and slot, not its index: the reconciler writes it.)
 trait Stamped<K: KeyCheck>: Copy {
     fn check_mut(&mut self) -> &mut u32;
 }
 
 impl Stamped<ServiceKey> for ServiceValue {
-    fn check_mut(&mut self) -> &mut u32 {
-        &mut self.key_check
-    }
-}
-
-impl Stamped<BackendSlotKey> for BackendSlot {
     fn check_mut(&mut self) -> &mut u32 {
         &mut self.key_check
     }
@@ -1160,6 +1151,22 @@ impl PinnedMaps {
         })?;
         Ok(entries)
     }
+
+    /// Every `LB_SLOTS` element that is not free (zeros), by index.
+    pub fn slot_entries(&self) -> std::io::Result<Vec<(u32, BackendSlot)>> {
+        use std::os::fd::AsFd as _;
+        let mut entries = Vec::new();
+        crate::datapath::batch::visit_array(
+            self.slots.map().fd().as_fd(),
+            self.slots.len(),
+            |i, s: BackendSlot| {
+                if s != BackendSlot::default() {
+                    entries.push((i, s));
+                }
+            },
+        )?;
+        Ok(entries)
+    }
 }
 
 impl MapOps for PinnedMaps {
@@ -1169,11 +1176,11 @@ impl MapOps for PinnedMaps {
     fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
         self.services.remove(&key).map_err(io)
     }
-    fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
-        self.slots.insert(key, stamp(&key, value), 0).map_err(io)
+    fn put_slot(&mut self, index: u32, value: BackendSlot) -> std::io::Result<()> {
+        self.slots.set(index, value, 0).map_err(io)
     }
-    fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
-        self.slots.remove(&key).map_err(io)
+    fn del_slot(&mut self, index: u32) -> std::io::Result<()> {
+        self.slots.set(index, BackendSlot::default(), 0).map_err(io)
     }
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
         self.backends.set(id.id, stamp(&id, backend), 0).map_err(io)
@@ -1259,9 +1266,12 @@ impl MapOps for PinnedMaps {
     }
     fn put_slots(
         &mut self,
-        items: &[(BackendSlotKey, BackendSlot)],
+        items: &[(u32, BackendSlot)],
     ) -> crate::datapath::reconcile::BatchResult {
-        batch_put(self.slots.map(), items)
+        use std::os::fd::AsFd as _;
+        let (indexes, values): (Vec<u32>, Vec<BackendSlot>) = items.iter().copied().unzip();
+        crate::datapath::batch::update(self.slots.map().fd().as_fd(), &indexes, &values)
+            .map_err(|e| (e.done, e.error))
     }
     fn put_services(
         &mut self,
@@ -1269,13 +1279,15 @@ impl MapOps for PinnedMaps {
     ) -> crate::datapath::reconcile::BatchResult {
         batch_put(self.services.map(), items)
     }
-    fn del_slots(&mut self, keys: &[BackendSlotKey]) {
+    fn del_slots(&mut self, indexes: &[u32]) {
         use std::os::fd::AsFd as _;
+        let zeros = vec![BackendSlot::default(); indexes.len()];
         let fd = self.slots.map().fd().as_fd();
-        let mut rest = keys;
-        // A missing slot stops a batch: skip it and go on with the rest.
-        while let Err(e) = crate::datapath::batch::delete(fd, rest) {
-            rest = &rest[(e.done + 1).min(rest.len())..];
+        let mut at = 0;
+        // Best effort (see `MapOps::del_slots`): past an element that
+        // fails, go on with the rest.
+        while let Err(e) = crate::datapath::batch::update(fd, &indexes[at..], &zeros[at..]) {
+            at = (at + e.done + 1).min(indexes.len());
         }
     }
 }
@@ -1340,6 +1352,7 @@ mod tests {
             affinity_timeout: 0,
             affinity_id: 0,
             key_check: 0,
+            slot_base: 0,
         };
         dp.maps().put_service(key, value).unwrap();
         // Written with its key's check, read back without it.

@@ -1,6 +1,7 @@
 //! The kernel side as the agent owns it: loading the embedded object and
 //! pinning its maps (`loader`), writing the difference between desired and
-//! programmed state (`reconcile`, through `batch`), the tc programs and their
+//! programmed state (`reconcile`, through `batch`, placing backend sets with
+//! `slot_ranges`), the tc programs and their
 //! conntrack (`tc`), the ageing of what the kernel records (`sweep`, for
 //! sessionAffinity in `affinity` and unconnected UDP flows in
 //! `datagram_flows`) and destruction of connected UDP sockets whose backend
@@ -14,6 +15,7 @@ pub mod features;
 mod fuzz;
 pub mod loader;
 pub mod reconcile;
+pub mod slot_ranges;
 pub mod sockets;
 pub mod sweep;
 pub mod tc;

@@ -3,13 +3,15 @@
 //!
 //! Write order is what makes every change safe for a concurrent connect:
 //! 1. backends a frontend will use are written before any slot points at them;
-//! 2. a changed backend set is written under a fresh `backend_set` id, and
-//!    a Maglev frontend's table made whole and put in `LB_MAGLEV` under
+//! 2. a changed backend set is written under a fresh `backend_set` id into a
+//!    range of `LB_SLOTS` that no published value names (`slot_ranges`),
+//!    and a Maglev frontend's table made whole and put in `LB_MAGLEV` under
 //!    that id; then both are published by one update of the frontend's
 //!    `ServiceValue`;
-//! 3. the old set's slots and table, and backends nothing points at any
-//!    more, are deleted only in `retire`, which the caller runs a little
-//!    later, so a program that read the old `ServiceValue` still finds them.
+//! 3. the old set's slots (cleared, their range given back) and table, and
+//!    backends nothing points at any more, are deleted only in `retire`,
+//!    which the caller runs a little later, so a program that read the old
+//!    `ServiceValue` still finds them.
 //!
 //! Each frontend is all or nothing. When one of its writes fails (a map is
 //! full, a table cannot be made), what was written for it is named by
@@ -39,11 +41,12 @@ use rustc_hash::FxHashMap;
 
 use lb_common::{
     backend_flags, service_flags, unprogrammed_map, Backend, BackendId, BackendSlot,
-    BackendSlotKey, ServiceKey, ServiceValue,
+    BackendSlotKey, KeyCheck, ServiceKey, ServiceValue,
 };
 
 use crate::{
     base::addr::addr_bytes,
+    datapath::slot_ranges::SlotRanges,
     semantics::model::{
         AffinityGroup, Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState,
         Protocol, Scope, ServiceName,
@@ -74,8 +77,10 @@ pub enum MaglevWriteError {
 pub trait MapOps {
     fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()>;
     fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()>;
-    fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()>;
-    fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()>;
+    /// Writes `LB_SLOTS` element `index` (the value carries its check).
+    fn put_slot(&mut self, index: u32, value: BackendSlot) -> std::io::Result<()>;
+    /// Clears `LB_SLOTS` element `index` (zeros: a free element).
+    fn del_slot(&mut self, index: u32) -> std::io::Result<()>;
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()>;
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()>;
     /// Makes a Maglev table holding `table` (position -> backend id) and
@@ -122,18 +127,19 @@ pub trait MapOps {
         each(items, |k, v| self.put_backend(k, v))
     }
     /// Like [`put_backends`](Self::put_backends), for backend slots.
-    fn put_slots(&mut self, items: &[(BackendSlotKey, BackendSlot)]) -> BatchResult {
+    fn put_slots(&mut self, items: &[(u32, BackendSlot)]) -> BatchResult {
         each(items, |k, v| self.put_slot(k, v))
     }
     /// Like [`put_backends`](Self::put_backends), for frontends.
     fn put_services(&mut self, items: &[(ServiceKey, ServiceValue)]) -> BatchResult {
         each(items, |k, v| self.put_service(k, v))
     }
-    /// Deletes every slot in `keys`; one already gone is what we want, and
-    /// other failures are left for the next retire. Best effort.
-    fn del_slots(&mut self, keys: &[BackendSlotKey]) {
-        for k in keys {
-            let _ = self.del_slot(*k);
+    /// Clears every slot in `indexes`. Best effort: an element left
+    /// behind belongs to no published set, so no program takes it, and the
+    /// next set given its range overwrites it.
+    fn del_slots(&mut self, indexes: &[u32]) {
+        for i in indexes {
+            let _ = self.del_slot(*i);
         }
     }
 }
@@ -312,8 +318,9 @@ struct Programmed {
     /// frontend: their sockets are stale once something does
     /// (`stale_udp::frontend_change`).
     stopped: Vec<BackendAddr>,
-    /// How many `LB_SLOTS` keys its set spans: `slots.len()`, or more for
-    /// a set adopted from a version that kept Maglev tables there.
+    /// How many `LB_SLOTS` elements from `value.slot_base` its set holds
+    /// in `slot_ranges`: `slots.len()`, or 0 for an adopted set whose range
+    /// could not be held (then it is rewritten).
     slot_span: u32,
     /// `LB_MAGLEV` holds a table under its set.
     has_table: bool,
@@ -329,6 +336,8 @@ struct Plan {
     set: u32,
     /// The set is new: its slots (and table) must be written before the value.
     fresh_set: bool,
+    /// Where its slots are in `LB_SLOTS` (held in `slot_ranges` for a new set).
+    slot_base: u32,
     slots: Vec<u32>,
     /// Its `maglev_size` says whether it has a table, and how long.
     value: ServiceValue,
@@ -338,20 +347,11 @@ struct Plan {
 }
 
 impl Plan {
-    fn slot_items(&self) -> impl Iterator<Item = (BackendSlotKey, BackendSlot)> + '_ {
-        self.slots.iter().enumerate().map(|(slot, id)| {
-            (
-                BackendSlotKey {
-                    backend_set: self.set,
-                    slot: slot as u32,
-                },
-                BackendSlot {
-                    backend_id: *id,
-                    // Written by the map layer (`loader::stamp`).
-                    key_check: 0,
-                },
-            )
-        })
+    fn slot_items(&self) -> impl Iterator<Item = (u32, BackendSlot)> + '_ {
+        self.slots
+            .iter()
+            .enumerate()
+            .map(|(slot, id)| slot_item(self.set, self.slot_base, slot as u32, *id))
     }
 
     fn has_table(&self) -> bool {
@@ -405,6 +405,24 @@ fn maglev_table(state: &FrontendState, slots: &[u32], size: u16) -> Vec<u32> {
         .collect()
 }
 
+/// `LB_SLOTS` element and value of `slot` of `set` placed at `base`. The
+/// check is written here, not by the map layer as for the hash maps'
+/// values: it digests the set and slot, not the array index.
+fn slot_item(set: u32, base: u32, slot: u32, backend_id: u32) -> (u32, BackendSlot) {
+    let key = BackendSlotKey {
+        backend_set: set,
+        slot,
+    };
+    (
+        // Wraps only for a value written by hand, whose check then fails.
+        base.wrapping_add(slot),
+        BackendSlot {
+            backend_id,
+            key_check: key.key_check(),
+        },
+    )
+}
+
 /// A backend as it is in `LB_BACKENDS`: the rest of its value follows
 /// from its address (`backend_value`).
 #[derive(Debug, Clone, Copy)]
@@ -439,7 +457,9 @@ enum Written {
 #[derive(Debug, Clone)]
 struct Retired {
     set: u32,
-    /// `LB_SLOTS` keys `0..slots` of the set.
+    /// `LB_SLOTS` elements `slot_base..slot_base + slots`, held in
+    /// `slot_ranges` until the retire.
+    slot_base: u32,
     slots: u32,
     /// A table under the set in `LB_MAGLEV`.
     table: bool,
@@ -493,6 +513,8 @@ pub struct Reconciler {
     used_backend_ids: IdSet,
     used_sets: BTreeSet<u32>,
     next_set: u32,
+    /// Which `LB_SLOTS` elements the sets of `frontends` and `retiring` hold.
+    slot_ranges: SlotRanges,
     /// The `affinity_id` of each sessionAffinity group (see
     /// `AffinityGroup`) that a programmed or planned frontend belongs to:
     /// one per group, kept while any programmed frontend carries it, so an
@@ -756,7 +778,7 @@ impl IdSet {
 fn service_value(
     frontend: &Frontend,
     id: u32,
-    backend_set: u32,
+    (backend_set, slot_base): (u32, u32),
     state: &FrontendState,
     maglev_size: u16,
     affinity_id: u32,
@@ -788,6 +810,7 @@ fn service_value(
         affinity_id,
         // Written by the map layer (`loader::stamp`).
         key_check: 0,
+        slot_base,
     }
 }
 
@@ -808,9 +831,11 @@ fn frontends_at<V>(
 }
 
 impl Reconciler {
-    pub fn new(maglev_size: u16) -> Self {
+    /// `slot_capacity`: the length of `LB_SLOTS`.
+    pub fn new(maglev_size: u16, slot_capacity: u32) -> Self {
         Self {
             maglev_size,
+            slot_ranges: SlotRanges::new(slot_capacity),
             frontends: BTreeMap::new(),
             vips: BTreeSet::new(),
             backends: Backends::default(),
@@ -832,32 +857,27 @@ impl Reconciler {
 
     /// Rebuilds what is programmed from the pinned maps of an earlier run,
     /// so that the first `apply` writes only what differs. Entries that do
-    /// not hold together (a slot or backend missing) are adopted with no
-    /// slots, and those whose Maglev table is missing or where none belongs
-    /// (maps of a version that kept the tables in `LB_SLOTS`) as they are:
-    /// either way the first apply rewrites them. Orphaned sets and tables
-    /// are retired, every slot key of a set with it. `maglev_sets`: the keys of
-    /// `LB_MAGLEV` (an adopted table's content is checked when a desired
-    /// state is first compared with it).
+    /// not hold together (a slot or backend missing, a range of `LB_SLOTS`
+    /// another frontend's set overlaps) are adopted with no slots, and
+    /// those whose Maglev table is missing or where none belongs as they
+    /// are: either way the first apply rewrites them. Tables no frontend
+    /// names are retired. `slots`: the elements of `LB_SLOTS` that are not
+    /// zeros, by index; `maglev_sets`: the keys of `LB_MAGLEV` (an adopted
+    /// table's content is checked when a desired state is first compared
+    /// with it).
     pub fn adopt(
         maglev_size: u16,
+        slot_capacity: u32,
         services: impl IntoIterator<Item = (ServiceKey, ServiceValue)>,
-        slots: impl IntoIterator<Item = (BackendSlotKey, BackendSlot)>,
+        slots: impl IntoIterator<Item = (u32, BackendSlot)>,
         backends: impl IntoIterator<Item = (BackendId, Backend)>,
         maglev_sets: impl IntoIterator<Item = u32>,
     ) -> Self {
-        let mut r = Self::new(maglev_size);
+        let mut r = Self::new(maglev_size, slot_capacity);
         // Backends of an earlier run that nothing points at any more.
         r.stray_backends = true;
-        let slots: BTreeMap<BackendSlotKey, u32> =
-            slots.into_iter().map(|(k, v)| (k, v.backend_id)).collect();
+        let slots: HashMap<u32, BackendSlot> = slots.into_iter().collect();
         let tables: BTreeSet<u32> = maglev_sets.into_iter().collect();
-        // How many slot keys each set spans, to delete them all in time.
-        let mut spans: BTreeMap<u32, u32> = BTreeMap::new();
-        for key in slots.keys() {
-            let span = spans.entry(key.backend_set).or_default();
-            *span = (*span).max(key.slot + 1);
-        }
         for (id, value) in backends {
             let Some(protocol) = Protocol::from_number(value.proto) else {
                 continue;
@@ -891,18 +911,20 @@ impl Reconciler {
             let len = value.active as u32 + value.terminating as u32;
             let found: Option<Vec<u32>> = (0..len)
                 .map(|slot| {
+                    let (index, want) = slot_item(value.backend_set, value.slot_base, slot, 0);
                     slots
-                        .get(&BackendSlotKey {
-                            backend_set: value.backend_set,
-                            slot,
-                        })
-                        .copied()
+                        .get(&index)
+                        .filter(|s| s.key_check == want.key_check)
+                        .map(|s| s.backend_id)
                         .filter(|id| r.used_backend_ids.contains(*id))
                 })
                 .collect();
-            // A table missing where the value has one (maps of a version
-            // that kept tables in `LB_SLOTS`), or one where it has none, is
-            // never reused (see `plan_frontend`): the frontend is rewritten.
+            // Held only if whole and not another set's.
+            let held = found.filter(|_| r.slot_ranges.reserve(value.slot_base, len));
+            let slot_span = if held.is_some() { len } else { 0 };
+            // A table missing where the value has one, or one where it has
+            // none, is never reused (see `plan_frontend`): the frontend is
+            // rewritten.
             let has_table = tables.contains(&value.backend_set);
             let frontend = Frontend {
                 addr,
@@ -924,24 +946,47 @@ impl Reconciler {
                     state: None,
                     value,
                     // Empty never equals a desired set, so a broken entry is rewritten.
-                    slots: found.unwrap_or_default(),
+                    slots: held.unwrap_or_default(),
                     stopped: Vec::new(),
-                    slot_span: spans.get(&value.backend_set).copied().unwrap_or(0),
+                    slot_span,
                     has_table,
                 },
             );
         }
-        // Sets nothing points at: left by a crash between write and retire.
-        let orphans: BTreeSet<u32> = spans
+        // Slots no adopted frontend holds: left by a crash between write
+        // and retire, or of a frontend that did not hold together. Held
+        // until the first retire clears them, so that no new set is
+        // written there before.
+        let mut stray: Vec<u32> = slots
             .keys()
-            .chain(&tables)
+            .copied()
+            .filter(|i| r.slot_ranges.reserve(*i, 1))
+            .collect();
+        stray.sort_unstable();
+        for run in stray.chunk_by(|a, b| a + 1 == *b) {
+            r.retiring.push(Retired {
+                // No set: set ids start at 1.
+                set: 0,
+                slot_base: run[0],
+                slots: run.len() as u32,
+                table: false,
+                published: false,
+                backends: Vec::new(),
+                due: false,
+            });
+        }
+        // Tables nothing points at: left by a crash between write and
+        // retire.
+        let orphans: Vec<u32> = tables
+            .iter()
             .filter(|set| !r.used_sets.contains(set))
             .copied()
             .collect();
         r.retiring.extend(orphans.into_iter().map(|set| Retired {
             set,
-            slots: spans.get(&set).copied().unwrap_or(0),
-            table: tables.contains(&set),
+            slot_base: 0,
+            slots: 0,
+            table: true,
             published: false,
             backends: Vec::new(),
             due: false,
@@ -957,15 +1002,13 @@ impl Reconciler {
 
     /// Entries in use, per map.
     pub fn usage(&self) -> Usage {
-        let live: usize = self.frontends.values().map(|p| p.slot_span as usize).sum();
-        let retiring: usize = self.retiring.iter().map(|r| r.slots as usize).sum();
         let tables = self.frontends.values().filter(|p| p.has_table).count()
             + self.retiring.iter().filter(|r| r.table).count();
         Usage {
             frontends: self.frontends.len(),
             vips: self.vips.len(),
             backends: self.backends.programmed_count(),
-            slots: live + retiring,
+            slots: self.slot_ranges.used() as usize,
             maglev_tables: tables,
         }
     }
@@ -1233,6 +1276,7 @@ impl Reconciler {
             affinity_timeout: 0,
             affinity_id: 0,
             key_check: 0,
+            slot_base: 0,
         };
         let vip_items: Vec<(ServiceKey, ServiceValue)> = new_vips
             .iter()
@@ -1291,7 +1335,7 @@ impl Reconciler {
         ops: &mut impl MapOps,
         report: &mut SyncReport,
     ) {
-        let slot_items: Vec<(BackendSlotKey, BackendSlot)> = plans
+        let slot_items: Vec<(u32, BackendSlot)> = plans
             .iter()
             .filter(|p| p.fresh_set)
             .flat_map(|p| p.slot_items())
@@ -1540,6 +1584,19 @@ impl Reconciler {
                                     table == maglev_table(state, &slots, maglev_size)
                                 })))
         });
+        // A new set needs a range of `LB_SLOTS` no published value names.
+        let slot_base = match reuse {
+            Some(p) => p.value.slot_base,
+            None => self.slot_ranges.alloc(slots.len() as u32).ok_or_else(|| {
+                unprogrammed(
+                    frontend,
+                    state,
+                    unprogrammed_map::SLOTS,
+                    &std::io::Error::from_raw_os_error(libc::E2BIG),
+                    previous.is_some(),
+                )
+            })?,
+        };
         let (id, fresh_id, set, fresh_set) = match (reuse, &previous) {
             (Some(p), _) => (p.id, false, p.backend_set, false),
             (None, Some(prev)) => (prev.id, false, self.alloc_set(), true),
@@ -1556,7 +1613,14 @@ impl Reconciler {
             }
             None => 0,
         };
-        let value = service_value(frontend, id, set, state, maglev_size, affinity_id);
+        let value = service_value(
+            frontend,
+            id,
+            (set, slot_base),
+            state,
+            maglev_size,
+            affinity_id,
+        );
         let adopt_only = reuse.is_some_and(|p| p.state.is_none() && p.value == value);
         Ok(Plan {
             frontend: *frontend,
@@ -1565,6 +1629,7 @@ impl Reconciler {
             fresh_id,
             set,
             fresh_set,
+            slot_base,
             slots,
             value,
             previous,
@@ -1574,9 +1639,9 @@ impl Reconciler {
 
     /// The per-element path for one plan's slots, undoing them on failure.
     fn write_slots(plan: &Plan, ops: &mut impl MapOps) -> std::io::Result<()> {
-        let items: Vec<(BackendSlotKey, BackendSlot)> = plan.slot_items().collect();
-        for (slot, (key, value)) in items.iter().enumerate() {
-            if let Err(e) = ops.put_slot(*key, *value) {
+        let items: Vec<(u32, BackendSlot)> = plan.slot_items().collect();
+        for (slot, (index, value)) in items.iter().enumerate() {
+            if let Err(e) = ops.put_slot(*index, *value) {
                 for (undo, _) in &items[..slot] {
                     let _ = ops.del_slot(*undo);
                 }
@@ -1594,9 +1659,12 @@ impl Reconciler {
             match written {
                 Written::Nothing => {
                     self.used_sets.remove(&plan.set);
+                    self.slot_ranges
+                        .release(plan.slot_base, plan.slots.len() as u32);
                 }
                 Written::Slots | Written::SlotsAndTable => self.retiring.push(Retired {
                     set: plan.set,
+                    slot_base: plan.slot_base,
                     slots: plan.slots.len() as u32,
                     table: written == Written::SlotsAndTable,
                     published: false,
@@ -1614,6 +1682,7 @@ impl Reconciler {
     fn retire_set(&mut self, p: &Programmed) {
         self.retiring.push(Retired {
             set: p.backend_set,
+            slot_base: p.value.slot_base,
             slots: p.slot_span,
             table: p.has_table,
             published: true,
@@ -1771,17 +1840,11 @@ impl Reconciler {
             .into_iter()
             .partition(|r| r.due);
         self.retiring = waiting;
-        let keys: Vec<BackendSlotKey> = retiring
+        let indexes: Vec<u32> = retiring
             .iter()
-            .flat_map(|r| {
-                (0..r.slots).map(move |slot| BackendSlotKey {
-                    backend_set: r.set,
-                    slot,
-                })
-            })
+            .flat_map(|r| r.slot_base..r.slot_base + r.slots)
             .collect();
-        // A slot already gone is what we want.
-        ops.del_slots(&keys);
+        ops.del_slots(&indexes);
         let tables: Vec<u32> = retiring.iter().filter(|r| r.table).map(|r| r.set).collect();
         for (set, source) in ops.del_maglevs(&tables) {
             errors.push(
@@ -1794,6 +1857,7 @@ impl Reconciler {
         }
         for r in &retiring {
             self.used_sets.remove(&r.set);
+            self.slot_ranges.release(r.slot_base, r.slots);
         }
         self.room_made |= retiring.iter().any(|r| r.published);
         let referenced = self.referenced_backends();
@@ -1837,13 +1901,17 @@ pub(super) mod tests {
     use crate::semantics::model::{BackendRef, FrontendKind, Protocol, ServiceName};
 
     /// Maps as plain collections. After every single write it checks what a
-    /// concurrent connect could observe: each frontend's slots, and its
-    /// Maglev table, all resolve to backends. The capacities make a map
-    /// "full" to test failures; a table is never written in place.
+    /// concurrent connect could observe: each frontend's slots (their
+    /// checks naming its set, no element shared with another frontend),
+    /// and its Maglev table, all resolve to backends. The capacities make a
+    /// map "full" to test failures (`LB_SLOTS`: a write of an element that
+    /// is zeros fails once that many are not, as `slot_ranges` would
+    /// refuse); a table is never written in place.
     #[derive(Default)]
     pub(in crate::datapath) struct FakeMaps {
         pub(in crate::datapath) services: HashMap<ServiceKey, ServiceValue>,
-        pub(in crate::datapath) slots: HashMap<BackendSlotKey, BackendSlot>,
+        /// `LB_SLOTS` elements that are not zeros, by index.
+        pub(in crate::datapath) slots: HashMap<u32, BackendSlot>,
         pub(in crate::datapath) backends: HashMap<BackendId, Backend>,
         pub(in crate::datapath) maglev: HashMap<u32, Vec<u32>>,
         service_capacity: Option<usize>,
@@ -1885,18 +1953,17 @@ pub(super) mod tests {
             if self.unchecked {
                 return;
             }
+            let mut held = std::collections::HashSet::new();
             for (k, v) in &self.services {
                 if v.flags & service_flags::WILDCARD != 0 {
                     continue;
                 }
                 for slot in 0..(v.active + v.terminating) as u32 {
-                    let s = self
-                        .slots
-                        .get(&BackendSlotKey {
-                            backend_set: v.backend_set,
-                            slot,
-                        })
-                        .unwrap_or_else(|| panic!("{k:?}: slot {slot} missing"));
+                    let s = self.slot_of(v, slot);
+                    assert!(
+                        held.insert(v.slot_base + slot),
+                        "{k:?}: slot {slot} is another frontend's element"
+                    );
                     assert!(
                         self.backends.contains_key(&BackendId { id: s.backend_id }),
                         "{k:?}: backend {} missing",
@@ -1920,17 +1987,40 @@ pub(super) mod tests {
             }
         }
 
-        /// The backend in `slot` of `backend_set`; panics if either is
+        /// `slot` of the set `v` names, as a program takes it; panics if
+        /// it is missing or another set's.
+        fn slot_of(&self, v: &ServiceValue, slot: u32) -> BackendSlot {
+            let (index, want) = slot_item(v.backend_set, v.slot_base, slot, 0);
+            let s = *self
+                .slots
+                .get(&index)
+                .unwrap_or_else(|| panic!("{v:?}: slot {slot} missing"));
+            assert_eq!(
+                s.key_check, want.key_check,
+                "{v:?}: slot {slot} is another set's"
+            );
+            s
+        }
+
+        /// Whether `slot` of the set `v` names is in `LB_SLOTS`.
+        fn holds(&self, v: &ServiceValue, slot: u32) -> bool {
+            let (index, want) = slot_item(v.backend_set, v.slot_base, slot, 0);
+            self.slots
+                .get(&index)
+                .is_some_and(|s| s.key_check == want.key_check)
+        }
+
+        /// The backend in `slot` of the set `v` names; panics if either is
         /// missing.
-        fn backend_in(&self, backend_set: u32, slot: u32) -> Backend {
-            let id = self.slots[&BackendSlotKey { backend_set, slot }].backend_id;
+        fn backend_in(&self, v: &ServiceValue, slot: u32) -> Backend {
+            let id = self.slot_of(v, slot).backend_id;
             self.backends[&BackendId { id }]
         }
 
         fn backends_of(&self, f: &Frontend) -> Vec<BackendAddr> {
             let v = self.services[&service_key(f)];
             (0..(v.active + v.terminating) as u32)
-                .map(|slot| addr_of(&self.backend_in(v.backend_set, slot)))
+                .map(|slot| addr_of(&self.backend_in(&v, slot)))
                 .collect()
         }
 
@@ -1966,13 +2056,13 @@ pub(super) mod tests {
         fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
             self.write(|m| m.services.remove(&key))
         }
-        fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
-            let present = self.slots.contains_key(&key);
+        fn put_slot(&mut self, index: u32, value: BackendSlot) -> std::io::Result<()> {
+            let present = self.slots.contains_key(&index);
             full(self.slots.len(), self.slot_capacity, present)?;
-            self.write(|m| m.slots.insert(key, value))
+            self.write(|m| m.slots.insert(index, value))
         }
-        fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
-            self.write(|m| m.slots.remove(&key))
+        fn del_slot(&mut self, index: u32) -> std::io::Result<()> {
+            self.write(|m| m.slots.remove(&index))
         }
         fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
             let present = self.backends.contains_key(&id);
@@ -2064,7 +2154,7 @@ pub(super) mod tests {
 
     impl Reconciler {
         fn test() -> Self {
-            Self::new(251)
+            Self::new(251, lb_common::capacity::SLOTS)
         }
     }
 
@@ -2189,10 +2279,7 @@ pub(super) mod tests {
             &mut m,
         );
         // A connect that read the old value still resolves its slot.
-        assert!(m.slots.contains_key(&BackendSlotKey {
-            backend_set: old.backend_set,
-            slot: 0
-        }));
+        assert!(m.holds(&old, 0));
         assert_eq!(m.backends.len(), 2);
         assert!(r.has_retiring());
         assert!(retire_all(&mut r, &mut m).is_empty());
@@ -2213,11 +2300,7 @@ pub(super) mod tests {
         let mut r = Reconciler::test();
         let mut m = FakeMaps::default();
         let web = fe("10.96.0.10", 80);
-        let set_of = |m: &FakeMaps| m.services[&service_key(&web)].backend_set;
-        let slot0 = |set| BackendSlotKey {
-            backend_set: set,
-            slot: 0,
-        };
+        let set_of = |m: &FakeMaps| m.services[&service_key(&web)];
         sync(
             &mut r,
             &desired(&[(web, state("web", &[be("10.244.1.1", 80)]))]),
@@ -2236,12 +2319,12 @@ pub(super) mod tests {
             &mut m,
         );
         assert!(r.retire(&mut m).is_empty());
-        assert!(!m.slots.contains_key(&slot0(first)));
+        assert!(!m.holds(&first, 0));
         assert!(
-            m.slots.contains_key(&slot0(second)),
+            m.holds(&second, 0),
             "the set replaced after the retire was scheduled was deleted with it"
         );
-        let second_backend = m.slots[&slot0(second)].backend_id;
+        let second_backend = m.slot_of(&second, 0).backend_id;
         assert!(m.backends.contains_key(&BackendId { id: second_backend }));
         assert_eq!(m.backends.len(), 2, "10.244.1.2 and 10.244.1.3");
         // A backend that arrives now cannot take the id of one still named.
@@ -2259,7 +2342,7 @@ pub(super) mod tests {
         );
         assert!(r.has_retiring());
         assert!(retire_all(&mut r, &mut m).is_empty());
-        assert!(!m.slots.contains_key(&slot0(second)));
+        assert!(!m.holds(&second, 0));
         assert_eq!(m.backends.len(), 2);
         assert!(!r.has_retiring());
     }
@@ -2344,6 +2427,7 @@ pub(super) mod tests {
     fn adopt_from(m: &FakeMaps) -> Reconciler {
         Reconciler::adopt(
             251,
+            lb_common::capacity::SLOTS,
             m.services.iter().map(|(k, v)| (*k, *v)),
             m.slots.iter().map(|(k, v)| (*k, *v)),
             m.backends.iter().map(|(k, v)| (*k, *v)),
@@ -2563,22 +2647,11 @@ pub(super) mod tests {
         let d = desired(&[(a, state("a", &[be("10.244.1.1", 80)]))]);
         sync(&mut Reconciler::test(), &d, &mut m);
         // A crash left an orphan set, and the live set lost its slot.
-        m.slots.insert(
-            BackendSlotKey {
-                backend_set: 99,
-                slot: 0,
-            },
-            BackendSlot {
-                backend_id: 1,
-                key_check: 0,
-            },
-        );
+        let (index, orphan) = slot_item(99, 99, 0, 1);
+        m.slots.insert(index, orphan);
         m.unchecked = true;
-        let live = m.services[&service_key(&a)].backend_set;
-        m.slots.remove(&BackendSlotKey {
-            backend_set: live,
-            slot: 0,
-        });
+        let live = m.services[&service_key(&a)];
+        m.slots.remove(&live.slot_base);
         let mut r = adopt_from(&m);
         let report = r.apply(&d, &mut m);
         assert_eq!(report.frontends_written, 1);
@@ -2736,6 +2809,74 @@ pub(super) mod tests {
         assert_eq!(m.backends_of(&b), many);
     }
 
+    /// `LB_SLOTS` is an array: each new set takes a free range of it, the
+    /// replaced set's range is given back at the retire and used again,
+    /// and a set that finds no range long enough fails its frontend alone
+    /// ("LB_SLOTS is full"), which keeps its previous set.
+    #[test]
+    fn sets_take_free_ranges_of_the_slot_array_and_give_them_back() {
+        let mut r = Reconciler::new(251, 8);
+        let mut m = FakeMaps::default();
+        let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
+        let pods = |n: u8, i: u8| -> Vec<BackendAddr> {
+            (1..=i)
+                .map(|j| be(&format!("10.244.{n}.{j}"), 80))
+                .collect()
+        };
+        let base = |m: &FakeMaps, f: &Frontend| m.services[&service_key(f)].slot_base;
+        sync(
+            &mut r,
+            &desired(&[(a, state("a", &pods(1, 1))), (b, state("b", &pods(2, 3)))]),
+            &mut m,
+        );
+        assert_eq!((base(&m, &a), base(&m, &b)), (0, 1));
+        // b grows to 4: its new set goes after the old one, which it
+        // replaces only once written.
+        sync(
+            &mut r,
+            &desired(&[(a, state("a", &pods(1, 1))), (b, state("b", &pods(2, 4)))]),
+            &mut m,
+        );
+        assert_eq!(base(&m, &b), 4);
+        // a grows to 2: into the range b's old set gave back.
+        sync(
+            &mut r,
+            &desired(&[(a, state("a", &pods(1, 2))), (b, state("b", &pods(2, 4)))]),
+            &mut m,
+        );
+        assert_eq!(base(&m, &a), 1);
+        assert_eq!(r.usage().slots, 6);
+        // b grows to 5: 2 elements are free, not 5 in a row.
+        let report = r.apply(
+            &desired(&[(a, state("a", &pods(1, 2))), (b, state("b", &pods(2, 5)))]),
+            &mut m,
+        );
+        assert_eq!(report.errors.len(), 1, "{report:?}");
+        assert!(
+            report.errors[0].contains("10.96.0.11:80/TCP")
+                && report.errors[0].contains("LB_SLOTS is full")
+                && report.errors[0].contains("its previous state stays programmed"),
+            "{}",
+            report.errors[0]
+        );
+        assert_eq!(m.backends_of(&b), pods(2, 4));
+        assert_eq!(m.backends_of(&a), pods(1, 2));
+        assert!(retire_all(&mut r, &mut m).is_empty());
+        assert!(m.slots.keys().all(|i| *i < 8), "{:?}", m.slots.keys());
+        assert_eq!(m.slots.len(), 6);
+        // a leaves: b's 5 fit where a's and the free elements were? Only
+        // 4 in a row (0..4), so b waits; a smaller change fits.
+        let report = r.apply(&desired(&[(b, state("b", &pods(2, 5)))]), &mut m);
+        assert_eq!(report.errors.len(), 1, "{report:?}");
+        assert!(retire_all(&mut r, &mut m).is_empty());
+        let report = r.apply(&desired(&[(b, state("b", &pods(2, 3)))]), &mut m);
+        assert!(report.errors.is_empty(), "{report:?}");
+        assert_eq!(base(&m, &b), 0);
+        assert!(retire_all(&mut r, &mut m).is_empty());
+        assert_eq!(r.usage().slots, 3);
+        assert_eq!(m.slots.len(), 3);
+    }
+
     /// Batches that stop part-way, as `BPF_MAP_UPDATE_BATCH` does at a
     /// failing element: the reconciler must finish the rest one by one,
     /// still in order (the inner maps check after every write).
@@ -2770,11 +2911,11 @@ pub(super) mod tests {
         fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
             self.inner.del_service(key)
         }
-        fn put_slot(&mut self, key: BackendSlotKey, value: BackendSlot) -> std::io::Result<()> {
-            self.inner.put_slot(key, value)
+        fn put_slot(&mut self, index: u32, value: BackendSlot) -> std::io::Result<()> {
+            self.inner.put_slot(index, value)
         }
-        fn del_slot(&mut self, key: BackendSlotKey) -> std::io::Result<()> {
-            self.inner.del_slot(key)
+        fn del_slot(&mut self, index: u32) -> std::io::Result<()> {
+            self.inner.del_slot(index)
         }
         fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
             self.inner.put_backend(id, backend)
@@ -2794,7 +2935,7 @@ pub(super) mod tests {
         fn put_backends(&mut self, items: &[(BackendId, Backend)]) -> BatchResult {
             self.batch(items, FakeMaps::put_backend)
         }
-        fn put_slots(&mut self, items: &[(BackendSlotKey, BackendSlot)]) -> BatchResult {
+        fn put_slots(&mut self, items: &[(u32, BackendSlot)]) -> BatchResult {
             self.batch(items, FakeMaps::put_slot)
         }
         fn put_services(&mut self, items: &[(ServiceKey, ServiceValue)]) -> BatchResult {
@@ -2882,7 +3023,7 @@ pub(super) mod tests {
             .iter()
             .map(|(k, v)| {
                 let mut backends: Vec<String> = (0..(v.active + v.terminating) as u32)
-                    .map(|slot| show(&m.backend_in(v.backend_set, slot)))
+                    .map(|slot| show(&m.backend_in(v, slot)))
                     .collect();
                 if lb_common::select::uses_maglev(v) {
                     backends.extend(
@@ -3303,12 +3444,13 @@ pub(super) mod tests {
         assert_eq!(observed(&m), want);
     }
 
-    /// Maps of a version that kept each Maglev table in `LB_SLOTS` (after
-    /// the backend slots, no `LB_MAGLEV`): the first apply moves each
-    /// table into `LB_MAGLEV` under a fresh set, and the retire deletes
-    /// every old slot; the other frontends are adopted as they are.
+    /// Pinned maps where a Maglev frontend's table is missing (taken out
+    /// by hand) and `LB_SLOTS` holds elements no frontend names (a crash
+    /// between a set's write and its publication): the first apply writes
+    /// the frontend afresh with its table, and the retire clears every
+    /// stray element; the other frontends are adopted as they are.
     #[test]
-    fn maps_that_kept_tables_in_the_slots_are_upgraded() {
+    fn a_missing_table_and_stray_slots_are_repaired_at_adoption() {
         let mut m = FakeMaps::default();
         let (a, b) = (fe("10.96.0.10", 80), fe("10.96.0.11", 80));
         let d = desired(&[
@@ -3320,7 +3462,6 @@ pub(super) mod tests {
         ]);
         sync(&mut Reconciler::test(), &d, &mut m);
         let want = observed(&m);
-        // Into the old layout.
         m.unchecked = true;
         let v = m.services[&service_key(&a)];
         for (i, id) in m
@@ -3330,17 +3471,8 @@ pub(super) mod tests {
             .into_iter()
             .enumerate()
         {
-            let key = BackendSlotKey {
-                backend_set: v.backend_set,
-                slot: (v.active + v.terminating) as u32 + i as u32,
-            };
-            m.slots.insert(
-                key,
-                BackendSlot {
-                    backend_id: id,
-                    key_check: 0,
-                },
-            );
+            let (index, slot) = slot_item(v.backend_set + 100, 1000, i as u32, id);
+            m.slots.insert(index, slot);
         }
         assert_eq!(m.slots.len(), 3 + 251);
         m.unchecked = false;

@@ -1,0 +1,185 @@
+//! Which elements of `LB_SLOTS` (an array) each backend set holds: a set is
+//! one contiguous range, named by `ServiceValue::slot_base`, handed out
+//! first-fit and given back when the set is retired.
+use std::collections::BTreeMap;
+
+/// The free ranges of `LB_SLOTS`.
+#[derive(Debug, Clone)]
+pub struct SlotRanges {
+    capacity: u32,
+    /// Free ranges: start -> length. Adjacent ranges are always merged.
+    free: BTreeMap<u32, u32>,
+    used: u32,
+    /// At most this many elements in use, whatever the capacity: lets the
+    /// unit tests fill the map as a hash map of that many entries would be
+    /// full.
+    #[cfg(test)]
+    pub(in crate::datapath) limit: Option<u32>,
+}
+
+impl SlotRanges {
+    /// All of an array of `capacity` elements free.
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            capacity,
+            free: (capacity > 0)
+                .then_some((0, capacity))
+                .into_iter()
+                .collect(),
+            used: 0,
+            #[cfg(test)]
+            limit: None,
+        }
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Elements held by sets.
+    pub fn used(&self) -> u32 {
+        self.used
+    }
+
+    #[cfg(test)]
+    fn limited(&self, len: u32) -> bool {
+        self.limit.is_some_and(|limit| self.used + len > limit)
+    }
+
+    #[cfg(not(test))]
+    fn limited(&self, _len: u32) -> bool {
+        false
+    }
+
+    /// The start of a free range of `len` elements, now held; `None` when
+    /// no free range is that long. An empty set holds nothing (start 0).
+    pub fn alloc(&mut self, len: u32) -> Option<u32> {
+        if len == 0 {
+            return Some(0);
+        }
+        if self.limited(len) {
+            return None;
+        }
+        let (&start, &free) = self.free.iter().find(|(_, free)| **free >= len)?;
+        self.free.remove(&start);
+        if free > len {
+            self.free.insert(start + len, free - len);
+        }
+        self.used += len;
+        Some(start)
+    }
+
+    /// Holds `start..start + len` if all of it is free (a set adopted from
+    /// pinned maps); false, holding nothing, if any of it is not.
+    pub fn reserve(&mut self, start: u32, len: u32) -> bool {
+        if len == 0 {
+            return true;
+        }
+        let Some(end) = start.checked_add(len) else {
+            return false;
+        };
+        let Some((&at, &free)) = self.free.range(..=start).next_back() else {
+            return false;
+        };
+        if end > at + free {
+            return false;
+        }
+        self.free.remove(&at);
+        if start > at {
+            self.free.insert(at, start - at);
+        }
+        if at + free > end {
+            self.free.insert(end, at + free - end);
+        }
+        self.used += len;
+        true
+    }
+
+    /// Gives back `start..start + len`, which `alloc` or `reserve` handed
+    /// out.
+    pub fn release(&mut self, start: u32, len: u32) {
+        if len == 0 {
+            return;
+        }
+        self.used -= len;
+        let (mut start, mut len) = (start, len);
+        if let Some((&before, &before_len)) = self.free.range(..start).next_back() {
+            debug_assert!(
+                before + before_len <= start,
+                "released range overlaps a free one"
+            );
+            if before + before_len == start {
+                self.free.remove(&before);
+                start = before;
+                len += before_len;
+            }
+        }
+        if let Some(after_len) = self.free.remove(&(start + len)) {
+            len += after_len;
+        }
+        debug_assert!(
+            self.free.range(start..start + len).next().is_none(),
+            "released range overlaps a free one"
+        );
+        self.free.insert(start, len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every free range, in order.
+    fn free(r: &SlotRanges) -> Vec<(u32, u32)> {
+        r.free.iter().map(|(s, l)| (*s, *l)).collect()
+    }
+
+    #[test]
+    fn ranges_are_handed_out_first_fit_and_merge_when_given_back() {
+        let mut r = SlotRanges::new(10);
+        assert_eq!(r.alloc(3), Some(0));
+        assert_eq!(r.alloc(4), Some(3));
+        assert_eq!(r.alloc(0), Some(0), "an empty set holds nothing");
+        assert_eq!(r.used(), 7);
+        assert_eq!(r.alloc(4), None, "3 left");
+        r.release(0, 3);
+        assert_eq!(free(&r), vec![(0, 3), (7, 3)]);
+        assert_eq!(r.alloc(2), Some(0), "the first range that fits");
+        assert_eq!(r.alloc(3), Some(7));
+        r.release(3, 4);
+        assert_eq!(
+            free(&r),
+            vec![(2, 5)],
+            "merged with the free element before"
+        );
+        r.release(0, 2);
+        r.release(7, 3);
+        assert_eq!(free(&r), vec![(0, 10)]);
+        assert_eq!(r.used(), 0);
+    }
+
+    #[test]
+    fn reserving_takes_only_free_ranges() {
+        let mut r = SlotRanges::new(10);
+        assert!(r.reserve(4, 2));
+        assert_eq!(free(&r), vec![(0, 4), (6, 4)]);
+        assert!(!r.reserve(5, 2), "overlaps a held range");
+        assert!(!r.reserve(9, 2), "past the end");
+        assert!(!r.reserve(u32::MAX, 2), "overflows");
+        assert!(r.reserve(6, 4));
+        assert!(r.reserve(0, 0));
+        assert_eq!(free(&r), vec![(0, 4)]);
+        assert_eq!(r.used(), 6);
+        assert_eq!(r.alloc(5), None);
+        assert_eq!(r.alloc(4), Some(0));
+    }
+
+    #[test]
+    fn a_limit_refuses_as_a_full_map_would() {
+        let mut r = SlotRanges::new(100);
+        r.limit = Some(3);
+        assert_eq!(r.alloc(2), Some(0));
+        assert_eq!(r.alloc(2), None);
+        assert_eq!(r.alloc(1), Some(2));
+    }
+}
