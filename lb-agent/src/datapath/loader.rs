@@ -715,6 +715,14 @@ impl Datapath {
             .iter()
             .map(|name| (*name, pin_dir.join(name)))
             .collect();
+        // A map created now is empty: reading `LB_SLOTS` and `LB_BACKENDS`
+        // whole (786 432 elements at the default sizes) is ~0.2 s of
+        // start-up for nothing.
+        let pinned_before = |name: &str| pin_dir.join(name).exists();
+        let (adopt_slots, adopt_backends) = (
+            pinned_before(map_names::SLOTS),
+            pinned_before(map_names::BACKENDS),
+        );
         let mut loader = sized_loader(capacity);
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
@@ -754,13 +762,17 @@ impl Datapath {
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
         };
         adopted.services = unstamped_entries(&maps.services);
-        adopted.slots = maps.slot_entries().context("reading LB_SLOTS")?;
-        adopted.backends = maps
-            .backend_entries()
-            .context("reading LB_BACKENDS")?
-            .into_iter()
-            .map(|(id, b)| (id, unstamp(&id, b)))
-            .collect();
+        if adopt_slots {
+            adopted.slots = maps.slot_entries().context("reading LB_SLOTS")?;
+        }
+        if adopt_backends {
+            adopted.backends = maps
+                .backend_entries()
+                .context("reading LB_BACKENDS")?
+                .into_iter()
+                .map(|(id, b)| (id, unstamp(&id, b)))
+                .collect();
+        }
         adopted.maglev = maps.maglev.keys().filter_map(Result::ok).collect();
         Ok((
             Self {
