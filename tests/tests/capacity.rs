@@ -184,30 +184,28 @@ fn inspected(agent: &Agent, addr: &str, port: u16) -> Option<Value> {
         .cloned()
 }
 
-/// `LB_SLOTS` of 7 elements (`--max-slots`): a new Service that does not
+/// `LB_SLOTS` of 6 entries (`--max-slots`): a new Service that does not
 /// fit gets nothing, not even its VIP marker; an existing Service changed
 /// so that it no longer fits keeps serving from its old backends; both are
 /// logged with their Service, counted in `/metrics` and shown by
 /// `inspect`; when a Service goes, its slots are freed a moment later and
 /// both are programmed then, without waiting for the periodic resync.
-/// (A set takes a range of the array: `a` at 0, `filler` at 1..5, so the
-/// 6 elements `filler` leaves take `a`'s new set and `b`'s.)
 #[test]
 fn a_frontend_that_does_not_fit_keeps_its_previous_state() {
     require_root!();
     let mut env = Env::new("nofit", 4).unwrap();
-    // 1 + 4 of the 7 slots.
+    // 1 + 3 of the 6 slots.
     env.manifests
         .write("a.yaml", &service(&env, "a", "10.96.0.10", &["b1"]))
         .unwrap();
     env.manifests
         .write(
             "filler.yaml",
-            &service(&env, "filler", "10.96.0.30", &["b1", "b2", "b3", "b4"]),
+            &service(&env, "filler", "10.96.0.30", &["b1", "b2", "b3"]),
         )
         .unwrap();
     env.start_agent_with(AgentOpts {
-        extra_args: vec!["--max-slots".into(), "7".into()],
+        extra_args: vec!["--max-slots".into(), "6".into()],
         ..Default::default()
     })
     .unwrap();

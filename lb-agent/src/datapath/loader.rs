@@ -38,8 +38,9 @@ pub struct Capacity {
     pub max_services: u32,
     #[arg(long, default_value_t = lb_common::capacity::BACKENDS)]
     pub max_backends: u32,
-    /// Backend slots over all Services; twice the backends leaves room for a
-    /// set and its replacement.
+    /// Backend slots in use at once over all Services; twice the backends
+    /// leaves room for a set and its replacement. (`LB_SLOTS` is an array
+    /// of twice this, so that a set finds a range: see `slot_ranges`.)
     #[arg(long, default_value_t = lb_common::capacity::SLOTS)]
     pub max_slots: u32,
     /// Maglev tables over all Services (`LB_MAGLEV` entries): one per
@@ -449,7 +450,11 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
     );
     [
         layout::<ServiceKey, ServiceValue>(map_names::SERVICES, HASH, c.max_services),
-        layout::<u32, BackendSlot>(map_names::SLOTS, ARRAY, c.max_slots),
+        layout::<u32, BackendSlot>(
+            map_names::SLOTS,
+            ARRAY,
+            crate::datapath::slot_ranges::array_len(c.max_slots),
+        ),
         layout::<u32, Backend>(map_names::BACKENDS, ARRAY, c.max_backends),
         // The value of a map of maps is the inner map's id (u32).
         layout::<u32, u32>(map_names::MAGLEV, HASH_OF_MAPS, c.max_maglev_tables),
@@ -872,7 +877,10 @@ fn sized_loader(capacity: &Capacity) -> EbpfLoader<'_> {
         // The programs index `LB_SOCK_PEER` by its length.
         .override_global("SOCK_PEER_SLOTS", &capacity.max_sock_peers, true)
         .map_max_entries(map_names::SERVICES, capacity.max_services)
-        .map_max_entries(map_names::SLOTS, capacity.max_slots)
+        .map_max_entries(
+            map_names::SLOTS,
+            crate::datapath::slot_ranges::array_len(capacity.max_slots),
+        )
         .map_max_entries(map_names::MAGLEV, capacity.max_maglev_tables)
         .map_max_entries(map_names::BACKENDS, capacity.max_backends)
         .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)

@@ -831,11 +831,12 @@ fn frontends_at<V>(
 }
 
 impl Reconciler {
-    /// `slot_capacity`: the length of `LB_SLOTS`.
-    pub fn new(maglev_size: u16, slot_capacity: u32) -> Self {
+    /// `max_slots`: the backend slots that may be in use at once
+    /// (`LB_SLOTS` is twice as long, see `slot_ranges`).
+    pub fn new(maglev_size: u16, max_slots: u32) -> Self {
         Self {
             maglev_size,
-            slot_ranges: SlotRanges::new(slot_capacity),
+            slot_ranges: SlotRanges::for_max_slots(max_slots),
             frontends: BTreeMap::new(),
             vips: BTreeSet::new(),
             backends: Backends::default(),
@@ -867,13 +868,13 @@ impl Reconciler {
     /// with it).
     pub fn adopt(
         maglev_size: u16,
-        slot_capacity: u32,
+        max_slots: u32,
         services: impl IntoIterator<Item = (ServiceKey, ServiceValue)>,
         slots: impl IntoIterator<Item = (u32, BackendSlot)>,
         backends: impl IntoIterator<Item = (BackendId, Backend)>,
         maglev_sets: impl IntoIterator<Item = u32>,
     ) -> Self {
-        let mut r = Self::new(maglev_size, slot_capacity);
+        let mut r = Self::new(maglev_size, max_slots);
         // Backends of an earlier run that nothing points at any more.
         r.stray_backends = true;
         let slots: HashMap<u32, BackendSlot> = slots.into_iter().collect();
@@ -2809,10 +2810,11 @@ pub(super) mod tests {
         assert_eq!(m.backends_of(&b), many);
     }
 
-    /// `LB_SLOTS` is an array: each new set takes a free range of it, the
-    /// replaced set's range is given back at the retire and used again,
-    /// and a set that finds no range long enough fails its frontend alone
-    /// ("LB_SLOTS is full"), which keeps its previous set.
+    /// `LB_SLOTS` is an array (of twice `--max-slots`): each new set takes
+    /// a free range of it, the replaced set's range is given back at the
+    /// retire and used again, and a set that would put more than
+    /// `--max-slots` in use fails its frontend alone ("LB_SLOTS is full"),
+    /// which keeps its previous set, as with the hash map it was.
     #[test]
     fn sets_take_free_ranges_of_the_slot_array_and_give_them_back() {
         let mut r = Reconciler::new(251, 8);
@@ -2846,7 +2848,7 @@ pub(super) mod tests {
         );
         assert_eq!(base(&m, &a), 1);
         assert_eq!(r.usage().slots, 6);
-        // b grows to 5: 2 elements are free, not 5 in a row.
+        // b grows to 5: 6 of the 8 are in use.
         let report = r.apply(
             &desired(&[(a, state("a", &pods(1, 2))), (b, state("b", &pods(2, 5)))]),
             &mut m,
@@ -2862,10 +2864,10 @@ pub(super) mod tests {
         assert_eq!(m.backends_of(&b), pods(2, 4));
         assert_eq!(m.backends_of(&a), pods(1, 2));
         assert!(retire_all(&mut r, &mut m).is_empty());
-        assert!(m.slots.keys().all(|i| *i < 8), "{:?}", m.slots.keys());
+        assert!(m.slots.keys().all(|i| *i < 16), "{:?}", m.slots.keys());
         assert_eq!(m.slots.len(), 6);
-        // a leaves: b's 5 fit where a's and the free elements were? Only
-        // 4 in a row (0..4), so b waits; a smaller change fits.
+        // a leaves: b's 4 and its new 5 would still be 9 at once; 3 fit,
+        // in the first free range.
         let report = r.apply(&desired(&[(b, state("b", &pods(2, 5)))]), &mut m);
         assert_eq!(report.errors.len(), 1, "{report:?}");
         assert!(retire_all(&mut r, &mut m).is_empty());

@@ -1,7 +1,18 @@
 //! Which elements of `LB_SLOTS` (an array) each backend set holds: a set is
 //! one contiguous range, named by `ServiceValue::slot_base`, handed out
 //! first-fit and given back when the set is retired.
+//!
+//! The array is twice as long as the slots that may be in use at once
+//! (`--max-slots`, see [`array_len`]): `--max-slots` bounds the slots in
+//! use, as it bounded the entries of the hash map `LB_SLOTS` once was, and
+//! the room beyond keeps a set from finding no range long enough while
+//! fewer slots are in use (fragmentation), short of pathological churn.
 use std::collections::BTreeMap;
+
+/// The length of `LB_SLOTS` for `max_slots` slots in use.
+pub fn array_len(max_slots: u32) -> u32 {
+    max_slots.saturating_mul(2)
+}
 
 /// The free ranges of `LB_SLOTS`.
 #[derive(Debug, Clone)]
@@ -10,16 +21,14 @@ pub struct SlotRanges {
     /// Free ranges: start -> length. Adjacent ranges are always merged.
     free: BTreeMap<u32, u32>,
     used: u32,
-    /// At most this many elements in use, whatever the capacity: lets the
-    /// unit tests fill the map as a hash map of that many entries would be
-    /// full.
-    #[cfg(test)]
-    pub(in crate::datapath) limit: Option<u32>,
+    /// At most this many elements in use at once.
+    limit: u32,
 }
 
 impl SlotRanges {
-    /// All of an array of `capacity` elements free.
-    pub fn new(capacity: u32) -> Self {
+    /// All of an array of `capacity` elements free, at most `limit` of
+    /// them to be held at once.
+    pub fn new(capacity: u32, limit: u32) -> Self {
         Self {
             capacity,
             free: (capacity > 0)
@@ -27,9 +36,14 @@ impl SlotRanges {
                 .into_iter()
                 .collect(),
             used: 0,
-            #[cfg(test)]
-            limit: None,
+            limit,
         }
+    }
+
+    /// An array of [`array_len`]`(max_slots)` elements, `max_slots` of
+    /// them held at most.
+    pub fn for_max_slots(max_slots: u32) -> Self {
+        Self::new(array_len(max_slots), max_slots)
     }
 
     pub fn capacity(&self) -> u32 {
@@ -41,23 +55,14 @@ impl SlotRanges {
         self.used
     }
 
-    #[cfg(test)]
-    fn limited(&self, len: u32) -> bool {
-        self.limit.is_some_and(|limit| self.used + len > limit)
-    }
-
-    #[cfg(not(test))]
-    fn limited(&self, _len: u32) -> bool {
-        false
-    }
-
     /// The start of a free range of `len` elements, now held; `None` when
-    /// no free range is that long. An empty set holds nothing (start 0).
+    /// holding them would pass the limit or no free range is that long. An
+    /// empty set holds nothing (start 0).
     pub fn alloc(&mut self, len: u32) -> Option<u32> {
         if len == 0 {
             return Some(0);
         }
-        if self.limited(len) {
+        if self.used.saturating_add(len) > self.limit {
             return None;
         }
         let (&start, &free) = self.free.iter().find(|(_, free)| **free >= len)?;
@@ -70,7 +75,8 @@ impl SlotRanges {
     }
 
     /// Holds `start..start + len` if all of it is free (a set adopted from
-    /// pinned maps); false, holding nothing, if any of it is not.
+    /// pinned maps, which the limit does not refuse: it was held before);
+    /// false, holding nothing, if any of it is not.
     pub fn reserve(&mut self, start: u32, len: u32) -> bool {
         if len == 0 {
             return true;
@@ -136,7 +142,7 @@ mod tests {
 
     #[test]
     fn ranges_are_handed_out_first_fit_and_merge_when_given_back() {
-        let mut r = SlotRanges::new(10);
+        let mut r = SlotRanges::new(10, 10);
         assert_eq!(r.alloc(3), Some(0));
         assert_eq!(r.alloc(4), Some(3));
         assert_eq!(r.alloc(0), Some(0), "an empty set holds nothing");
@@ -160,7 +166,7 @@ mod tests {
 
     #[test]
     fn reserving_takes_only_free_ranges() {
-        let mut r = SlotRanges::new(10);
+        let mut r = SlotRanges::new(10, 10);
         assert!(r.reserve(4, 2));
         assert_eq!(free(&r), vec![(0, 4), (6, 4)]);
         assert!(!r.reserve(5, 2), "overlaps a held range");
@@ -175,11 +181,47 @@ mod tests {
     }
 
     #[test]
-    fn a_limit_refuses_as_a_full_map_would() {
-        let mut r = SlotRanges::new(100);
-        r.limit = Some(3);
+    fn the_limit_refuses_as_a_full_hash_map_would() {
+        let mut r = SlotRanges::for_max_slots(3);
+        assert_eq!(r.capacity(), 6);
         assert_eq!(r.alloc(2), Some(0));
-        assert_eq!(r.alloc(2), None);
+        assert_eq!(r.alloc(2), None, "3 in use at most");
         assert_eq!(r.alloc(1), Some(2));
+        r.release(0, 2);
+        assert_eq!(r.alloc(2), Some(0));
+    }
+
+    /// Sets replaced one after another, each taking its new range while
+    /// the old one is still held (as until the retire), the others' ranges
+    /// scattered: with twice the room, every change within the limit finds
+    /// a range.
+    #[test]
+    fn twice_the_room_absorbs_the_churn_of_replacements() {
+        let max = 64;
+        let mut r = SlotRanges::for_max_slots(max);
+        let mut sets: Vec<(u32, u32)> = (1..=7).map(|len| (r.alloc(len).unwrap(), len)).collect();
+        let mut seed = 7u32;
+        let mut changes = 0;
+        for _ in 0..10_000 {
+            seed = seed.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            let i = (seed >> 16) as usize % sets.len();
+            let (old, old_len) = sets[i];
+            let len = if (seed >> 8) & 1 == 0 {
+                old_len + 1
+            } else {
+                old_len - 1
+            }
+            .clamp(1, 12);
+            if r.used() + len > max {
+                continue;
+            }
+            let new = r
+                .alloc(len)
+                .unwrap_or_else(|| panic!("no range of {len}, {} used: {:?}", r.used(), r.free));
+            r.release(old, old_len);
+            sets[i] = (new, len);
+            changes += 1;
+        }
+        assert!(changes > 5_000, "{changes}");
     }
 }
