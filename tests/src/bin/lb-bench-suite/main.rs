@@ -272,8 +272,12 @@ pub struct ControlPlane {
     /// Agent started → /readyz 200 (load + verify + attach + parse + sync).
     pub ours_ready_s: Option<f64>,
     /// The first sync alone (read the manifests, translate, write the
-    /// maps), from the agent's log.
+    /// maps), from the agent's log: the median of three starts from empty
+    /// maps (`ours_sync_runs_ms`), with that start's parts and start time.
     pub ours_sync_ms: Option<f64>,
+    /// Every start's first sync, in order.
+    #[serde(default)]
+    pub ours_sync_runs_ms: Vec<f64>,
     /// Its parts: reading + translating, and the map writes.
     #[serde(default)]
     pub ours_read_translate_ms: Option<f64>,
@@ -1415,6 +1419,7 @@ fn control_plane(
         endpoints: ENDPOINTS,
         ours_ready_s: None,
         ours_sync_ms: None,
+        ours_sync_runs_ms: Vec::new(),
         ours_read_translate_ms: None,
         ours_apply_ms: None,
         ours_frontends: None,
@@ -1443,6 +1448,27 @@ fn control_plane(
         mb(&nft)
     ));
     {
+        // A first sync is one run of a few hundred milliseconds, which a
+        // moment's noise of a shared 2-core machine can double: two more
+        // starts from empty maps (each its own pins, removed after), and
+        // the goal is judged on the median start.
+        let mut starts: Vec<(f64, Option<f64>, Option<f64>, Option<f64>)> = Vec::new();
+        for _ in 0..2 {
+            let (_cgroup, _dir, agent, took) = start_ours(
+                "cp-ours",
+                &scenario,
+                cache,
+                &["--sync-debounce", "0s"],
+                timeout,
+            )?;
+            let log = agent.log();
+            starts.push((
+                took,
+                sync_ms(&log, 0),
+                sync_field(&log, "read_translate_ms", 0),
+                sync_field(&log, "apply_ms", 0),
+            ));
+        }
         let (topo, _server) = testbed("cp-ours", bench_bin, 2)?;
         let (cgroup, dir, agent, took) = start_ours(
             "cp-ours",
@@ -1452,16 +1478,26 @@ fn control_plane(
             timeout,
         )?;
         let manifests = dir.path().join("manifests");
-        cp.ours_ready_s = Some(took);
         let log = agent.log();
-        cp.ours_sync_ms = sync_ms(&log, 0);
-        cp.ours_read_translate_ms = sync_field(&log, "read_translate_ms", 0);
-        cp.ours_apply_ms = sync_field(&log, "apply_ms", 0);
+        starts.push((
+            took,
+            sync_ms(&log, 0),
+            sync_field(&log, "read_translate_ms", 0),
+            sync_field(&log, "apply_ms", 0),
+        ));
+        cp.ours_sync_runs_ms = starts.iter().filter_map(|s| s.1).collect();
+        let mut by_sync = starts.clone();
+        by_sync.sort_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
+        let median = by_sync[by_sync.len() / 2];
+        cp.ours_ready_s = Some(median.0);
+        cp.ours_sync_ms = median.1;
+        cp.ours_read_translate_ms = median.2;
+        cp.ours_apply_ms = median.3;
         let want = (services - 1 + 2) as u64;
         cp.ours_frontends = metric(&agent, "lb_frontends_programmed").map(|got| (got, want));
         say(format!(
-            "ours: /readyz after {took:.3} s, first sync {:?} ms (read + translate {:?} ms, map writes {:?} ms), frontends {:?}",
-            cp.ours_sync_ms, cp.ours_read_translate_ms, cp.ours_apply_ms, cp.ours_frontends
+            "ours: /readyz after {took:.3} s, first syncs {:?} ms; the median {:?} ms (read + translate {:?} ms, map writes {:?} ms), frontends {:?}",
+            cp.ours_sync_runs_ms, cp.ours_sync_ms, cp.ours_read_translate_ms, cp.ours_apply_ms, cp.ours_frontends
         ));
         // One endpoint change at a time, alternating between two backends
         // of the target: renamed into place, then connections until one
