@@ -1452,7 +1452,9 @@ fn control_plane(
         // moment's noise of a shared 2-core machine can double: two more
         // starts from empty maps (each its own pins, removed after), and
         // the goal is judged on the median start.
-        let mut starts: Vec<(f64, Option<f64>, Option<f64>, Option<f64>)> = Vec::new();
+        // (start to /readyz in s; first sync, read + translate, map writes in ms)
+        type Start = (f64, Option<f64>, Option<f64>, Option<f64>);
+        let mut starts: Vec<Start> = Vec::new();
         for _ in 0..2 {
             let (_cgroup, _dir, agent, took) = start_ours(
                 "cp-ours",
