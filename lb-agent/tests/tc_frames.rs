@@ -420,8 +420,12 @@ impl Fixture {
             maglev_size: 0,
             affinity_timeout: 0,
             affinity_id: service_id,
-            key_check: key.key_check(),
+            key_check: 0,
             slot_base: base,
+        };
+        let value = ServiceValue {
+            key_check: value.check_for(&key),
+            ..value
         };
         self.services.insert(key, value, 0).unwrap();
     }
@@ -436,6 +440,7 @@ impl Fixture {
         };
         let mut v = self.services.get(&key, 0).unwrap();
         v.flags |= flags;
+        v.key_check = v.check_for(&key);
         self.services.insert(key, v, 0).unwrap();
     }
 
@@ -1541,6 +1546,7 @@ fn affinity_by_source_address() {
         v.affinity_timeout = 60;
         // One Service port: both frontends share the decision.
         v.affinity_id = 9;
+        v.key_check = v.check_for(&key);
         fx.services.insert(key, v, 0).unwrap();
     }
     for client in ["192.168.77.100", "192.168.77.101"] {
@@ -1590,6 +1596,7 @@ fn maglev_selection_is_a_function_of_the_tuple() {
     let mut v = fx.services.get(&key, 0).unwrap();
     v.flags |= lb_common::service_flags::MAGLEV;
     v.maglev_size = size;
+    v.key_check = v.check_for(&key);
     fx.services.insert(key, v, 0).unwrap();
     let forget = |fx: &mut Fixture| {
         let keys: Vec<CtKey> = fx.conntrack.keys().filter_map(Result::ok).collect();

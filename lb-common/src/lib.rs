@@ -143,7 +143,7 @@ impl ServiceKey {
 /// | 14     | `maglev_size`      | length M of `LB_MAGLEV[backend_set]`, with `MAGLEV` |
 /// | 16     | `affinity_timeout` | seconds, with `service_flags::AFFINITY`     |
 /// | 20     | `affinity_id`      | `AffinityKey::affinity_id`, with `AFFINITY`; 0 without |
-/// | 24     | `key_check`        | `KeyCheck` of the frontend's `ServiceKey`   |
+/// | 24     | `key_check`        | `check_for` the frontend's `ServiceKey`     |
 /// | 28     | `slot_base`        | index in `LB_SLOTS` of the set's first slot |
 ///
 /// `affinity_id` is shared by every frontend of one Service port whose
@@ -163,9 +163,28 @@ pub struct ServiceValue {
     pub maglev_size: u16,
     pub affinity_timeout: u32,
     pub affinity_id: u32,
-    /// `KeyCheck` of the frontend's `ServiceKey`.
+    /// `check_for` the frontend's `ServiceKey`: its `KeyCheck` mixed with
+    /// the other fields.
     pub key_check: u32,
     pub slot_base: u32,
+}
+
+impl ServiceValue {
+    /// The `key_check` this value carries under `key`: a digest of the key
+    /// and of every other field, so that a copy made of two values (one
+    /// overwritten while the program copied it, see `KeyCheck`) fails it
+    /// as a value written for another key does.
+    #[inline(always)]
+    pub fn check_for(&self, key: &ServiceKey) -> u32 {
+        let mut h = key.key_check();
+        h = mix(h, self.id);
+        h = mix(h, self.backend_set);
+        h = mix(h, self.active as u32 | (self.terminating as u32) << 16);
+        h = mix(h, self.flags as u32 | (self.maglev_size as u32) << 16);
+        h = mix(h, self.affinity_timeout);
+        h = mix(h, self.affinity_id);
+        mix(h, self.slot_base)
+    }
 }
 
 /// One slot of a backend set: what an `LB_SLOTS` element's `key_check`
@@ -1437,6 +1456,76 @@ mod sock_peer_tests {
         for (i, e) in torn.iter().enumerate() {
             assert_eq!(e.peer_of(7), None, "torn entry {i}");
             assert_eq!(e.peer_of(9), None, "torn entry {i}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod service_check_tests {
+    use super::*;
+
+    /// A copy made of two values, each written whole for its key, fails
+    /// the check whichever 8-byte word comes from the other value: the
+    /// program then looks the value up again instead of using it.
+    #[test]
+    fn a_value_torn_between_two_passes_no_check() {
+        let key = ServiceKey::wildcard(ipv4_mapped([10, 96, 0, 10]), scope::INTERNAL);
+        let key = ServiceKey {
+            port: 80,
+            proto: proto::TCP,
+            ..key
+        };
+        let other_key = ServiceKey { port: 443, ..key };
+        let stamp = |mut v: ServiceValue, k: &ServiceKey| {
+            v.key_check = v.check_for(k);
+            v
+        };
+        let ours = stamp(
+            ServiceValue {
+                id: 1,
+                backend_set: 10,
+                active: 2,
+                terminating: 0,
+                flags: 0,
+                maglev_size: 0,
+                affinity_timeout: 0,
+                affinity_id: 0,
+                key_check: 0,
+                slot_base: 0,
+            },
+            &key,
+        );
+        let theirs = stamp(
+            ServiceValue {
+                id: 2,
+                backend_set: 11,
+                active: 3,
+                slot_base: 2,
+                ..ours
+            },
+            &other_key,
+        );
+        assert_eq!(ours.key_check, ours.check_for(&key));
+        assert_ne!(
+            theirs.key_check,
+            theirs.check_for(&key),
+            "another key's value"
+        );
+        let words = |v: &ServiceValue| -> [u64; 4] { unsafe { core::mem::transmute(*v) } };
+        for mixed in 1..15u32 {
+            let (a, b) = (words(&ours), words(&theirs));
+            let torn: [u64; 4] =
+                core::array::from_fn(|i| if mixed & (1 << i) != 0 { b[i] } else { a[i] });
+            if torn == a || torn == b {
+                // The words that differ all come from one value.
+                continue;
+            }
+            let torn: ServiceValue = unsafe { core::mem::transmute(torn) };
+            assert_ne!(
+                torn.key_check,
+                torn.check_for(&key),
+                "words {mixed:04b} from the other value"
+            );
         }
     }
 }

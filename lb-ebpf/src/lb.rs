@@ -13,13 +13,12 @@ use crate::maps::{
 
 #[inline(always)]
 pub fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
-    let check = key.key_check();
-    for _ in 0..2 {
+    for _ in 0..3 {
         // SAFETY: the value is copied out at once and kept only if it was
-        // written for this key (`KeyCheck`); the agent replaces values
-        // whole.
+        // written whole for this key (`check_for`); the agent replaces
+        // values whole.
         let v = unsafe { core::ptr::read(LB_SERVICES.get_ptr(key)?) };
-        if v.key_check == check {
+        if v.key_check == v.check_for(key) {
             return Some(v);
         }
     }

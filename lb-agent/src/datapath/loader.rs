@@ -1104,11 +1104,18 @@ fn io(e: MapError) -> std::io::Error {
 /// digests its set and slot, not its index: the reconciler writes it.)
 trait Stamped<K: KeyCheck>: Copy {
     fn check_mut(&mut self) -> &mut u32;
+    /// The check this value carries under `key`.
+    fn check(&self, key: &K) -> u32 {
+        key.key_check()
+    }
 }
 
 impl Stamped<ServiceKey> for ServiceValue {
     fn check_mut(&mut self) -> &mut u32 {
         &mut self.key_check
+    }
+    fn check(&self, key: &ServiceKey) -> u32 {
+        self.check_for(key)
     }
 }
 
@@ -1119,7 +1126,7 @@ impl Stamped<BackendId> for Backend {
 }
 
 fn stamp<K: KeyCheck, V: Stamped<K>>(key: &K, mut value: V) -> V {
-    *value.check_mut() = key.key_check();
+    *value.check_mut() = value.check(key);
     value
 }
 
@@ -1127,7 +1134,7 @@ fn stamp<K: KeyCheck, V: Stamped<K>>(key: &K, mut value: V) -> V {
 /// (written by someone else) keeps it, so that it differs from every
 /// value the reconciler wants and is rewritten.
 fn unstamp<K: KeyCheck, V: Stamped<K>>(key: &K, mut value: V) -> V {
-    if *value.check_mut() == key.key_check() {
+    if *value.check_mut() == value.check(key) {
         *value.check_mut() = 0;
     }
     value
@@ -1377,7 +1384,7 @@ mod tests {
         dp.maps().put_service(key, value).unwrap();
         // Written with its key's check, read back without it.
         let pinned = dp.maps().services.get(&key, 0).unwrap();
-        assert_eq!(pinned.key_check, key.key_check());
+        assert_eq!(pinned.key_check, value.check_for(&key));
         // A Maglev table: made, put in LB_MAGLEV, read back whole.
         let table: Vec<u32> = (0..251).map(|p| p % 3 + 1).collect();
         dp.maps().put_maglev(7, &table).unwrap();
