@@ -1480,18 +1480,14 @@ mod service_check_tests {
             v.key_check = v.check_for(k);
             v
         };
+        // SAFETY: every field is an integer, for which zeros are valid.
+        let zeros: ServiceValue = unsafe { core::mem::zeroed() };
         let ours = stamp(
             ServiceValue {
                 id: 1,
                 backend_set: 10,
                 active: 2,
-                terminating: 0,
-                flags: 0,
-                maglev_size: 0,
-                affinity_timeout: 0,
-                affinity_id: 0,
-                key_check: 0,
-                slot_base: 0,
+                ..zeros
             },
             &key,
         );

@@ -1454,39 +1454,33 @@ fn control_plane(
         // the goal is judged on the median start.
         // (start to /readyz in s; first sync, read + translate, map writes in ms)
         type Start = (f64, Option<f64>, Option<f64>, Option<f64>);
-        let mut starts: Vec<Start> = Vec::new();
-        for _ in 0..2 {
-            let (_cgroup, _dir, agent, took) = start_ours(
+        let start = || {
+            start_ours(
                 "cp-ours",
                 &scenario,
                 cache,
                 &["--sync-debounce", "0s"],
                 timeout,
-            )?;
-            let log = agent.log();
-            starts.push((
+            )
+        };
+        let first_sync = |took: f64, log: &str| -> Start {
+            (
                 took,
-                sync_ms(&log, 0),
-                sync_field(&log, "read_translate_ms", 0),
-                sync_field(&log, "apply_ms", 0),
-            ));
+                sync_ms(log, 0),
+                sync_field(log, "read_translate_ms", 0),
+                sync_field(log, "apply_ms", 0),
+            )
+        };
+        let mut starts: Vec<Start> = Vec::new();
+        for _ in 0..2 {
+            let (_cgroup, _dir, agent, took) = start()?;
+            starts.push(first_sync(took, &agent.log()));
         }
         let (topo, _server) = testbed("cp-ours", bench_bin, 2)?;
-        let (cgroup, dir, agent, took) = start_ours(
-            "cp-ours",
-            &scenario,
-            cache,
-            &["--sync-debounce", "0s"],
-            timeout,
-        )?;
+        let (cgroup, dir, agent, took) = start()?;
         let manifests = dir.path().join("manifests");
         let log = agent.log();
-        starts.push((
-            took,
-            sync_ms(&log, 0),
-            sync_field(&log, "read_translate_ms", 0),
-            sync_field(&log, "apply_ms", 0),
-        ));
+        starts.push(first_sync(took, &log));
         cp.ours_sync_runs_ms = starts.iter().filter_map(|s| s.1).collect();
         let mut by_sync = starts.clone();
         by_sync.sort_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
