@@ -581,6 +581,29 @@ fn every_call_chain_fits_the_stack_of_older_kernels() {
     );
 }
 
+/// No program calls the C library's memory functions: the object defines
+/// them (bpf-linker exports them for what LLVM cannot expand), but each is
+/// a subprogram that moves a byte per iteration, and a call costs more
+/// than the stores it replaces. bpf-linker's default
+/// `--bpf-expand-memcpy-in-order` turned every constant-sized memset and
+/// memmove into such a call (lb-ebpf/build.rs turns it off).
+#[test]
+fn no_program_calls_a_memory_function() {
+    const BYTE_LOOPS: [&str; 5] = ["memset", "memcpy", "memmove", "memcmp", "bcmp"];
+    let programs = stack::linked(EBPF_OBJECT);
+    assert!(programs.iter().any(|p| p.program == tc::INGRESS));
+    let calls: Vec<String> = programs
+        .iter()
+        .flat_map(|p| {
+            p.starts
+                .iter()
+                .filter(|(_, f)| BYTE_LOOPS.contains(&f.as_str()))
+                .map(move |(_, f)| format!("{} calls {f}", p.program))
+        })
+        .collect();
+    assert!(calls.is_empty(), "{calls:#?}");
+}
+
 /// Stack use read from the object's instructions, as the verifier counts
 /// it: a function's depth is the deepest byte below its frame pointer
 /// (r10) that it touches or points a helper at.
@@ -595,6 +618,41 @@ mod stack {
     /// Per program: its deepest chain of calls (function names) and the
     /// stack that chain takes on a kernel that rounds frames to 32 bytes.
     pub fn deepest_chains(object: &[u8]) -> Vec<(String, Vec<String>, u32)> {
+        let mut chains = Vec::new();
+        for Linked {
+            program,
+            insns,
+            starts,
+        } in linked(object)
+        {
+            let ends: Vec<usize> = starts
+                .iter()
+                .skip(1)
+                .map(|(s, _)| *s)
+                .chain([insns.len()])
+                .collect();
+            let frames: Vec<Frame> = starts
+                .iter()
+                .zip(&ends)
+                .map(|((start, _), end)| frame(&insns, *start, *end, &starts))
+                .collect();
+            let (bytes, chain) = deepest(&frames, 0);
+            let chain = chain.iter().map(|i| starts[*i].1.clone()).collect();
+            chains.push((program, chain, bytes));
+        }
+        chains.sort();
+        chains
+    }
+
+    /// A program as the loader links it: its instructions and those of
+    /// every function it calls, each function's first instruction and name.
+    pub struct Linked {
+        pub program: String,
+        insns: Vec<bpf_insn>,
+        pub starts: Vec<(usize, String)>,
+    }
+
+    pub fn linked(object: &[u8]) -> Vec<Linked> {
         let mut obj = Object::parse(object).expect("parsing the object");
         let btf = obj.btf.clone().expect("the object has BTF");
         let names: HashMap<u32, String> = obj
@@ -607,41 +665,31 @@ mod stack {
             .collect();
         let text: HashSet<usize> = obj.functions.keys().map(|(section, _)| *section).collect();
         obj.relocate_calls(&text).expect("linking the calls");
-        let mut chains = Vec::new();
-        for (name, program) in &obj.programs {
-            let linked = &obj.functions[&program.function_key()];
-            let mut starts: Vec<(usize, String)> = linked
-                .func_info
-                .func_info
-                .iter()
-                .map(|i| {
-                    let off = i.insn_off as usize;
-                    let name = names.get(&i.type_id).cloned();
-                    (
-                        off,
-                        name.unwrap_or_else(|| format!("(function at insn {off})")),
-                    )
-                })
-                .collect();
-            starts.sort();
-            let insns = &linked.instructions;
-            let ends: Vec<usize> = starts
-                .iter()
-                .skip(1)
-                .map(|(s, _)| *s)
-                .chain([insns.len()])
-                .collect();
-            let frames: Vec<Frame> = starts
-                .iter()
-                .zip(&ends)
-                .map(|((start, _), end)| frame(insns, *start, *end, &starts))
-                .collect();
-            let (bytes, chain) = deepest(&frames, 0);
-            let chain = chain.iter().map(|i| starts[*i].1.clone()).collect();
-            chains.push((name.clone(), chain, bytes));
-        }
-        chains.sort();
-        chains
+        obj.programs
+            .iter()
+            .map(|(name, program)| {
+                let linked = &obj.functions[&program.function_key()];
+                let mut starts: Vec<(usize, String)> = linked
+                    .func_info
+                    .func_info
+                    .iter()
+                    .map(|i| {
+                        let off = i.insn_off as usize;
+                        let name = names.get(&i.type_id).cloned();
+                        (
+                            off,
+                            name.unwrap_or_else(|| format!("(function at insn {off})")),
+                        )
+                    })
+                    .collect();
+                starts.sort();
+                Linked {
+                    program: name.clone(),
+                    insns: linked.instructions.clone(),
+                    starts,
+                }
+            })
+            .collect()
     }
 
     struct Frame {
