@@ -95,7 +95,10 @@ pub fn is_ipv4_mapped(addr: &[u8; 16]) -> bool {
 /// | 16     | `port`  | host order; 0 in a `WILDCARD` entry                 |
 /// | 18     | `proto` | `proto::TCP` or `proto::UDP`; 0 in a `WILDCARD` entry; `proto::SCTP` in `LB_UNPROGRAMMED` only |
 /// | 19     | `scope` | `scope::INTERNAL` or `scope::EXTERNAL`              |
-#[repr(C)]
+///
+/// Aligned to 4 bytes (its size is unchanged), so that `key_check` reads
+/// the address as four 32-bit words (`addr_words`), not sixteen bytes.
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceKey {
     pub addr: [u8; 16],
@@ -221,6 +224,27 @@ pub trait KeyCheck {
     fn key_check(&self) -> u32;
 }
 
+/// The 16 bytes at `addr` as four 32-bit words, each as
+/// `u32::from_le_bytes` takes it, loaded a word at a time: the BPF target
+/// has no unaligned loads, so a word assembled from `[u8; 16]` costs four
+/// byte loads and six shifts and ors. `addr` must be 4-aligned, which the
+/// `align(4)` types whose first fields are addresses guarantee.
+///
+/// # Safety
+/// `addr` is 4-aligned.
+#[inline(always)]
+unsafe fn addr_words(addr: &[u8; 16]) -> [u32; 4] {
+    debug_assert!(addr.as_ptr() as usize % 4 == 0);
+    // SAFETY: 16 readable bytes, 4-aligned (the caller's promise).
+    let w = unsafe { core::ptr::read(addr.as_ptr() as *const [u32; 4]) };
+    [
+        u32::from_le(w[0]),
+        u32::from_le(w[1]),
+        u32::from_le(w[2]),
+        u32::from_le(w[3]),
+    ]
+}
+
 /// One step of the digest: cheap, and every bit of `word` reaches the
 /// result.
 #[inline(always)]
@@ -234,13 +258,13 @@ const KEY_CHECK_SEED: u32 = 0x5bd1_e995;
 impl KeyCheck for ServiceKey {
     #[inline(always)]
     fn key_check(&self) -> u32 {
-        let a = &self.addr;
-        let word = |i: usize| u32::from_le_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        // SAFETY: `addr` is the first field of this 4-aligned type.
+        let w = unsafe { addr_words(&self.addr) };
         let mut h = KEY_CHECK_SEED;
-        h = mix(h, word(0));
-        h = mix(h, word(4));
-        h = mix(h, word(8));
-        h = mix(h, word(12));
+        h = mix(h, w[0]);
+        h = mix(h, w[1]);
+        h = mix(h, w[2]);
+        h = mix(h, w[3]);
         mix(
             h,
             self.port as u32 | (self.proto as u32) << 16 | (self.scope as u32) << 24,
@@ -390,7 +414,10 @@ pub struct ReverseSockValue {
 /// | 16     | `frontend_addr` | the address the socket asked for     |
 /// | 32     | `backend_port`  | host order                           |
 /// | 34     | `frontend_port` | host order                           |
-#[repr(C)]
+///
+/// Aligned to 4 bytes (its size is unchanged), so that the digest reads
+/// the addresses as 32-bit words (`addr_words`).
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SockPeer {
     pub backend_addr: [u8; 16],
@@ -445,15 +472,21 @@ impl SockPeerEntry {
     /// Every bit of `cookie` and `peer`, folded (see `KeyCheck`).
     #[inline(always)]
     pub fn digest(cookie: u64, peer: &SockPeer) -> u32 {
-        let word =
-            |a: &[u8; 16], i: usize| u32::from_le_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        // SAFETY: both addresses are at offsets 0 and 16 of the 4-aligned
+        // `SockPeer`.
+        let (b, f) = unsafe {
+            (
+                addr_words(&peer.backend_addr),
+                addr_words(&peer.frontend_addr),
+            )
+        };
         let mut h = mix(KEY_CHECK_SEED, cookie as u32);
         h = mix(h, (cookie >> 32) as u32);
         let mut i = 0;
-        while i < 16 {
-            h = mix(h, word(&peer.backend_addr, i));
-            h = mix(h, word(&peer.frontend_addr, i));
-            i += 4;
+        while i < 4 {
+            h = mix(h, b[i]);
+            h = mix(h, f[i]);
+            i += 1;
         }
         mix(
             h,
@@ -644,7 +677,10 @@ pub mod ct_state {
 /// | 32     | `sport` | host order                               |
 /// | 34     | `dport` | host order                               |
 /// | 36     | `proto` | `proto::TCP` or `proto::UDP`             |
-#[repr(C)]
+///
+/// Aligned to 4 bytes (its size is unchanged), so that a key is built and
+/// copied a word at a time, not a byte at a time.
+#[repr(C, align(4))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CtKey {
     pub src: [u8; 16],
@@ -1079,6 +1115,9 @@ pub mod capacity {
 
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey>() == 20);
+    assert!(core::mem::align_of::<ServiceKey>() == 4);
+    assert!(core::mem::align_of::<SockPeer>() == 4);
+    assert!(core::mem::align_of::<CtKey>() == 4);
     assert!(core::mem::size_of::<ServiceValue>() == 32);
     assert!(core::mem::offset_of!(ServiceValue, slot_base) == 28);
     assert!(core::mem::offset_of!(ServiceValue, key_check) == 24);
