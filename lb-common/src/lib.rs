@@ -1563,4 +1563,41 @@ mod service_check_tests {
             );
         }
     }
+
+    /// The checks pinned entries carry stay what an agent before the
+    /// word-at-a-time reads (`addr_words`) wrote: fixed values, computed by
+    /// that version, for an IPv4 and an IPv6 frontend and a socket's peer.
+    #[test]
+    fn checks_keep_their_values_across_versions() {
+        let v4 = ServiceKey {
+            addr: ipv4_mapped([10, 96, 0, 10]),
+            port: 53,
+            proto: proto::UDP,
+            scope: scope::INTERNAL,
+        };
+        let mut v6_addr = [0u8; 16];
+        for (i, b) in v6_addr.iter_mut().enumerate() {
+            *b = 0xf0 ^ (i as u8 * 17);
+        }
+        let v6 = ServiceKey {
+            addr: v6_addr,
+            port: 443,
+            proto: proto::TCP,
+            scope: scope::EXTERNAL,
+        };
+        let peer = SockPeer {
+            backend_addr: v6_addr,
+            frontend_addr: ipv4_mapped([10, 96, 0, 10]),
+            backend_port: 8443,
+            frontend_port: 443,
+        };
+        assert_eq!(
+            [
+                v4.key_check(),
+                v6.key_check(),
+                SockPeerEntry::digest(0x0123_4567_89ab_cdef, &peer)
+            ],
+            [70_350_467, 3_148_182_503, 137_108_164]
+        );
+    }
 }
