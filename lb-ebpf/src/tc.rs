@@ -257,15 +257,14 @@ impl CsumDiff {
     /// The words of an address as the packet carries it: IPv4's one word,
     /// IPv6's four.
     #[inline(always)]
-    fn addr(self, v6: bool, old: &[u8; 16], new: &[u8; 16]) -> Self {
-        let w = |a: &[u8; 16], i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
-        let d = self.word(w(old, 12), w(new, 12));
+    fn addr(self, v6: bool, old: Words, new: Words) -> Self {
+        let d = self.word(old.v4(), new.v4());
         if !v6 {
             return d;
         }
-        d.word(w(old, 0), w(new, 0))
-            .word(w(old, 4), w(new, 4))
-            .word(w(old, 8), w(new, 8))
+        d.word(old.0[0], new.0[0])
+            .word(old.0[1], new.0[1])
+            .word(old.0[2], new.0[2])
     }
 
     /// The 32-bit partial sum (`__wsum`) the csum helpers take as a diff.
@@ -312,20 +311,74 @@ fn put_l4<T: Copy>(ctx: &TcContext, l4: usize, v: &T) -> bool {
     }
 }
 
+/// An address in `lb-common`'s 16-byte form as four 32-bit words, each
+/// holding its four bytes in memory order (network order, as the packet
+/// and the csum helpers have them). The BPF target has no unaligned loads,
+/// so comparing, summing or copying a `[u8; 16]` of unknown alignment is
+/// sixteen byte loads; these words are read whole from the places known
+/// to be 4-aligned (`CtEntry`'s and `Pkt`'s addresses).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Words(pub [u32; 4]);
+
+impl Words {
+    /// # Safety
+    /// `a` is 4-aligned.
+    #[inline(always)]
+    unsafe fn read_aligned(a: &[u8; 16]) -> Self {
+        // SAFETY: 16 readable bytes, 4-aligned (the caller's promise).
+        Words(unsafe { core::ptr::read(a.as_ptr() as *const [u32; 4]) })
+    }
+
+    /// From an address of unknown alignment, a byte at a time.
+    #[inline(always)]
+    pub(crate) fn from_bytes(a: &[u8; 16]) -> Self {
+        let w = |i: usize| u32::from_ne_bytes([a[i], a[i + 1], a[i + 2], a[i + 3]]);
+        Words([w(0), w(4), w(8), w(12)])
+    }
+
+    #[inline(always)]
+    pub(crate) fn bytes(self) -> [u8; 16] {
+        // SAFETY: [u32; 4] and [u8; 16] have the same size; memory order kept.
+        unsafe { core::mem::transmute::<[u32; 4], [u8; 16]>(self.0) }
+    }
+
+    /// An IPv4-mapped address's IPv4 address.
+    #[inline(always)]
+    pub(crate) fn v4(self) -> u32 {
+        self.0[3]
+    }
+}
+
+// The places `Words::read_aligned` reads: 4-aligned fields of types aligned
+// to at least 4.
+const _: () = {
+    use core::mem::{align_of, offset_of};
+    assert!(align_of::<CtEntry>() >= 4 && align_of::<Pkt>() >= 4);
+    assert!(offset_of!(CtEntry, nat_src) % 4 == 0 && offset_of!(CtEntry, nat_dst) % 4 == 0);
+    assert!(offset_of!(Pkt, src) % 4 == 0 && offset_of!(Pkt, dst) % 4 == 0);
+};
+
 /// A packet's addresses and ports (host order), as it is or as it is to be.
-pub(crate) struct Tuple<'a> {
-    pub src: &'a [u8; 16],
-    pub dst: &'a [u8; 16],
+pub(crate) struct Tuple {
+    pub src: Words,
+    pub dst: Words,
     pub sport: u16,
     pub dport: u16,
 }
 
 /// What a flow's entry rewrites a packet to.
 #[inline(always)]
-pub(crate) fn nat_tuple(e: &CtEntry) -> Tuple<'_> {
+pub(crate) fn nat_tuple(e: &CtEntry) -> Tuple {
+    // SAFETY: 4-aligned fields of a 4-aligned type (asserted above).
+    let (src, dst) = unsafe {
+        (
+            Words::read_aligned(&e.nat_src),
+            Words::read_aligned(&e.nat_dst),
+        )
+    };
     Tuple {
-        src: &e.nat_src,
-        dst: &e.nat_dst,
+        src,
+        dst,
         sport: e.nat_sport,
         dport: e.nat_dport,
     }
@@ -333,10 +386,17 @@ pub(crate) fn nat_tuple(e: &CtEntry) -> Tuple<'_> {
 
 impl Pkt {
     #[inline(always)]
-    pub(crate) fn tuple(&self) -> Tuple<'_> {
+    pub(crate) fn tuple(&self) -> Tuple {
+        // SAFETY: 4-aligned fields of a 4-aligned type (asserted above).
+        let (src, dst) = unsafe {
+            (
+                Words::read_aligned(&self.src),
+                Words::read_aligned(&self.dst),
+            )
+        };
         Tuple {
-            src: &self.src,
-            dst: &self.dst,
+            src,
+            dst,
             sport: self.sport,
             dport: self.dport,
         }
@@ -360,15 +420,14 @@ fn rewrite_tuple(ctx: &TcContext, p: &Pkt, old: &Tuple, new: &Tuple) -> bool {
     let ports_change = old.sport != new.sport || old.dport != new.dport;
     if addrs_change {
         let stored = if p.v6 {
-            put(ctx, ETH_HLEN + 8, new.src) && put(ctx, ETH_HLEN + 24, new.dst)
+            put(ctx, ETH_HLEN + 8, &new.src.bytes()) && put(ctx, ETH_HLEN + 24, &new.dst.bytes())
         } else {
             let Some(check) = at::<u16>(ctx, ETH_HLEN + 10) else {
                 return false;
             };
-            let a = |x: &[u8; 16]| [x[12], x[13], x[14], x[15]];
             put(ctx, ETH_HLEN + 10, &addrs.apply(check))
-                && put(ctx, ETH_HLEN + 12, &a(new.src))
-                && put(ctx, ETH_HLEN + 16, &a(new.dst))
+                && put(ctx, ETH_HLEN + 12, &new.src.v4())
+                && put(ctx, ETH_HLEN + 16, &new.dst.v4())
         };
         if !stored {
             return false;
@@ -436,14 +495,15 @@ fn rewrite(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> bool {
 /// would not forward it back out of the device it came in.
 #[inline(always)]
 fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
+    let nat = nat_tuple(e);
     let target = route::Target {
         v6: p.v6,
         proto: p.proto,
         l4: p.l4,
-        src: &e.nat_src,
-        dst: &e.nat_dst,
-        sport: e.nat_sport,
-        dport: e.nat_dport,
+        src: nat.src,
+        dst: nat.dst,
+        sport: nat.sport,
+        dport: nat.dport,
     };
     match route::redirect(ctx, &target) {
         route::Fib::Sent(verdict) => verdict,

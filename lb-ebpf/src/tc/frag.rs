@@ -20,8 +20,8 @@ use aya_ebpf::{bindings::BPF_ANY, btf_maps::PerCpuArray, macros::btf_map, progra
 use lb_common::{ct_flags, frag_flags, proto, stat, CtEntry, FragEntry, FragKey};
 
 use super::{
-    at, route, set_ipv4_addrs, Pkt, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK, TC_ACT_SHOT,
-    TC_ACT_UNSPEC,
+    at, route, set_ipv4_addrs, Pkt, Words, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, L4_V6, TC_ACT_OK,
+    TC_ACT_SHOT, TC_ACT_UNSPEC,
 };
 use crate::maps::{count, this_cpu, LB_FRAGMENTS};
 
@@ -238,8 +238,8 @@ pub fn later(ctx: &TcContext, at_ingress: bool) -> Option<i32> {
         v6,
         proto: key.proto,
         l4: if v6 { l4 } else { ETH_HLEN + 20 },
-        src: &e.nat_src,
-        dst: &e.nat_dst,
+        src: Words::from_bytes(&e.nat_src),
+        dst: Words::from_bytes(&e.nat_dst),
         sport: e.nat_sport,
         dport: e.nat_dport,
     };

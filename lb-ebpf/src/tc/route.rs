@@ -12,7 +12,7 @@ use aya_ebpf::{
 };
 use lb_common::proto;
 
-use super::{put, AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
+use super::{put, Words, AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
 use crate::maps::this_cpu;
 
 const FIB_FRAG_NEEDED: i64 = 8;
@@ -26,12 +26,12 @@ pub enum Fib {
 }
 
 /// Where a translated packet goes.
-pub struct Target<'a> {
+pub struct Target {
     pub v6: bool,
     pub proto: u8,
     pub l4: usize,
-    pub src: &'a [u8; 16],
-    pub dst: &'a [u8; 16],
+    pub src: Words,
+    pub dst: Words,
     pub sport: u16,
     pub dport: u16,
 }
@@ -72,15 +72,11 @@ pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
     // SAFETY: the context pointer is valid for the program's run.
     fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
     if t.v6 {
-        // SAFETY: [u8; 16] and [u32; 4] have the same size; network order kept.
-        unsafe {
-            fib.__bindgen_anon_3.ipv6_src = core::mem::transmute::<[u8; 16], [u32; 4]>(*t.src);
-            fib.__bindgen_anon_4.ipv6_dst = core::mem::transmute::<[u8; 16], [u32; 4]>(*t.dst);
-        }
+        fib.__bindgen_anon_3.ipv6_src = t.src.0;
+        fib.__bindgen_anon_4.ipv6_dst = t.dst.0;
     } else {
-        let (s, d) = (t.src, t.dst);
-        fib.__bindgen_anon_3.ipv4_src = u32::from_ne_bytes([s[12], s[13], s[14], s[15]]);
-        fib.__bindgen_anon_4.ipv4_dst = u32::from_ne_bytes([d[12], d[13], d[14], d[15]]);
+        fib.__bindgen_anon_3.ipv4_src = t.src.v4();
+        fib.__bindgen_anon_4.ipv4_dst = t.dst.v4();
     }
     // SAFETY: helper call with a valid context and a buffer of the size passed.
     let rc = unsafe {
