@@ -234,7 +234,7 @@ pub trait KeyCheck {
 /// `addr` is 4-aligned.
 #[inline(always)]
 unsafe fn addr_words(addr: &[u8; 16]) -> [u32; 4] {
-    debug_assert!(addr.as_ptr() as usize % 4 == 0);
+    debug_assert!((addr.as_ptr() as usize).is_multiple_of(4));
     // SAFETY: 16 readable bytes, 4-aligned (the caller's promise).
     let w = unsafe { core::ptr::read(addr.as_ptr() as *const [u32; 4]) };
     [
