@@ -34,14 +34,18 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::{
-    capacity_args, check_sanity, cost_run_ms, filler_file, load_rules, measure_rounds, rules,
-    rules::Scenario, run_bench_client, say, set_up_arms, spawn_server, vm_hwm_mib, while_paused,
-    with_bpf_stats, ArmCtx, ArmKind, KillOnDrop, Measured, Mode, Opts, Run, Sample, Setup,
-    FILLER_ENDPOINTS,
+    capacity_args, check_sanity, cost_run_ms, filler_file, floor::TcFloor, load_rules,
+    measure_rounds, rules, rules::Scenario, run_bench_client, say, set_up_arms, spawn_server,
+    vm_hwm_mib, while_paused, with_bpf_stats, ArmCtx, ArmKind, KillOnDrop, Measured, Mode, Opts,
+    Run, Sample, Setup, FILLER_ENDPOINTS,
 };
 
 /// The target's node port.
 pub const NODE_PORT: u16 = 30080;
+
+/// `TcCost::prog` of the empty programs measured beside ours.
+pub const FLOOR_INGRESS: &str = "empty_tc_ingress_eth0";
+pub const FLOOR_EGRESS: &str = "empty_tc_egress_eth0";
 
 /// Results of the NodePort experiment.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -404,11 +408,36 @@ fn rounds(
         |round, arms| {
             // The tc programs' cost, in a connect+close run of its own.
             if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
-                let ids: Vec<u32> = ours.tc_progs.iter().map(|(_, id)| *id).collect();
+                // The floor: an empty program before ours on each side of
+                // n1's eth0, on the same packets.
+                let n1 = &ours.cluster.nodes[0].netns;
+                let floors: Vec<(String, TcFloor)> = [(true, FLOOR_INGRESS), (false, FLOOR_EGRESS)]
+                    .into_iter()
+                    .filter_map(
+                        |(ingress, name)| match TcFloor::attach(n1, "eth0", ingress) {
+                            Ok(f) => Some((name.to_string(), f)),
+                            Err(e) => {
+                                let note = format!("no empty tc program beside ours: {e:#}");
+                                if !np.notes.contains(&note) {
+                                    np.notes.push(note);
+                                }
+                                None
+                            }
+                        },
+                    )
+                    .collect();
+                let progs: Vec<(String, u32)> = ours
+                    .tc_progs
+                    .iter()
+                    .cloned()
+                    .chain(floors.iter().map(|(name, f)| (name.clone(), f.id)))
+                    .collect();
+                let ids: Vec<u32> = progs.iter().map(|(_, id)| *id).collect();
                 let (spent, run) = with_bpf_stats(&ids, || {
                     ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
                 })?;
-                for ((name, _), (run_time_ns, run_cnt)) in ours.tc_progs.iter().zip(spent) {
+                drop(floors);
+                for ((name, _), (run_time_ns, run_cnt)) in progs.iter().zip(spent) {
                     np.costs.push(TcCost {
                         services,
                         round,
