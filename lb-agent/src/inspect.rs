@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use aya::maps::{HashMap, MapData};
 use lb_common::{
     affinity_client, backend_flags, clock, ct_flags, ct_state, map_names, proto, service_flags,
-    BackendSlotKey, CtEntry, CtKey, KeyCheck, ServiceKey,
+    CtEntry, CtKey, ServiceKey,
 };
 use serde::Serialize;
 
@@ -176,27 +176,21 @@ impl Subject for Services {
             let mut backends = Vec::new();
             let mut missing_slots = Vec::new();
             for slot in 0..(value.active as u32 + value.terminating as u32) {
-                let slot_key = BackendSlotKey {
-                    backend_set: value.backend_set,
-                    slot,
-                };
-                // As the programs take it: the element must carry the
-                // check of this set's slot.
-                let Some(s) = maps
+                let Some(backend_id) = maps
                     .slots
                     .get(&value.slot_base.wrapping_add(slot), 0)
                     .ok()
-                    .filter(|s| s.key_check == slot_key.key_check())
+                    .and_then(|s| s.backend_of(value.backend_set, slot))
                 else {
                     missing_slots.push(slot);
                     continue;
                 };
-                let Some(b) = maps.backend(s.backend_id) else {
+                let Some(b) = maps.backend(backend_id) else {
                     missing_slots.push(slot);
                     continue;
                 };
                 backends.push(BackendView {
-                    id: s.backend_id,
+                    id: backend_id,
                     addr: ip_from_bytes(&b.addr),
                     port: b.port,
                     state: if slot < value.active as u32 {

@@ -210,6 +210,26 @@ pub struct BackendSlot {
     pub key_check: u32,
 }
 
+impl BackendSlot {
+    /// Slot `slot` of set `backend_set`, pointing at `backend_id`.
+    #[inline(always)]
+    pub fn new(backend_set: u32, slot: u32, backend_id: u32) -> Self {
+        Self {
+            backend_id,
+            key_check: BackendSlotKey { backend_set, slot }.key_check(),
+        }
+    }
+
+    /// The backend this element points at, if it is slot `slot` of set
+    /// `backend_set` (not a free element, nor another set's), as the
+    /// programs take it.
+    #[inline(always)]
+    pub fn backend_of(&self, backend_set: u32, slot: u32) -> Option<u32> {
+        (self.key_check == BackendSlotKey { backend_set, slot }.key_check())
+            .then_some(self.backend_id)
+    }
+}
+
 /// A digest of a map key that its value carries (`key_check`), so that a
 /// program can tell a copied value was written for another key.
 /// `LB_SERVICES` is a preallocated hash map: an update links a fresh
@@ -1599,5 +1619,16 @@ mod service_check_tests {
             ],
             [70_350_467, 3_148_182_503, 137_108_164]
         );
+    }
+
+    /// An `LB_SLOTS` element gives its backend only for its own set and
+    /// position; a free (zeroed) element for none.
+    #[test]
+    fn a_slot_names_only_its_set_and_position() {
+        let s = BackendSlot::new(7, 3, 42);
+        assert_eq!(s.backend_of(7, 3), Some(42));
+        assert_eq!(s.backend_of(7, 2), None);
+        assert_eq!(s.backend_of(8, 3), None);
+        assert_eq!(BackendSlot::default().backend_of(0, 0), None);
     }
 }

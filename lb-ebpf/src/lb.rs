@@ -3,8 +3,8 @@
 //! they hash a flow and who the client is.
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
 use lb_common::{
-    select, stat, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlotKey, DatagramFlow,
-    DatagramFlowKey, KeyCheck, ServiceKey, ServiceValue,
+    select, stat, AffinityEntry, AffinityKey, Backend, BackendId, DatagramFlow, DatagramFlowKey,
+    KeyCheck, ServiceKey, ServiceValue,
 };
 
 use crate::maps::{
@@ -59,15 +59,11 @@ fn slot_backend(svc: &ServiceValue, slot: u32) -> Option<u32> {
     // new set takes a range no value names, and an old one is given back
     // only after a delay (see `ServiceValue`).
     let s = unsafe { core::ptr::read(LB_SLOTS.get_ptr(svc.slot_base.wrapping_add(slot))?) };
-    let key = BackendSlotKey {
-        backend_set: svc.backend_set,
-        slot,
-    };
-    if s.key_check == key.key_check() {
-        return Some(s.backend_id);
+    let id = s.backend_of(svc.backend_set, slot);
+    if id.is_none() {
+        count(stat::FOREIGN_VALUE);
     }
-    count(stat::FOREIGN_VALUE);
-    None
+    id
 }
 
 /// The backend id at `position` of the frontend's Maglev table.

@@ -40,8 +40,8 @@ use std::{
 use rustc_hash::FxHashMap;
 
 use lb_common::{
-    backend_flags, service_flags, unprogrammed_map, Backend, BackendId, BackendSlot,
-    BackendSlotKey, KeyCheck, ServiceKey, ServiceValue,
+    backend_flags, service_flags, unprogrammed_map, Backend, BackendId, BackendSlot, ServiceKey,
+    ServiceValue,
 };
 
 use crate::{
@@ -409,17 +409,10 @@ fn maglev_table(state: &FrontendState, slots: &[u32], size: u16) -> Vec<u32> {
 /// check is written here, not by the map layer as for the hash maps'
 /// values: it digests the set and slot, not the array index.
 fn slot_item(set: u32, base: u32, slot: u32, backend_id: u32) -> (u32, BackendSlot) {
-    let key = BackendSlotKey {
-        backend_set: set,
-        slot,
-    };
     (
         // Wraps only for a value written by hand, whose check then fails.
         base.wrapping_add(slot),
-        BackendSlot {
-            backend_id,
-            key_check: key.key_check(),
-        },
+        BackendSlot::new(set, slot, backend_id),
     )
 }
 
@@ -912,11 +905,9 @@ impl Reconciler {
             let len = value.active as u32 + value.terminating as u32;
             let found: Option<Vec<u32>> = (0..len)
                 .map(|slot| {
-                    let (index, want) = slot_item(value.backend_set, value.slot_base, slot, 0);
                     slots
-                        .get(&index)
-                        .filter(|s| s.key_check == want.key_check)
-                        .map(|s| s.backend_id)
+                        .get(&value.slot_base.wrapping_add(slot))
+                        .and_then(|s| s.backend_of(value.backend_set, slot))
                         .filter(|id| r.used_backend_ids.contains(*id))
                 })
                 .collect();
