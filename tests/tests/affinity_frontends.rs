@@ -87,10 +87,31 @@ fn show(a: &[Attempt]) -> String {
         .join("\n")
 }
 
+/// The datapath's event counters of every agent that are not 0
+/// (`lb_datapath_events_total`: translations, drops by reason), to say
+/// where a failed attempt's packets went.
+fn datapath_events(c: &Cluster) -> String {
+    c.agents
+        .iter()
+        .enumerate()
+        .map(|(i, a)| match a.metrics() {
+            Ok((_, text)) => text
+                .lines()
+                .filter(|l| l.starts_with("lb_datapath_events_total") && !l.ends_with(" 0"))
+                .map(|l| format!("agent {i}: {l}"))
+                .collect::<Vec<_>>()
+                .join("\n"),
+            Err(e) => format!("agent {i}: metrics not read: {e:#}"),
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// Runs `attempt(target)` for every target, round after round, and
 /// returns the backends reached through each target; every attempt must
-/// succeed.
+/// succeed (a failure's message ends with the datapath's counters).
 fn alternate(
+    c: &Cluster,
     what: &str,
     targets: &[String],
     rounds: usize,
@@ -102,8 +123,9 @@ fn alternate(
             let a = attempt(t);
             assert!(
                 !a.is_empty() && a.iter().all(|a| a.ok && a.backend.is_some()),
-                "{what} -> {t}: {}",
-                show(&a)
+                "{what} -> {t}: {}\n{}",
+                show(&a),
+                datapath_events(c)
             );
             seen.entry(t.clone())
                 .or_default()
@@ -141,7 +163,7 @@ fn a_pod_keeps_its_backend_across_the_service_ips_of_one_port() {
             format!("{LB_IP}:80"),
             format!("{}:{NODEPORT}", node_v4(pod.node)),
         ];
-        let seen = alternate(&pod.name, &targets, 3, |t| {
+        let seen = alternate(&c, &pod.name, &targets, 3, |t| {
             c.from_pod(pod.node, &pod.netns, "tcp", t, 2)
         });
         let b = one_backend(&pod.name, &seen);
@@ -177,9 +199,11 @@ fn an_external_client_keeps_its_backend_across_nodeport_lb_ip_and_external_ip() 
     let mut chosen = BTreeMap::new();
     for (i, ns) in clients.iter().enumerate() {
         let what = format!("external client {i}");
-        let seen = alternate(&what, &targets, 3, |t| c.from_netns(ns, "tcp", t, 2));
+        let seen = alternate(&c, &what, &targets, 3, |t| c.from_netns(ns, "tcp", t, 2));
         let b = one_backend(&what, &seen);
-        let seen = alternate(&what, &local_targets, 3, |t| c.from_netns(ns, "tcp", t, 2));
+        let seen = alternate(&c, &what, &local_targets, 3, |t| {
+            c.from_netns(ns, "tcp", t, 2)
+        });
         let local = one_backend(&format!("{what} (Local)"), &seen);
         assert!(
             ["n1p0", "n1p1"].contains(&local.as_str()),
