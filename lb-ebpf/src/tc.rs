@@ -1001,8 +1001,8 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
         _pad: [0; 3],
     };
     let e = quoted_flow(&key)?;
-    let backend = u32::from_ne_bytes([e.nat_dst[12], e.nat_dst[13], e.nat_dst[14], e.nat_dst[15]]);
-    let peer = u32::from_ne_bytes([e.nat_src[12], e.nat_src[13], e.nat_src[14], e.nat_src[15]]);
+    let nat = nat_tuple(e);
+    let (backend, peer) = (nat.dst.v4(), nat.src.v4());
     let (old_src, old_dst) = (u32::from_ne_bytes(isrc), u32::from_ne_bytes(idst));
     let icmp_csum = icmp + 2;
     let old_icsum: u16 = ctx.load(inner + 10).ok()?;
