@@ -884,6 +884,124 @@ fn local_backend_dnat_reply_and_conntrack() {
     }
 }
 
+/// One client port through two frontends of one local backend (a client
+/// may use a port again for another destination): the second flow's reply
+/// tuple would be the first's, so its backend would take its SYN for the
+/// first connection (a challenge ACK or an RST) and the first flow's
+/// replies would leave from the second frontend. As netfilter's NAT does
+/// for a clashing reply tuple, the second flow gets another source port
+/// toward the backend; both flows then translate both ways, each with its
+/// own frontend. A flow through the same frontend again, or past an
+/// expired flow of another frontend, keeps the client's port.
+#[test]
+fn one_client_port_through_two_frontends_of_one_local_backend() {
+    if skip() {
+        return;
+    }
+    let cases = [
+        ("192.168.77.100", NODE4, "10.244.1.10"),
+        ("fd00:77::100", NODE6, "fd00:244:1::10"),
+    ];
+    for (client, node, pod) in cases {
+        let mut fx = Fixture::new();
+        fx.snat_ports(61_000, 61_999);
+        fx.tcp_timeout(5);
+        fx.backend(1, pod, 8080, proto::TCP, true);
+        fx.frontend(node, 30080, proto::TCP, 7, &[1]);
+        fx.frontend(node, 30081, proto::TCP, 8, &[1]);
+
+        let (rc, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, node, 30080, TCP_SYN),
+        );
+        assert_eq!(rc, OK);
+        let a = parse(&out);
+        assert_eq!(
+            (a.src, a.sport, a.dst, a.dport),
+            (ip(client), 40000, ip(pod), 8080)
+        );
+        let (rc, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, node, 30081, TCP_SYN),
+        );
+        assert_eq!(rc, OK);
+        let b = parse(&out);
+        assert_eq!(
+            (b.src, b.dst, b.dport),
+            (ip(client), ip(pod), 8080),
+            "{client}"
+        );
+        assert!(
+            (61_000..=61_999).contains(&b.sport),
+            "{client}: the second flow's port toward the backend is {} (not remapped)",
+            b.sport
+        );
+        assert_eq!(fx.stat(stat::TC_SOURCE_PORT_REMAPPED), 1);
+        let fwd = fx.entry(client, 40000, node, 30081, proto::TCP).unwrap();
+        assert_eq!((fwd.flags, fwd.nat_sport), (ct_flags::LOCAL, b.sport));
+
+        // Each flow's replies leave from its own frontend, to the client's port.
+        for (port, frontend) in [(40000, 30080), (b.sport, 30081)] {
+            let (rc, out) = fx.run(
+                "tc_egress",
+                &Frame::tcp(pod, 8080, client, port, TCP_SYN | TCP_ACK),
+            );
+            assert_eq!(rc, OK, "{client}: reply to port {port}");
+            let r = parse(&out);
+            assert_eq!(
+                (r.src, r.sport, r.dst, r.dport),
+                (ip(node), frontend, ip(client), 40000),
+                "{client}: reply to port {port}"
+            );
+        }
+        // And each flow's later packets keep their own port.
+        for (frontend, port) in [(30080, 40000), (30081, b.sport)] {
+            let (rc, out) = fx.run(
+                "tc_ingress",
+                &Frame::tcp(client, 40000, node, frontend, TCP_ACK),
+            );
+            assert_eq!(rc, OK);
+            assert_eq!(parse(&out).sport, port, "{client}: ACK through {frontend}");
+        }
+
+        // Through the first frontend again, on its own reply tuple (the
+        // forward entry gone, as after an eviction): the client's port.
+        fx.conntrack
+            .remove(&ct_key(client, 40000, node, 30080, proto::TCP))
+            .unwrap();
+        let (_, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, node, 30080, TCP_SYN),
+        );
+        assert_eq!(
+            parse(&out).sport,
+            40000,
+            "{client}: same frontend, same tuple"
+        );
+        assert_eq!(fx.stat(stat::TC_SOURCE_PORT_REMAPPED), 1);
+
+        // Past an expired flow of another frontend: the client's port.
+        let reply_key = ct_key(pod, 8080, client, 40001, proto::TCP);
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40001, node, 30080, TCP_SYN),
+        );
+        fx.run(
+            "tc_egress",
+            &Frame::tcp(pod, 8080, client, 40001, TCP_SYN | TCP_ACK),
+        );
+        let mut e = fx.conntrack.get(&reply_key, 0).unwrap();
+        e.last_seen_ns = 1;
+        fx.conntrack.insert(reply_key, e, 0).unwrap();
+        let (_, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40001, node, 30081, TCP_SYN),
+        );
+        assert_eq!(parse(&out).sport, 40001, "{client}: the other flow expired");
+        assert_eq!(fx.stat(stat::TC_SOURCE_PORT_REMAPPED), 1);
+    }
+}
+
 /// A preallocated hash map reuses a replaced element for the next update
 /// on the writer's CPU at once, so a program that looked a key up just
 /// before can copy another key's value (docs/maps.md, "Recycled

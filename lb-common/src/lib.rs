@@ -1027,7 +1027,12 @@ pub mod stat {
     /// element was written for another set or id (by hand: the agent never
     /// publishes a set before its slots): the lookup counts as a miss.
     pub const FOREIGN_VALUE: u32 = 23;
-    pub const COUNT: u32 = 24;
+    /// tc path: a new flow to a node-local backend whose reply tuple a live
+    /// flow through another frontend holds (one client port to two
+    /// frontends of one backend) was given another source port toward the
+    /// backend, as netfilter's NAT remaps a clashing connection (not a drop).
+    pub const TC_SOURCE_PORT_REMAPPED: u32 = 24;
+    pub const COUNT: u32 = 25;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1054,6 +1059,7 @@ pub mod stat {
         "sock_drop_source_range",
         "sock_peer_lost",
         "foreign_value",
+        "tc_source_port_remapped",
     ];
 }
 

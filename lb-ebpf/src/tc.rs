@@ -885,9 +885,10 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.last_seen_ns = now;
     reply.ack_seq = 0;
     reply._pad2 = 0;
-    if local {
+    if local && !reply_key_held(table, &scratch.reply_key, p, now, cfg) {
         // The reply key is the client's own tuple reversed: only this
-        // client can hold it, and a flow it held before is over.
+        // client can hold it, and a flow it held through this frontend
+        // is over.
         if table
             .map()
             .insert(&scratch.reply_key, &scratch.reply, BPF_ANY as u64)
@@ -909,7 +910,35 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
         count(stat::TC_DROP_CT_FULL);
         return TC_ACT_SHOT;
     }
+    if local && scratch.forward.nat_sport != p.sport {
+        count(stat::TC_SOURCE_PORT_REMAPPED);
+    }
     FLOW_OPENED
+}
+
+/// Whether a live flow through another frontend holds `reply_key`, the
+/// reply key a new flow to a node-local backend would take (its client's
+/// tuple reversed): the client used one source port for two frontends of
+/// one backend. Both flows would reach the backend as one connection (an
+/// RST or a challenge ACK for the second, replies of the first leaving
+/// from the second's frontend), so the new flow takes another source port
+/// toward the backend (`tc_reserve_snat`, the client's address kept), as
+/// netfilter's NAT remaps the source port of a connection whose reply
+/// tuple is taken. A flow through the same frontend is this client's
+/// earlier one on that tuple, whose entry the new one replaces.
+#[inline(always)]
+fn reply_key_held(table: Table, reply_key: &CtKey, p: &Pkt, now: u64, cfg: &TcConfig) -> bool {
+    let frontend = p.tuple().dst;
+    let other_flow = |map: &CtMap| match map.get_ptr(reply_key) {
+        None => false,
+        Some(e) => {
+            // SAFETY: read in place for this run.
+            let e = unsafe { &*e };
+            let nat = nat_tuple(e);
+            conntrack::live(e, p.proto, now, cfg) && (nat.src != frontend || nat.sport != p.dport)
+        }
+    };
+    other_flow(table.map()) || (table == Table::Syn && other_flow(&LB_CONNTRACK))
 }
 
 #[inline(always)]

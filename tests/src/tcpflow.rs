@@ -966,8 +966,34 @@ pub struct FlowState {
     pub injected: u32,
 }
 
+/// A TCP connection to `target`, from source port `from_port` if given
+/// (bound with SO_REUSEADDR, so that sockets to other destinations may
+/// share it).
+pub fn connect_from(
+    from_port: Option<u16>,
+    target: SocketAddr,
+    timeout: Duration,
+) -> io::Result<TcpStream> {
+    let Some(port) = from_port else {
+        return TcpStream::connect_timeout(&target, timeout);
+    };
+    let s = socket2::Socket::new(
+        socket2::Domain::for_address(target),
+        socket2::Type::STREAM,
+        Some(socket2::Protocol::TCP),
+    )?;
+    s.set_reuse_address(true)?;
+    let any: std::net::IpAddr = match target {
+        SocketAddr::V4(_) => Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    s.bind(&SocketAddr::new(any, port).into())?;
+    s.connect_timeout(&target.into(), timeout)?;
+    Ok(s.into())
+}
+
 impl EchoFlow {
-    pub fn open(target: SocketAddr, id: String, timeout: Duration) -> Self {
+    pub fn open(target: SocketAddr, from_port: Option<u16>, id: String, timeout: Duration) -> Self {
         let mut f = EchoFlow {
             id,
             backend: None,
@@ -979,7 +1005,7 @@ impl EchoFlow {
             error: None,
         };
         let r: io::Result<()> = (|| {
-            let s = TcpStream::connect_timeout(&target, timeout)?;
+            let s = connect_from(from_port, target, timeout)?;
             s.set_read_timeout(Some(timeout))?;
             s.set_write_timeout(Some(timeout))?;
             f.local = s.local_addr().ok();

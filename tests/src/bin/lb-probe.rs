@@ -193,6 +193,10 @@ struct TcpFlowsArgs {
     /// RSTs per flow and `rst` command.
     #[arg(long, default_value_t = 3)]
     rst_copies: u32,
+    /// Bind every socket to this source port first (SO_REUSEADDR), as a
+    /// client reusing one port for several destinations does.
+    #[arg(long)]
+    from_port: Option<u16>,
 }
 
 #[derive(Debug, Args)]
@@ -990,7 +994,7 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
     a.at.enter()?;
     let timeout = Duration::from_millis(a.timeout_ms.max(1));
     let mut flows: Vec<EchoFlow> = (0..a.sockets.min(1000))
-        .map(|k| EchoFlow::open(target, format!("{}-{k}", a.id), timeout))
+        .map(|k| EchoFlow::open(target, a.from_port, format!("{}-{k}", a.id), timeout))
         .collect();
     let mut out = io::stdout().lock();
     let mut print =
