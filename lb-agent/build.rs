@@ -22,6 +22,16 @@ fn main() -> anyhow::Result<()> {
         .no_deps()
         .exec()
         .context("cargo metadata")?;
+    // aya-build watches lb-ebpf's own directory only; the programs also
+    // compile lb-common (map layouts, conntrack timeouts, checks), whose
+    // changes must rebuild the embedded object too.
+    let common = packages
+        .iter()
+        .find(|p| p.name.as_str() == "lb-common")
+        .ok_or_else(|| anyhow!("lb-common package not found in the workspace"))?;
+    if let Some(dir) = common.manifest_path.parent() {
+        println!("cargo:rerun-if-changed={dir}");
+    }
     let ebpf = packages
         .into_iter()
         .find(|p| p.name.as_str() == "lb-ebpf")
