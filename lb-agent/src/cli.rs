@@ -183,7 +183,9 @@ pub struct NorthSouthArgs {
     /// its SYN): what a spoofed SYN costs.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_syn_timeout: Duration,
-    /// Lifetime of a TCP flow after FIN or RST.
+    /// Lifetime of a TCP flow after FIN or RST; at least 60 s for a flow
+    /// whose backend sent the first FIN (the backend's TIME_WAIT, during
+    /// which its SNAT port must not serve another client).
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_close_timeout: Duration,
     /// Idle lifetime of a UDP flow: in the tc path's conntrack, and of a

@@ -2,7 +2,7 @@
 //! `BPF_PROG_TEST_RUN`: headers, checksums (verified by recomputation), NAT
 //! and conntrack transitions, IPv4 and IPv6. They need root (loading BPF
 //! programs) and print a loud SKIPPED without it.
-use std::net::IpAddr;
+use std::{net::IpAddr, time::Duration};
 
 /// The fuzz target of these programs (`cargo xtask fuzz`).
 #[path = "tc_frames/fuzz.rs"]
@@ -1209,6 +1209,104 @@ fn snat_ports_are_reused_only_when_the_flow_is_over() {
         reply.nat_dport, 40001,
         "the port now answers the new client"
     );
+}
+
+/// CLOCK_MONOTONIC, the clock of `bpf_ktime_get_ns`, `back` ago.
+fn monotonic_ns_ago(back: Duration) -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: a valid timespec to fill in.
+    assert_eq!(
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) },
+        0
+    );
+    let now = ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64;
+    now.checked_sub(back.as_nanos() as u64)
+        .expect("the machine has been up longer than the test backdates")
+}
+
+/// A backend that closes first holds the tuple in TIME_WAIT for 60 s
+/// (Linux's TCP_TIMEWAIT_LEN): a SYN from another client on the same SNAT
+/// port meanwhile meets it, and is dropped when its timestamp is older
+/// (another client's clock: half the time). So a flow the backend closed
+/// first keeps its SNAT port for 60 s, past the 10 s close timeout; one the
+/// client closed first gives it back after the close timeout, as before.
+#[test]
+fn a_snat_port_stays_taken_while_the_backend_is_in_time_wait() {
+    if skip() {
+        return;
+    }
+    let (pod, node) = ("10.244.2.10", NODE4);
+    for backend_first in [true, false] {
+        let mut fx = Fixture::new();
+        fx.snat_ports(61_000, 61_000);
+        fx.backend(1, pod, 8080, proto::TCP, false);
+        fx.frontend(node, 30080, proto::TCP, 9, &[1]);
+        let (first, second) = ("192.168.77.100", "192.168.77.101");
+        let (_, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(first, 40000, node, 30080, TCP_SYN),
+        );
+        assert_eq!(parse(&out).sport, 61_000);
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(pod, 8080, node, 61_000, TCP_SYN | TCP_ACK).seq_ack(500, 2),
+        );
+        let client_fin = Frame::tcp(first, 40000, node, 30080, TCP_FIN | TCP_ACK).seq_ack(2, 501);
+        let backend_fin = Frame::tcp(pod, 8080, node, 61_000, TCP_FIN | TCP_ACK).seq_ack(501, 3);
+        let order = if backend_first {
+            [("tc_ingress", &backend_fin), ("tc_ingress", &client_fin)]
+        } else {
+            [("tc_ingress", &client_fin), ("tc_ingress", &backend_fin)]
+        };
+        for (prog, frame) in order {
+            let (rc, _) = fx.run(prog, frame);
+            assert!(rc == OK || rc == REDIRECT, "{rc}");
+        }
+        let keys = [
+            ct_key(first, 40000, node, 30080, proto::TCP),
+            ct_key(pod, 8080, node, 61_000, proto::TCP),
+        ];
+        for k in &keys {
+            let e = fx.conntrack.get(k, 0).unwrap();
+            assert_eq!(e.state[ct_state::CLOSING], 1);
+            assert_eq!(
+                e.backend_time_wait, backend_first as u8,
+                "backend first: {backend_first}"
+            );
+        }
+        // 20 s after the close: past the close timeout (10 s), within the
+        // backend's TIME_WAIT.
+        let backdate = |fx: &mut Fixture, ago: u64| {
+            for k in &keys {
+                let mut e = fx.conntrack.get(k, 0).unwrap();
+                e.last_seen_ns = monotonic_ns_ago(Duration::from_secs(ago));
+                fx.conntrack.insert(*k, e, 0).unwrap();
+            }
+        };
+        backdate(&mut fx, 20);
+        let (rc, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(second, 40000, node, 30080, TCP_SYN),
+        );
+        if backend_first {
+            assert_eq!(rc, SHOT, "the port is the backend's TIME_WAIT tuple");
+            assert_eq!(fx.stat(stat::TC_DROP_SNAT_EXHAUSTED), 1);
+            // Past its TIME_WAIT: the port is free.
+            backdate(&mut fx, 61);
+            let (rc, out) = fx.run(
+                "tc_ingress",
+                &Frame::tcp(second, 40000, node, 30080, TCP_SYN),
+            );
+            assert!(rc == OK || rc == REDIRECT, "{rc}");
+            assert_eq!(parse(&out).sport, 61_000);
+        } else {
+            assert!(rc == OK || rc == REDIRECT, "client closed first: {rc}");
+            assert_eq!(parse(&out).sport, 61_000);
+        }
+    }
 }
 
 /// Only a SYN opens a TCP flow: a mid-flow packet without one (its flow

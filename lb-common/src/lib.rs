@@ -728,11 +728,13 @@ pub struct CtKey {
 /// | 45     | `state`        | `ct_state::*`, one byte per event           |
 /// | 48     | `last_seen_ns` | `bpf_ktime_get_ns` of the last packet       |
 /// | 56     | `ack_seq`      | TCP: the last ACK number this direction sent (host order) |
-/// | 60     | `_pad2`        |                                             |
+/// | 60     | `backend_time_wait` | TCP: 1 once the backend sent the flow's first FIN |
+/// | 61     | `_pad2`        |                                             |
 ///
 /// An entry lives `TcConfig::tcp_syn_timeout_s` until the backend answers,
-/// then `tcp_timeout_s`, and `tcp_close_timeout_s` once `CLOSING`; UDP
-/// flows `udp_timeout_s` ([`conntrack::timeout_s`]).
+/// then `tcp_timeout_s`, and `tcp_close_timeout_s` once `CLOSING`, at
+/// least [`conntrack::BACKEND_TIME_WAIT_S`] when the backend closed first;
+/// UDP flows `udp_timeout_s` ([`conntrack::timeout_s`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtEntry {
@@ -746,12 +748,29 @@ pub struct CtEntry {
     pub state: [u8; ct_state::COUNT],
     pub last_seen_ns: u64,
     pub ack_seq: u32,
-    pub _pad2: u32,
+    /// The backend closed first (its FIN before the client's), so its
+    /// stack holds the flow's tuple in TIME_WAIT after the close. Set in
+    /// both entries of the flow; was padding (0) before, so entries of an
+    /// older agent read as "not known".
+    pub backend_time_wait: u8,
+    pub _pad2: [u8; 3],
 }
 
 /// Conntrack lifetimes, the same in the kernel and in the agent's sweep.
 pub mod conntrack {
     use crate::{clock, ct_state, proto, CtEntry, TcConfig};
+
+    /// How long a backend that closed a TCP connection first keeps its
+    /// tuple in TIME_WAIT: Linux's `TCP_TIMEWAIT_LEN`. A closed flow's
+    /// entries live at least as long then, so that the port its tuple
+    /// names toward the backend (a SNAT port, a remapped client port) is
+    /// not given to another client meanwhile: that client's SYN would meet
+    /// the old connection's TIME_WAIT, which drops a SYN whose timestamp
+    /// or sequence number is older than the old connection's (another
+    /// client's clock: half the time) and answers with an ACK, so the
+    /// connection waits for a retransmitted SYN. netfilter's conntrack
+    /// keeps a closed flow's tuple for its TIME_WAIT timeout (120 s).
+    pub const BACKEND_TIME_WAIT_S: u32 = 60;
 
     /// How long `e` lives after its last packet, in seconds.
     #[inline(always)]
@@ -759,7 +778,11 @@ pub mod conntrack {
         if l4proto != proto::TCP {
             cfg.udp_timeout_s
         } else if e.state[ct_state::CLOSING] != 0 {
-            cfg.tcp_close_timeout_s
+            if e.backend_time_wait != 0 && cfg.tcp_close_timeout_s < BACKEND_TIME_WAIT_S {
+                BACKEND_TIME_WAIT_S
+            } else {
+                cfg.tcp_close_timeout_s
+            }
         } else if e.state[ct_state::SEEN_REPLY] == 0 {
             cfg.tcp_syn_timeout_s
         } else {

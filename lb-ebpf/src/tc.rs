@@ -655,6 +655,11 @@ fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now
                     if unsafe { (*other).state[ct_state::FIN] } != 0 {
                         unsafe { (*ptr).state[ct_state::CLOSING] = 1 };
                         unsafe { (*other).state[ct_state::CLOSING] = 1 };
+                    } else if e.flags & ct_flags::REPLY != 0 && e.backend_time_wait == 0 {
+                        // The backend's FIN, the client's not seen yet: the
+                        // backend closes first, into TIME_WAIT.
+                        unsafe { (*ptr).backend_time_wait = 1 };
+                        unsafe { (*other).backend_time_wait = 1 };
                     }
                 }
             }
@@ -853,7 +858,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     fwd.state = [0; ct_state::COUNT];
     fwd.last_seen_ns = now;
     fwd.ack_seq = 0;
-    fwd._pad2 = 0;
+    fwd.backend_time_wait = 0;
+    fwd._pad2 = [0; 3];
     if local {
         fwd.nat_src = p.src;
         fwd.nat_sport = p.sport;
@@ -884,7 +890,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.state = [0; ct_state::COUNT];
     reply.last_seen_ns = now;
     reply.ack_seq = 0;
-    reply._pad2 = 0;
+    reply.backend_time_wait = 0;
+    reply._pad2 = [0; 3];
     if local && !reply_key_held(table, &scratch.reply_key, p, now, cfg) {
         // The reply key is the client's own tuple reversed: only this
         // client can hold it, and a flow it held through this frontend

@@ -1203,7 +1203,8 @@ mod tests {
             state: [0; ct_state::COUNT],
             last_seen_ns,
             ack_seq: 0,
-            _pad2: 0,
+            backend_time_wait: 0,
+            _pad2: [0; 3],
         }
     }
 
