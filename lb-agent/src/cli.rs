@@ -183,11 +183,15 @@ pub struct NorthSouthArgs {
     /// its SYN): what a spoofed SYN costs.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_syn_timeout: Duration,
-    /// Lifetime of a TCP flow after FIN or RST; at least 60 s for a flow
-    /// whose backend sent the first FIN (the backend's TIME_WAIT, during
-    /// which its SNAT port must not serve another client).
+    /// Lifetime of a TCP flow after FIN or RST.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_close_timeout: Duration,
+    /// Least lifetime after the close of a TCP flow whose backend sent the
+    /// first FIN: the backend's TIME_WAIT (60 s on Linux), during which the
+    /// flow's port toward it (a SNAT port) must not serve another client.
+    /// 0s: the close timeout alone.
+    #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
+    pub conntrack_tcp_time_wait_timeout: Duration,
     /// Idle lifetime of a UDP flow: in the tc path's conntrack, and of a
     /// UDP socket's flow to a frontend on the socket path, which keeps the
     /// socket's datagrams on one backend while it sends within this time
@@ -207,6 +211,7 @@ impl NorthSouthArgs {
             tcp: self.conntrack_tcp_timeout,
             tcp_syn: self.conntrack_tcp_syn_timeout,
             tcp_close: self.conntrack_tcp_close_timeout,
+            tcp_time_wait: self.conntrack_tcp_time_wait_timeout,
             udp: self.conntrack_udp_timeout,
         }
     }

@@ -353,6 +353,7 @@ impl Fixture {
             snat_port_max,
             tcp_syn_timeout_s: 60,
             l4_csum_v6_flags: 0,
+            tcp_time_wait_timeout_s: 60,
         }
     }
 

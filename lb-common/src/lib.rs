@@ -733,8 +733,8 @@ pub struct CtKey {
 ///
 /// An entry lives `TcConfig::tcp_syn_timeout_s` until the backend answers,
 /// then `tcp_timeout_s`, and `tcp_close_timeout_s` once `CLOSING`, at
-/// least [`conntrack::BACKEND_TIME_WAIT_S`] when the backend closed first;
-/// UDP flows `udp_timeout_s` ([`conntrack::timeout_s`]).
+/// least `tcp_time_wait_timeout_s` when the backend closed first; UDP
+/// flows `udp_timeout_s` ([`conntrack::timeout_s`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CtEntry {
@@ -760,26 +760,14 @@ pub struct CtEntry {
 pub mod conntrack {
     use crate::{clock, ct_state, proto, CtEntry, TcConfig};
 
-    /// How long a backend that closed a TCP connection first keeps its
-    /// tuple in TIME_WAIT: Linux's `TCP_TIMEWAIT_LEN`. A closed flow's
-    /// entries live at least as long then, so that the port its tuple
-    /// names toward the backend (a SNAT port, a remapped client port) is
-    /// not given to another client meanwhile: that client's SYN would meet
-    /// the old connection's TIME_WAIT, which drops a SYN whose timestamp
-    /// or sequence number is older than the old connection's (another
-    /// client's clock: half the time) and answers with an ACK, so the
-    /// connection waits for a retransmitted SYN. netfilter's conntrack
-    /// keeps a closed flow's tuple for its TIME_WAIT timeout (120 s).
-    pub const BACKEND_TIME_WAIT_S: u32 = 60;
-
     /// How long `e` lives after its last packet, in seconds.
     #[inline(always)]
     pub fn timeout_s(e: &CtEntry, l4proto: u8, cfg: &TcConfig) -> u32 {
         if l4proto != proto::TCP {
             cfg.udp_timeout_s
         } else if e.state[ct_state::CLOSING] != 0 {
-            if e.backend_time_wait != 0 && cfg.tcp_close_timeout_s < BACKEND_TIME_WAIT_S {
-                BACKEND_TIME_WAIT_S
+            if e.backend_time_wait != 0 {
+                cfg.tcp_close_timeout_s.max(cfg.tcp_time_wait_timeout_s)
             } else {
                 cfg.tcp_close_timeout_s
             }
@@ -923,6 +911,7 @@ impl LocalPort {
 /// | 46     | `snat_port_max`     |                                          |
 /// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow the backend has not answered yet |
 /// | 52     | `l4_csum_v6_flags`  | `BPF_F_IPV6` where the kernel has it, else 0 |
+/// | 56     | `tcp_time_wait_timeout_s` | least lifetime after the close of a flow whose backend closed first |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TcConfig {
@@ -935,6 +924,18 @@ pub struct TcConfig {
     pub snat_port_max: u16,
     pub tcp_syn_timeout_s: u32,
     pub l4_csum_v6_flags: u32,
+    /// A backend that closes a TCP connection first holds its tuple in
+    /// TIME_WAIT (60 s on Linux, `TCP_TIMEWAIT_LEN`); the flow's entries
+    /// live at least this long after the close then (`CtEntry::
+    /// backend_time_wait`), so that the port its tuple names toward the
+    /// backend (a SNAT port, a remapped client port) is not given to
+    /// another client meanwhile: that client's SYN would meet the old
+    /// connection's TIME_WAIT, which drops a SYN whose timestamp is older
+    /// than the old connection's (another client's clock: half the time)
+    /// and answers with an ACK, so the connection waits for a SYN
+    /// retransmission. netfilter keeps such a tuple for its TIME_WAIT
+    /// timeout (120 s).
+    pub tcp_time_wait_timeout_s: u32,
 }
 
 /// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
@@ -1195,7 +1196,7 @@ const _: () = {
     assert!(core::mem::size_of::<DatagramFlow>() == 16);
     assert!(core::mem::size_of::<CtKey>() == 40);
     assert!(core::mem::size_of::<CtEntry>() == 64);
-    assert!(core::mem::size_of::<TcConfig>() == 56);
+    assert!(core::mem::size_of::<TcConfig>() == 60);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
     assert!(core::mem::size_of::<FragKey>() == 40);
     assert!(core::mem::size_of::<FragEntry>() == 40);

@@ -1458,10 +1458,13 @@ fn cluster_ips_from_outside_only_with_external_clusterip() {
     ]);
     c.manifests.write("extcip.yaml", &docs).unwrap();
     c.route_via(&c.client_netns, "10.96.0.0/16", 1).unwrap();
-    // Closed flows go within a second or two, so that "no flow" below
-    // speaks of the attempts just made.
+    // Closed flows go within a second or two (the servers close first: the
+    // TIME_WAIT hold too), so that "no flow" below speaks of the attempts
+    // just made.
     c.start_agents(&[
         "--conntrack-tcp-close-timeout",
+        "1s",
+        "--conntrack-tcp-time-wait-timeout",
         "1s",
         "--sweep-interval",
         "1s",

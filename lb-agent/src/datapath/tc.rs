@@ -54,6 +54,9 @@ pub struct Timeouts {
     pub tcp_syn: Duration,
     /// A TCP flow once both ends sent a FIN, or after a valid RST.
     pub tcp_close: Duration,
+    /// At least, a closed TCP flow whose backend sent the first FIN (its
+    /// TIME_WAIT); zero: `tcp_close` alone.
+    pub tcp_time_wait: Duration,
     pub udp: Duration,
 }
 
@@ -744,6 +747,7 @@ impl Timeouts {
             snat_port_max: 0,
             tcp_syn_timeout_s: secs(self.tcp_syn),
             l4_csum_v6_flags: 0,
+            tcp_time_wait_timeout_s: self.tcp_time_wait.as_secs().min(u32::MAX as u64) as u32,
         }
     }
 }
@@ -1232,6 +1236,7 @@ mod tests {
             tcp: Duration::from_secs(100),
             tcp_syn: Duration::from_secs(60),
             tcp_close: Duration::from_secs(10),
+            tcp_time_wait: Duration::from_secs(60),
             udp: Duration::from_secs(30),
         };
         let s = 1_000_000_000u64 as i64;
@@ -1274,6 +1279,22 @@ mod tests {
             now,
             &t.config()
         ));
+        // Closed by the backend first: its TIME_WAIT (60 s here), unless
+        // that is off (0 s).
+        let mut by_backend = with_state(entry(0, 1000 * s as u64), &[SEEN_REPLY, CLOSING]);
+        by_backend.backend_time_wait = 1;
+        let live_at = |age: i64, t: &Timeouts| {
+            let now = (1000 * s + age) as u64;
+            entry_live(&key(proto::TCP), &by_backend, None, now, &t.config())
+        };
+        assert!(live_at(59 * s, &t));
+        assert!(!live_at(61 * s, &t));
+        let off = Timeouts {
+            tcp_time_wait: Duration::ZERO,
+            ..t
+        };
+        assert!(live_at(9 * s, &off));
+        assert!(!live_at(11 * s, &off));
     }
 
     /// The sweep's walk is a snapshot; the kernel refreshes entries
@@ -1284,6 +1305,7 @@ mod tests {
             tcp: Duration::from_secs(100),
             tcp_syn: Duration::from_secs(60),
             tcp_close: Duration::from_secs(10),
+            tcp_time_wait: Duration::from_secs(60),
             udp: Duration::from_secs(30),
         };
         let s = 1_000_000_000u64;
