@@ -1000,6 +1000,31 @@ fn one_client_port_through_two_frontends_of_one_local_backend() {
         );
         assert_eq!(parse(&out).sport, 40001, "{client}: the other flow expired");
         assert_eq!(fx.stat(stat::TC_SOURCE_PORT_REMAPPED), 1);
+
+        // UDP alike: one socket's datagrams to two frontends of one pod.
+        fx.backend(2, pod, 53, proto::UDP, true);
+        fx.frontend(node, 30053, proto::UDP, 9, &[2]);
+        fx.frontend(node, 30054, proto::UDP, 10, &[2]);
+        let (_, out) = fx.run("tc_ingress", &Frame::udp(client, 5353, node, 30053));
+        assert_eq!(parse(&out).sport, 5353);
+        let (rc, out) = fx.run("tc_ingress", &Frame::udp(client, 5353, node, 30054));
+        assert_eq!(rc, OK);
+        let remapped = parse(&out).sport;
+        assert!(
+            (61_000..=61_999).contains(&remapped),
+            "{client}: UDP {remapped}"
+        );
+        assert_eq!(fx.stat(stat::TC_SOURCE_PORT_REMAPPED), 2);
+        for (port, frontend) in [(5353, 30053), (remapped, 30054)] {
+            let (rc, out) = fx.run("tc_egress", &Frame::udp(pod, 53, client, port));
+            assert_eq!(rc, OK, "{client}: UDP reply to port {port}");
+            let r = parse(&out);
+            assert_eq!(
+                (r.src, r.sport, r.dport),
+                (ip(node), frontend, 5353),
+                "{client}: UDP reply to port {port}"
+            );
+        }
     }
 }
 
