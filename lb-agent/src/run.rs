@@ -350,11 +350,18 @@ impl Syncer {
         let applying = Instant::now();
         let desired = self.translator.state();
         // Before a frontend can send a flow to a local backend, tc_egress
-        // must know the backend's port to translate its replies.
+        // must know the backend's port to translate its replies, and
+        // tc_ingress the frontend's port to look its packets up at all.
         if let Some(tc) = &mut self.tc {
             let touched = (!update.full).then_some(&update.touched);
-            let ports = crate::datapath::tc::local_backend_ports(desired, touched);
-            for e in tc.local_ports.mark(ports) {
+            let local = crate::datapath::tc::local_backend_ports(desired, touched);
+            let frontends = crate::datapath::tc::frontend_ports(desired, touched);
+            let errors = tc
+                .local_ports
+                .mark(local)
+                .into_iter()
+                .chain(tc.frontend_ports.mark(frontends));
+            for e in errors {
                 tracing::error!("{e}");
             }
         }

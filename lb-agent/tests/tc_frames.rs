@@ -17,7 +17,7 @@ use aya::{
 };
 use lb_common::{
     backend_flags, ct_flags, ct_state, map_names, proto, scope, stat, Backend, BackendId,
-    BackendSlot, BackendSlotKey, CtEntry, CtKey, KeyCheck, LocalPort, ServiceKey, ServiceValue,
+    BackendSlot, BackendSlotKey, CtEntry, CtKey, KeyCheck, PortUse, ServiceKey, ServiceValue,
     TcConfig,
 };
 
@@ -242,7 +242,8 @@ struct Fixture {
     conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
     stats: PerCpuArray<MapData, u64>,
     config: Array<MapData, TcConfig>,
-    local_ports: Array<MapData, LocalPort>,
+    local_ports: Array<MapData, PortUse>,
+    frontend_ports: Array<MapData, PortUse>,
     next_set: u32,
     /// The `LB_SLOTS` index of the next set's first slot.
     next_slot: u32,
@@ -336,6 +337,7 @@ impl Fixture {
             stats: PerCpuArray::try_from(take(&mut ebpf, map_names::STATS)).unwrap(),
             config,
             local_ports: Array::try_from(take(&mut ebpf, map_names::LOCAL_PORTS)).unwrap(),
+            frontend_ports: Array::try_from(take(&mut ebpf, map_names::FRONTEND_PORTS)).unwrap(),
             ebpf,
             next_set: 1,
             next_slot: 0,
@@ -428,7 +430,16 @@ impl Fixture {
             key_check: value.check_for(&key),
             ..value
         };
+        // As the agent does before it publishes a frontend.
+        self.mark_frontend_port(port, proto);
         self.services.insert(key, value, 0).unwrap();
+    }
+
+    fn mark_frontend_port(&mut self, port: u16, proto: u8) {
+        let marked = self.frontend_ports.get(&u32::from(port), 0).unwrap();
+        self.frontend_ports
+            .set(u32::from(port), marked.with(proto), 0)
+            .unwrap();
     }
 
     /// Sets `flags` on the EXTERNAL frontend.
@@ -2536,14 +2547,14 @@ fn egress_looks_up_only_packets_from_local_backend_ports() {
     let (client, pod) = ("192.168.77.100", "10.244.1.10");
     let mut fx = local_backend_flow(client, pod);
     let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
-    for marked in [LocalPort::default(), LocalPort::default().with(proto::UDP)] {
+    for marked in [PortUse::default(), PortUse::default().with(proto::UDP)] {
         fx.local_ports.set(8080, marked, 0).unwrap();
         let (rc, out) = fx.run("tc_egress", &reply);
         assert_eq!(rc, UNSPEC, "{marked:?}");
         assert_eq!(parse(&out).src, ip(pod), "{marked:?}: untouched");
     }
     fx.local_ports
-        .set(8080, LocalPort::default().with(proto::TCP), 0)
+        .set(8080, PortUse::default().with(proto::TCP), 0)
         .unwrap();
     let (rc, out) = fx.run("tc_egress", &reply);
     assert_eq!(rc, OK);
@@ -2551,6 +2562,65 @@ fn egress_looks_up_only_packets_from_local_backend_ports() {
         (parse(&out).src, parse(&out).sport),
         (ip(NODE4), 30080),
         "translated once the port is marked"
+    );
+}
+
+/// tc_ingress decides "not ours" from the packet's destination port before
+/// its conntrack and frontend lookups: only a port `LB_FRONTEND_PORTS`
+/// marks for the protocol, or a SNAT port, can carry a packet of ours. A
+/// packet of a tracked flow whose frontend port is not marked (for its
+/// protocol) passes untranslated; once the port is marked the same packet
+/// is translated. A reply to a SNAT port is translated without any mark,
+/// and a first fragment goes the whole way (its later fragments must
+/// pass), as does anything not TCP or UDP.
+#[test]
+fn ingress_looks_up_only_packets_to_frontend_or_snat_ports() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.1.10");
+    let mut fx = local_backend_flow(client, pod);
+    // The flow's SYN again (a retransmission).
+    let syn = Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN);
+    for marked in [PortUse::default(), PortUse::default().with(proto::UDP)] {
+        fx.frontend_ports.set(30080, marked, 0).unwrap();
+        let (rc, out) = fx.run("tc_ingress", &syn);
+        assert_eq!((rc, out), (UNSPEC, syn.bytes()), "{marked:?}: untouched");
+    }
+    // A later fragment of the node's own datagram to such a port passes:
+    // its first fragment was seen.
+    let (first, later) = fragments(client, 40001, NODE4, 30080, 0x77);
+    for f in [first, later] {
+        assert_eq!(fx.run_bytes("tc_ingress", &f).0, UNSPEC);
+    }
+    fx.mark_frontend_port(30080, proto::TCP);
+    let (rc, out) = fx.run("tc_ingress", &syn);
+    assert_eq!(rc, OK);
+    assert_eq!(
+        (parse(&out).dst, parse(&out).dport),
+        (ip(pod), 8080),
+        "translated once the port is marked"
+    );
+
+    // Masqueraded: the backend's reply goes to a SNAT port, never marked.
+    let mut fx = Fixture::new();
+    fx.snat_ports(61_000, 61_000);
+    fx.backend(1, "10.244.2.10", 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 9, &[1]);
+    let (rc, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!(parse(&out).sport, 61_000);
+    let (rc, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp("10.244.2.10", 8080, NODE4, 61_000, TCP_SYN | TCP_ACK),
+    );
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!(
+        (parse(&out).src, parse(&out).sport, parse(&out).dport),
+        (ip(NODE4), 30080, 40000)
     );
 }
 

@@ -853,29 +853,37 @@ pub struct FragEntry {
     pub _pad: [u8; 3],
 }
 
-/// Value of `LB_LOCAL_PORTS`, indexed by port (host order): whether a
-/// backend on this node serves TCP or UDP on that port. A packet leaving
-/// a device can be the reply of a translated flow only if it comes from
-/// such a port (the tc path's other packets are translated at ingress), so
-/// `tc_egress` passes every other packet after one array read, before its
-/// conntrack lookup. The agent marks a port before it publishes a backend
-/// on it and never clears one while its pins last: a flow may outlive its
-/// backend's place in every Service.
+/// Value of `LB_LOCAL_PORTS` and `LB_FRONTEND_PORTS`, indexed by port (host
+/// order): whether TCP or UDP use the port, as a backend on this node
+/// (`LB_LOCAL_PORTS`) or as a frontend the tc path serves
+/// (`LB_FRONTEND_PORTS`: `scope::EXTERNAL`, a NodePort or a LoadBalancer
+/// IP's or an externalIP's port).
 ///
-/// | offset | field | meaning                                |
-/// |--------|-------|----------------------------------------|
-/// | 0      | `tcp` | 1: a local TCP backend serves on it    |
-/// | 1      | `udp` | 1: a local UDP backend serves on it    |
+/// A packet leaving a device can be the reply of a translated flow only if
+/// it comes from a local backend's port (the tc path's other packets are
+/// translated at ingress), so `tc_egress` passes every other packet after
+/// one array read, before its conntrack lookup. A packet arriving can be
+/// ours only if it goes to a frontend's port (a new flow, or a packet of
+/// one) or to a SNAT port (a reply of a masqueraded flow), so `tc_ingress`
+/// passes the node's own traffic the same way, before its conntrack and
+/// frontend lookups. The agent marks a port before it publishes a backend
+/// or frontend on it and never clears one while its pins last: a flow may
+/// outlive its backend's place in every Service, or its frontend.
+///
+/// | offset | field | meaning                     |
+/// |--------|-------|-----------------------------|
+/// | 0      | `tcp` | 1: TCP uses the port        |
+/// | 1      | `udp` | 1: UDP uses the port        |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct LocalPort {
+pub struct PortUse {
     pub tcp: u8,
     pub udp: u8,
     pub _pad: [u8; 2],
 }
 
-impl LocalPort {
-    /// Whether a local backend of protocol `proto` serves on the port.
+impl PortUse {
+    /// Whether `proto` uses the port.
     #[inline(always)]
     pub fn serves(&self, proto: u8) -> bool {
         match proto {
@@ -1106,10 +1114,11 @@ pub mod map_names {
     pub const MAGLEV: &str = "LB_MAGLEV";
     pub const UNPROGRAMMED: &str = "LB_UNPROGRAMMED";
     pub const LOCAL_PORTS: &str = "LB_LOCAL_PORTS";
+    pub const FRONTEND_PORTS: &str = "LB_FRONTEND_PORTS";
     /// The name each Maglev table (an inner map of `LB_MAGLEV`) is created
     /// under; not pinned, reached through `LB_MAGLEV`.
     pub const MAGLEV_TABLE: &str = "LB_MAGLEV_TABLE";
-    pub const ALL: [&str; 17] = [
+    pub const ALL: [&str; 18] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -1127,6 +1136,7 @@ pub mod map_names {
         MAGLEV,
         UNPROGRAMMED,
         LOCAL_PORTS,
+        FRONTEND_PORTS,
     ];
 }
 
@@ -1161,6 +1171,8 @@ pub mod capacity {
     pub const UNPROGRAMMED: u32 = 65_536;
     /// One `LB_LOCAL_PORTS` element per port.
     pub const LOCAL_PORTS: u32 = 65_536;
+    /// One `LB_FRONTEND_PORTS` element per port.
+    pub const FRONTEND_PORTS: u32 = 65_536;
 }
 
 const _: () = {
@@ -1186,7 +1198,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockPeerEntry>() == 48);
     assert!(core::mem::offset_of!(SockPeerEntry, check) == 44);
     assert!(SOCK_PEER_PROBES > 0);
-    assert!(core::mem::size_of::<LocalPort>() == 4);
+    assert!(core::mem::size_of::<PortUse>() == 4);
     assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
@@ -1220,7 +1232,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for SockPeer {}
     unsafe impl aya::Pod for SockPeerEntry {}
-    unsafe impl aya::Pod for LocalPort {}
+    unsafe impl aya::Pod for PortUse {}
     unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, CtEntry, CtKey, DatagramFlow,
-    DatagramFlowKey, FragEntry, FragKey, LocalPort, MaglevEntry, ReverseSockKey, ReverseSockValue,
+    DatagramFlowKey, FragEntry, FragKey, MaglevEntry, PortUse, ReverseSockKey, ReverseSockValue,
     ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck, SourceRangeData, TcConfig,
     Unprogrammed,
 };
@@ -126,10 +126,15 @@ pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeData, u32, { capacity::SOURCE_RA
 pub static LB_FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
 
-/// tc path: the ports local backends serve on (see `LocalPort`), which
+/// tc path: the ports local backends serve on (see `PortUse`), which
 /// `tc_egress` checks before anything else.
 #[btf_map]
-pub static LB_LOCAL_PORTS: Array<LocalPort, { capacity::LOCAL_PORTS as usize }> = Array::new();
+pub static LB_LOCAL_PORTS: Array<PortUse, { capacity::LOCAL_PORTS as usize }> = Array::new();
+
+/// tc path: the ports frontends of `scope::EXTERNAL` listen on (see
+/// `PortUse`), which `tc_ingress` checks before anything else.
+#[btf_map]
+pub static LB_FRONTEND_PORTS: Array<PortUse, { capacity::FRONTEND_PORTS as usize }> = Array::new();
 
 /// tc path: masquerade addresses and timeouts, written by the agent; the
 /// socket path reads its UDP timeout (`LB_DGRAM_FLOWS`).

@@ -43,8 +43,8 @@ use lb_common::{
 use crate::{
     lb,
     maps::{
-        count, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_LOCAL_PORTS, LB_SOURCE_RANGES,
-        LB_TC_CONFIG,
+        count, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_FRONTEND_PORTS, LB_LOCAL_PORTS,
+        LB_SOURCE_RANGES, LB_TC_CONFIG,
     },
 };
 
@@ -1170,6 +1170,9 @@ pub(crate) fn quoted_flow(key: &CtKey) -> Option<&'static CtEntry> {
 /// that one packet is parsed three times and looked up once more.
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
+    if surely_not_ours(ctx) {
+        return TC_ACT_UNSPEC;
+    }
     match tc_ingress_flow(ctx.skb.skb) {
         NOT_PARSED => tc_ingress_other(ctx.skb.skb),
         NO_FLOW => match tc_ingress_new_flow(ctx.skb.skb) {
@@ -1249,6 +1252,57 @@ pub extern "C" fn tc_ingress_other(skb: *mut __sk_buff) -> i32 {
     }
 }
 
+/// IPv4 fragment bits (of the flags and offset field) `usual_port` turns
+/// away: a later fragment's (the offset), which has no ports; at ingress a
+/// first fragment's too (more fragments), which `frag::mark` must see so
+/// that its later fragments pass.
+const LATER_FRAGMENT: u16 = 0x1fff;
+const ANY_FRAGMENT: u16 = 0x3fff;
+
+/// A packet's protocol and one of its ports (at `l4_off` into the
+/// transport header: 0 source, 2 destination), read from its bytes where
+/// the usual packet has them: IPv4 without options and none of
+/// `fragment_bits`, or IPv6 without extension headers, carrying TCP or
+/// UDP. None for anything else, which goes the whole way.
+#[inline(always)]
+fn usual_port(ctx: &TcContext, l4_off: usize, fragment_bits: u16) -> Option<(u8, u16)> {
+    let (l4proto, port) = match at::<u16>(ctx, 12).map(u16::from_be)? {
+        ETH_P_IP => {
+            let h = at::<[u8; 10]>(ctx, ETH_HLEN)?;
+            if h[0] != 0x45 || u16::from_be_bytes([h[6], h[7]]) & fragment_bits != 0 {
+                return None;
+            }
+            (h[9], at::<u16>(ctx, L4_V4 + l4_off)?)
+        }
+        ETH_P_IPV6 => (
+            at::<u8>(ctx, ETH_HLEN + 6)?,
+            at::<u16>(ctx, L4_V6 + l4_off)?,
+        ),
+        _ => return None,
+    };
+    (l4proto == proto::TCP || l4proto == proto::UDP).then_some((l4proto, u16::from_be(port)))
+}
+
+/// Most of what arrives on a device is the node's own traffic: a packet
+/// to a port no frontend of the tc path listens on for its protocol
+/// (`LB_FRONTEND_PORTS`) and outside the SNAT ports (replies of
+/// masqueraded flows) is none of ours. Decided from its bytes, before the
+/// conntrack and frontend lookups; anything `usual_port` cannot read goes
+/// the whole way.
+#[inline(always)]
+fn surely_not_ours(ctx: &TcContext) -> bool {
+    let Some((l4proto, dport)) = usual_port(ctx, 2, ANY_FRAGMENT) else {
+        return false;
+    };
+    let Some(cfg) = config() else {
+        return false;
+    };
+    !(cfg.snat_port_min..=cfg.snat_port_max).contains(&dport)
+        && !LB_FRONTEND_PORTS
+            .get(dport as u32)
+            .is_some_and(|port| port.serves(l4proto))
+}
+
 /// Most of what leaves a device is not a local backend's reply, and the
 /// usual packet says so in a few bytes: IPv4 without options and not a
 /// later fragment, or IPv6 without extension headers, carrying TCP or UDP
@@ -1258,29 +1312,11 @@ pub extern "C" fn tc_ingress_other(skb: *mut __sk_buff) -> i32 {
 /// same decision or a translation.
 #[inline(always)]
 fn surely_not_a_reply(ctx: &TcContext) -> bool {
-    let (l4proto, sport) = match at::<u16>(ctx, 12).map(u16::from_be) {
-        Some(ETH_P_IP) => {
-            let Some(h) = at::<[u8; 10]>(ctx, ETH_HLEN) else {
-                return false;
-            };
-            if h[0] != 0x45 || u16::from_be_bytes([h[6], h[7]]) & 0x1fff != 0 {
-                return false;
-            }
-            (h[9], at::<u16>(ctx, L4_V4))
-        }
-        Some(ETH_P_IPV6) => (
-            at::<u8>(ctx, ETH_HLEN + 6).unwrap_or(0),
-            at::<u16>(ctx, L4_V6),
-        ),
-        _ => return false,
-    };
-    let Some(sport) = sport else {
-        return false;
-    };
-    (l4proto == proto::TCP || l4proto == proto::UDP)
-        && !LB_LOCAL_PORTS
-            .get(u16::from_be(sport) as u32)
+    usual_port(ctx, 0, LATER_FRAGMENT).is_some_and(|(l4proto, sport)| {
+        !LB_LOCAL_PORTS
+            .get(sport as u32)
             .is_some_and(|port| port.serves(l4proto))
+    })
 }
 
 /// tc egress of an external device: replies of local backends.

@@ -439,7 +439,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 18] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeerEntry, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -490,10 +490,15 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 17] {
             LRU_HASH,
             c.max_datagram_flows,
         ),
-        layout::<u32, lb_common::LocalPort>(
+        layout::<u32, lb_common::PortUse>(
             map_names::LOCAL_PORTS,
             ARRAY,
             lb_common::capacity::LOCAL_PORTS,
+        ),
+        layout::<u32, lb_common::PortUse>(
+            map_names::FRONTEND_PORTS,
+            ARRAY,
+            lb_common::capacity::FRONTEND_PORTS,
         ),
     ]
 }

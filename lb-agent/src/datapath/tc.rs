@@ -27,7 +27,7 @@ use aya::{
     Ebpf,
 };
 use lb_common::{
-    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, LocalPort,
+    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, PortUse,
     SourceRangeData, TcConfig,
 };
 
@@ -624,25 +624,30 @@ pub struct TcMaps {
     last_config: Option<TcConfig>,
     snat_ports: (u16, u16),
     ports_reserved: bool,
-    pub local_ports: LocalPorts,
+    pub local_ports: PortMarks,
+    pub frontend_ports: PortMarks,
 }
 
-/// `LB_LOCAL_PORTS`: the ports local backends serve on, which `tc_egress`
-/// checks before its conntrack lookup. Ports are marked, never cleared,
-/// while the pins last: a flow from a local backend may outlive the
-/// backend's place in every Service (an established connection keeps its
-/// conntrack entries), and its replies must still be translated. So the
-/// marks are at most every port a local backend ever served on.
-pub struct LocalPorts {
-    map: Array<MapData, LocalPort>,
+/// `LB_LOCAL_PORTS` or `LB_FRONTEND_PORTS`: the ports local backends
+/// serve on, which `tc_egress` checks before its conntrack lookup, or
+/// those the tc path's frontends listen on, which `tc_ingress` checks
+/// before its lookups. Ports are marked, never cleared, while the pins
+/// last: a flow may outlive its backend's place in every Service, or its
+/// frontend (an established connection keeps its conntrack entries), and
+/// its packets must still be translated. So the marks are at most every
+/// port a local backend ever served on, or a frontend listened on.
+pub struct PortMarks {
+    map: Array<MapData, PortUse>,
+    name: &'static str,
     /// What this process read or wrote of the map, by port.
-    known: BTreeMap<u16, LocalPort>,
+    known: BTreeMap<u16, PortUse>,
 }
 
-impl LocalPorts {
-    fn open(dir: &Path) -> anyhow::Result<Self> {
+impl PortMarks {
+    fn open(dir: &Path, name: &'static str) -> anyhow::Result<Self> {
         Ok(Self {
-            map: Array::try_from(open(dir, map_names::LOCAL_PORTS)?)?,
+            map: Array::try_from(open(dir, name)?)?,
+            name,
             known: BTreeMap::new(),
         })
     }
@@ -658,7 +663,7 @@ impl LocalPorts {
                 None => match self.map.get(&u32::from(port), 0) {
                     Ok(p) => p,
                     Err(e) => {
-                        errors.push(format!("reading {}[{port}]: {e}", map_names::LOCAL_PORTS));
+                        errors.push(format!("reading {}[{port}]: {e}", self.name));
                         continue;
                     }
                 },
@@ -672,7 +677,7 @@ impl LocalPorts {
                 Ok(()) => {
                     self.known.insert(port, marked);
                 }
-                Err(e) => errors.push(format!("marking {}[{port}]: {e}", map_names::LOCAL_PORTS)),
+                Err(e) => errors.push(format!("marking {}[{port}]: {e}", self.name)),
             }
         }
         errors
@@ -703,13 +708,45 @@ pub fn local_backend_ports(
         .collect()
 }
 
+/// The (port, protocol) of every frontend the tc path serves
+/// (`Scope::External`): what `LB_FRONTEND_PORTS` must hold before those
+/// frontends are published. With `touched`, of those frontends only (marks
+/// stay, as in [`local_backend_ports`]).
+pub fn frontend_ports(
+    desired: &DesiredState,
+    touched: Option<&BTreeSet<Frontend>>,
+) -> BTreeSet<(u16, u8)> {
+    let frontends: Box<dyn Iterator<Item = &Frontend>> = match touched {
+        Some(t) => Box::new(t.iter().filter(|f| desired.frontends.contains_key(*f))),
+        None => Box::new(desired.frontends.keys()),
+    };
+    frontends
+        .filter(|f| f.scope == Scope::External)
+        .map(|f| (f.port, f.protocol.number()))
+        .collect()
+}
+
 /// The source (port, protocol) of every reply entry of `entries`: the
 /// ports flows already translated at egress come from.
-pub fn reply_ports(entries: impl IntoIterator<Item = (CtKey, CtEntry)>) -> BTreeSet<(u16, u8)> {
+pub fn reply_ports<'a>(
+    entries: impl IntoIterator<Item = &'a (CtKey, CtEntry)>,
+) -> BTreeSet<(u16, u8)> {
     entries
         .into_iter()
         .filter(|(_, e)| e.flags & ct_flags::REPLY != 0)
         .map(|(k, _)| (k.sport, k.proto))
+        .collect()
+}
+
+/// The destination (port, protocol) of every forward entry of `entries`:
+/// the frontend ports flows already translated at ingress go to.
+pub fn forward_ports<'a>(
+    entries: impl IntoIterator<Item = &'a (CtKey, CtEntry)>,
+) -> BTreeSet<(u16, u8)> {
+    entries
+        .into_iter()
+        .filter(|(_, e)| e.flags & ct_flags::REPLY == 0)
+        .map(|(k, _)| (k.dport, k.proto))
         .collect()
 }
 
@@ -786,23 +823,28 @@ impl TcMaps {
             HashMap::try_from(open(dir, map_names::CONNTRACK)?)?;
         let conntrack_syn: HashMap<MapData, CtKey, CtEntry> =
             HashMap::try_from(open(dir, map_names::CONNTRACK_SYN)?)?;
-        // Flows of an earlier process (the map may be new to this version)
-        // keep their replies translated once this version's tc_egress
-        // replaces the earlier one.
-        let mut local_ports = LocalPorts::open(dir)?;
-        let flows = reply_ports(
-            conntrack
-                .entries()
-                .into_iter()
-                .chain(conntrack_syn.entries()),
-        );
-        for e in local_ports.mark(flows) {
+        // Flows of an earlier process (the maps may be new to this version)
+        // keep their packets translated once this version's tc programs
+        // replace the earlier ones.
+        let mut local_ports = PortMarks::open(dir, map_names::LOCAL_PORTS)?;
+        let mut frontend_ports = PortMarks::open(dir, map_names::FRONTEND_PORTS)?;
+        let flows: Vec<(CtKey, CtEntry)> = conntrack
+            .entries()
+            .into_iter()
+            .chain(conntrack_syn.entries())
+            .collect();
+        let errors = local_ports
+            .mark(reply_ports(&flows))
+            .into_iter()
+            .chain(frontend_ports.mark(forward_ports(&flows)));
+        for e in errors {
             tracing::error!("{e}");
         }
         Ok(Self {
             conntrack,
             conntrack_syn,
             local_ports,
+            frontend_ports,
             ranges: SourceRangeWriter::adopt(LpmTrie::try_from(open(
                 dir,
                 map_names::SOURCE_RANGES,
@@ -1157,6 +1199,36 @@ mod tests {
         assert_eq!(
             local_backend_ports(&desired, Some(&touched)),
             BTreeSet::from([(5353, proto::UDP)])
+        );
+        // Frontend ports: those the tc path serves, whatever their backends.
+        assert_eq!(
+            frontend_ports(&desired, None),
+            BTreeSet::from([(30053, proto::UDP), (30080, proto::TCP)])
+        );
+        assert_eq!(
+            frontend_ports(&desired, Some(&touched)),
+            BTreeSet::from([(30053, proto::UDP)])
+        );
+    }
+
+    /// Flows of an earlier process keep their packets translated: their
+    /// forward entries' destination ports are frontend ports, their reply
+    /// entries' source ports local backend ports.
+    #[test]
+    fn ports_of_existing_flows() {
+        let fwd = (key(proto::TCP), entry(0, 0));
+        let rev = (
+            CtKey::partner(&fwd.1, proto::UDP),
+            entry(ct_flags::REPLY, 0),
+        );
+        let flows = [fwd, rev];
+        assert_eq!(
+            forward_ports(&flows),
+            BTreeSet::from([(fwd.0.dport, proto::TCP)])
+        );
+        assert_eq!(
+            reply_ports(&flows),
+            BTreeSet::from([(rev.0.sport, proto::UDP)])
         );
     }
 
