@@ -784,24 +784,31 @@ fn one_client_port_to_two_frontends_of_one_backend() {
         "both flows on n1p0, from two client ports there: {peers:?}"
     );
     assert_eq!(pod_rsts(c) - rsts0, 0, "the pods sent RSTs");
-    // n1's counter, in /metrics from the agent's next sweep (5 s) on.
-    let remapped = || {
+    assert_eq!(
+        n1_datapath_event(c, "tc_source_port_remapped"),
+        1.0,
+        "n1's tc_source_port_remapped"
+    );
+}
+
+/// n1's `lb_datapath_events_total` counter `event`, once it is not 0 (the
+/// counters reach /metrics at the agent's next sweep, 5 s), or 0 after 12 s.
+fn n1_datapath_event(c: &Cluster, event: &str) -> f64 {
+    let prefix = format!("lb_datapath_events_total{{event=\"{event}\"}} ");
+    let read = || {
         c.agents[0]
             .metrics()
             .ok()
             .and_then(|(_, t)| {
-                t.lines().find_map(|l| {
-                    l.strip_prefix("lb_datapath_events_total{event=\"tc_source_port_remapped\"} ")?
-                        .parse::<f64>()
-                        .ok()
-                })
+                t.lines()
+                    .find_map(|l| l.strip_prefix(&prefix)?.parse::<f64>().ok())
             })
             .unwrap_or(0.0)
     };
     integration_tests::wait_until(Duration::from_secs(12), Duration::from_millis(200), || {
-        remapped() > 0.0
+        read() > 0.0
     });
-    assert_eq!(remapped(), 1.0, "n1's tc_source_port_remapped");
+    read()
 }
 
 /// Issue 10: a SYN or a stray ACK created two entries for 6 h in one LRU
@@ -1085,24 +1092,7 @@ fn connections_nated_by_kube_proxy_before_the_agent_keep_flowing() {
     }
     let server_bad = server_problems(&bed, &finals);
     let rsts = pod_rsts(c) - rsts0;
-    // The counters reach /metrics at the agent's next sweep (5 s).
-    let passed = || {
-        c.agents[0]
-            .metrics()
-            .ok()
-            .and_then(|(_, t)| {
-                t.lines().find_map(|l| {
-                    l.strip_prefix("lb_datapath_events_total{event=\"tc_pass_no_flow\"} ")?
-                        .parse::<f64>()
-                        .ok()
-                })
-            })
-            .unwrap_or(0.0)
-    };
-    integration_tests::wait_until(Duration::from_secs(12), Duration::from_millis(200), || {
-        passed() > 0.0
-    });
-    let passed = passed();
+    let passed = n1_datapath_event(c, "tc_pass_no_flow");
     println!(
         "flows NATed by iptables before the agent: {} of {} broken, RSTs sent by the pods: {rsts}, passed to the stack: {passed}",
         finals.iter().filter(|f| !f.ok).count(),
