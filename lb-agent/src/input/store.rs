@@ -327,6 +327,9 @@ impl IpField {
 impl From<String> for IpField {
     fn from(text: String) -> Self {
         match text.parse::<IpAddr>() {
+            // The IPv4 parser takes only the dotted decimal form `IpAddr`
+            // writes (no leading zeros): nothing to compare.
+            Ok(ip @ IpAddr::V4(_)) => IpField::Ip(ip),
             Ok(ip) if writes_as(ip, &text) => IpField::Ip(ip),
             _ => IpField::Text(text.into_boxed_str()),
         }
@@ -619,6 +622,8 @@ mod tests {
     fn endpoint_addresses_keep_what_the_object_said() {
         let cases: &[(&str, Option<&str>)] = &[
             ("10.244.1.7", Some("10.244.1.7")),
+            ("0.0.0.0", Some("0.0.0.0")),
+            ("255.255.255.255", Some("255.255.255.255")),
             ("fd00::1", Some("fd00::1")),
             ("::ffff:10.1.2.3", Some("::ffff:10.1.2.3")),
             // Addresses written otherwise than `IpAddr` writes them stay
@@ -626,6 +631,9 @@ mod tests {
             ("FD00::1", Some("fd00::1")),
             ("fd00:0::1", Some("fd00::1")),
             ("10.244.1.07", None),
+            ("010.244.1.7", None),
+            ("10.244.1", None),
+            (" 10.244.1.7", None),
             ("", None),
             ("not-an-ip", None),
         ];

@@ -376,7 +376,7 @@ impl Translator {
             .filter_map(|(_, k)| ctx.store.slices.get_key_value(k))
             .collect();
         let slices = (!slices.is_empty()).then_some(slices);
-        let mut report = Report::new(format!("Service {key}"));
+        let mut report = Report::new("Service", key);
         let mut out = ServiceOut::default();
         translate_service(ctx, key, svc, slices.as_ref(), &mut report, &mut out);
         Some((out, report))
@@ -570,14 +570,18 @@ fn service_of_slice(key: &ObjectKey, slice: &Slice) -> Option<ObjectKey> {
 
 /// Collects the rejections of one object.
 struct Report {
-    object: String,
+    /// The object's kind and key, written out only for a rejection (most
+    /// objects have none).
+    kind: &'static str,
+    key: ObjectKey,
     rejections: Vec<Rejection>,
 }
 
 impl Report {
-    fn new(object: String) -> Self {
+    fn new(kind: &'static str, key: &ObjectKey) -> Self {
         Report {
-            object,
+            kind,
+            key: key.clone(),
             rejections: Vec::new(),
         }
     }
@@ -585,7 +589,8 @@ impl Report {
     /// Reports once: the External and Internal copies of a frontend hit the
     /// same problems and the caller logs every rejection.
     fn reject(&mut self, field: impl Into<String>, reason: impl Into<String>) {
-        let rejection = Rejection::new(SOURCE, self.object.clone(), field, reason);
+        let object = format!("{} {}", self.kind, self.key);
+        let rejection = Rejection::new(SOURCE, object, field, reason);
         if !self.rejections.contains(&rejection) {
             self.rejections.push(rejection);
         }
@@ -1182,7 +1187,7 @@ fn endpoint_groups(
         Some(slices) => slices
             .iter()
             .filter_map(|(slice_key, slice)| {
-                let mut report = Report::new(format!("EndpointSlice {slice_key}"));
+                let mut report = Report::new("EndpointSlice", slice_key);
                 let group = slice_group(slice, &mut report);
                 rejections.extend(report.rejections);
                 group
@@ -1190,7 +1195,7 @@ fn endpoint_groups(
             .collect(),
         None => match store.endpoints.get(key) {
             Some(endpoints) => {
-                let mut report = Report::new(format!("Endpoints {key}"));
+                let mut report = Report::new("Endpoints", key);
                 let groups = endpoints_groups(endpoints, &mut report);
                 rejections.extend(report.rejections);
                 groups
