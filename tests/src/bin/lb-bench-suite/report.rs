@@ -743,7 +743,10 @@ fn nodeport_section(o: &mut String, r: &Results) {
          1112–1293 ns), and it was kept (issue 13). A packet that is not ours (no flow, no \
          frontend: the node's own traffic) no longer reads the clock, which only a flow or a \
          frontend needs: 711 → 571 ns there (medians of five alternated runs; the sixth kind \
-         `cost_by_packet_kind` prints).\n",
+         `cost_by_packet_kind` prints). Later such a packet was decided from its bytes and \
+         `LB_FRONTEND_PORTS` (its destination port neither a frontend's nor a SNAT port) \
+         before any lookup: 331–340 → 130–140 ns (three alternated runs; issue 13, \
+         docs/maps.md).\n",
     );
     if np.ours_stats.iter().any(|s| s.2 > 0) {
         o.push_str(
