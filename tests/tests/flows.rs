@@ -48,6 +48,7 @@ const MIXED: u16 = 30090;
 const LOCAL: u16 = 30091;
 /// `local-too`: n1p0 as well, a second frontend of `local`'s backend.
 const LOCAL_TOO: u16 = 30094;
+const LOCAL_TOO_FILE: &str = "local-too.yaml";
 const REMOTE: u16 = 30092;
 /// UDP, n1p0, n1p1, n2p0: idle flows that fill the conntrack table.
 const FILL: u16 = 30093;
@@ -105,8 +106,6 @@ fn setup_with<T>(
         c.slice("mixed", &[&n1p0, &n1p1, &n2p0], false, "TCP"),
         service("local", "10.96.0.91", LOCAL),
         c.slice("local", &[&n1p0], false, "TCP"),
-        service("local-too", "10.96.0.94", LOCAL_TOO),
-        c.slice("local-too", &[&n1p0], false, "TCP"),
         service("remote", "10.96.0.92", REMOTE),
         c.slice("remote", &[&n2p0], false, "TCP"),
         json!({
@@ -118,6 +117,16 @@ fn setup_with<T>(
         c.slice("fill", &[&n1p0, &n1p1, &n2p0], false, "UDP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
+    // A file of its own, so that a test can delete the Service.
+    c.manifests
+        .write(
+            LOCAL_TOO_FILE,
+            &[
+                service("local-too", "10.96.0.94", LOCAL_TOO),
+                c.slice("local-too", &[&n1p0], false, "TCP"),
+            ],
+        )
+        .expect("manifests");
     let before = before_agents(&c);
     c.start_agents(agent_args).expect("agents");
     let bad = c.with_default_route();
@@ -789,6 +798,52 @@ fn one_client_port_to_two_frontends_of_one_backend() {
         1.0,
         "n1's tc_source_port_remapped"
     );
+}
+
+/// A Service deleted under established flows: the flows keep going, both
+/// ways, on their backend, as under kube-proxy (a TCP flow's conntrack
+/// entries outlive the rules that made them). tc_ingress keeps looking such
+/// packets up because a frontend port stays marked (`LB_FRONTEND_PORTS`)
+/// after its frontend is gone.
+#[test]
+fn established_flows_outlive_their_service() {
+    require_root!();
+    let bed = setup("gone", &[], &[]);
+    let c = &bed.c;
+    let (mut f, st) = EchoFlows::open(&c.client_netns, LOCAL_TOO, "gone", 2);
+    assert!(failed(&st).is_empty(), "opening: {:?}", failed(&st));
+    let st = f.event(Some("ping"));
+    assert!(failed(&st).is_empty(), "before: {:?}", failed(&st));
+    c.manifests
+        .remove(LOCAL_TOO_FILE)
+        .expect("removing the Service");
+    let served = |c: &Cluster| -> bool {
+        let v = c.agents[0].inspect_services().expect("inspect");
+        v.as_array()
+            .expect("a list")
+            .iter()
+            .any(|f| f["port"] == LOCAL_TOO)
+    };
+    assert!(
+        Cluster::eventually(Duration::from_secs(15), || !served(c)),
+        "NodePort {LOCAL_TOO} still programmed after its Service was deleted"
+    );
+    let rsts0 = pod_rsts(c);
+    let (mut bad, mut seen) = (Vec::new(), Default::default());
+    for round in 0..3 {
+        let st = f.event(Some("ping"));
+        note(
+            &mut bad,
+            &mut seen,
+            &format!("ping {round} after the deletion"),
+            &st,
+        );
+    }
+    let finals = close(&mut f, "gone", &mut bad, &mut seen);
+    let server_bad = server_problems(&bed, &finals);
+    assert!(bad.is_empty(), "flows broken:\n{}", bad.join("\n"));
+    assert!(server_bad.is_empty(), "{}", server_bad.join("\n"));
+    assert_eq!(pod_rsts(c) - rsts0, 0, "the pods sent RSTs");
 }
 
 /// n1's `lb_datapath_events_total` counter `event`, once it is not 0 (the
