@@ -726,28 +726,28 @@ pub fn frontend_ports(
         .collect()
 }
 
-/// The source (port, protocol) of every reply entry of `entries`: the
-/// ports flows already translated at egress come from.
-pub fn reply_ports<'a>(
-    entries: impl IntoIterator<Item = &'a (CtKey, CtEntry)>,
-) -> BTreeSet<(u16, u8)> {
-    entries
-        .into_iter()
-        .filter(|(_, e)| e.flags & ct_flags::REPLY != 0)
-        .map(|(k, _)| (k.sport, k.proto))
-        .collect()
+/// The ports the flows of `entries` already use: the source (port,
+/// protocol) of every reply entry, where flows translated at egress come
+/// from (local backends), and the destination of every forward entry,
+/// where flows translated at ingress go to (frontends).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct FlowPorts {
+    pub reply: BTreeSet<(u16, u8)>,
+    pub forward: BTreeSet<(u16, u8)>,
 }
 
-/// The destination (port, protocol) of every forward entry of `entries`:
-/// the frontend ports flows already translated at ingress go to.
-pub fn forward_ports<'a>(
-    entries: impl IntoIterator<Item = &'a (CtKey, CtEntry)>,
-) -> BTreeSet<(u16, u8)> {
-    entries
-        .into_iter()
-        .filter(|(_, e)| e.flags & ct_flags::REPLY == 0)
-        .map(|(k, _)| (k.dport, k.proto))
-        .collect()
+/// [`FlowPorts`] in one pass over `entries` (a conntrack table read entry
+/// by entry: a full one holds ~100 MB, never held at once here).
+pub fn flow_ports(entries: impl IntoIterator<Item = (CtKey, CtEntry)>) -> FlowPorts {
+    let mut ports = FlowPorts::default();
+    for (k, e) in entries {
+        if e.flags & ct_flags::REPLY != 0 {
+            ports.reply.insert((k.sport, k.proto));
+        } else {
+            ports.forward.insert((k.dport, k.proto));
+        }
+    }
+    ports
 }
 
 /// `LB_SOURCE_RANGES` and what it holds.
@@ -828,15 +828,16 @@ impl TcMaps {
         // replace the earlier ones.
         let mut local_ports = PortMarks::open(dir, map_names::LOCAL_PORTS)?;
         let mut frontend_ports = PortMarks::open(dir, map_names::FRONTEND_PORTS)?;
-        let flows: Vec<(CtKey, CtEntry)> = conntrack
-            .entries()
-            .into_iter()
-            .chain(conntrack_syn.entries())
-            .collect();
+        let flows = flow_ports(
+            conntrack
+                .iter()
+                .chain(conntrack_syn.iter())
+                .filter_map(Result::ok),
+        );
         let errors = local_ports
-            .mark(reply_ports(&flows))
+            .mark(flows.reply)
             .into_iter()
-            .chain(frontend_ports.mark(forward_ports(&flows)));
+            .chain(frontend_ports.mark(flows.forward));
         for e in errors {
             tracing::error!("{e}");
         }
@@ -1221,15 +1222,9 @@ mod tests {
             CtKey::partner(&fwd.1, proto::UDP),
             entry(ct_flags::REPLY, 0),
         );
-        let flows = [fwd, rev];
-        assert_eq!(
-            forward_ports(&flows),
-            BTreeSet::from([(fwd.0.dport, proto::TCP)])
-        );
-        assert_eq!(
-            reply_ports(&flows),
-            BTreeSet::from([(rev.0.sport, proto::UDP)])
-        );
+        let ports = flow_ports([fwd, rev]);
+        assert_eq!(ports.forward, BTreeSet::from([(fwd.0.dport, proto::TCP)]));
+        assert_eq!(ports.reply, BTreeSet::from([(rev.0.sport, proto::UDP)]));
     }
 
     #[test]
