@@ -132,7 +132,11 @@ impl LabelSelector {
 
     /// Whether `obj`'s `metadata.labels` satisfy every requirement.
     pub fn matches(&self, obj: &Value) -> bool {
-        let labels = obj.pointer("/metadata/labels").and_then(Value::as_object);
+        // Not `pointer`, which allocates for each step of its path.
+        let labels = obj
+            .get("metadata")
+            .and_then(|m| m.get("labels"))
+            .and_then(Value::as_object);
         let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
         self.0.iter().all(|r| match r {
             LabelReq::Exists(k) => get(k).is_some(),

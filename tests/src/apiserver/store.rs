@@ -3,6 +3,7 @@
 //! lists), and the open watches to notify.
 
 use std::{
+    borrow::Cow,
     collections::{BTreeMap, VecDeque},
     sync::Arc,
     time::{SystemTime, UNIX_EPOCH},
@@ -72,7 +73,8 @@ pub struct Filter {
 impl Filter {
     pub fn matches(&self, obj: &Value) -> bool {
         if let Some(ns) = &self.namespace {
-            if obj.pointer("/metadata/namespace").and_then(Value::as_str) != Some(ns.as_str()) {
+            let namespace = obj.get("metadata").and_then(|m| m.get("namespace"));
+            if namespace.and_then(Value::as_str) != Some(ns.as_str()) {
                 return false;
             }
         }
@@ -138,8 +140,10 @@ pub struct Store {
 }
 
 /// The result of looking up a consistent snapshot.
-pub enum Snapshot {
-    Ok(BTreeMap<String, Arc<Value>>),
+pub enum Snapshot<'a> {
+    /// Borrowed when nothing of the kind changed since: the pages of a
+    /// list taken while nothing changes copy no map.
+    Ok(Cow<'a, BTreeMap<String, Arc<Value>>>),
     /// Older than the compacted history.
     Expired,
     /// Newer than the current resourceVersion.
@@ -378,13 +382,16 @@ impl Store {
     }
 
     /// The objects of `kind` as they were at resourceVersion `rv`.
-    pub fn snapshot(&self, kind: Kind, rv: u64) -> Snapshot {
+    pub fn snapshot(&self, kind: Kind, rv: u64) -> Snapshot<'_> {
         let ks = self.kind(kind);
         if rv > self.rv {
             return Snapshot::TooLarge;
         }
         if rv < ks.floor {
             return Snapshot::Expired;
+        }
+        if ks.history.back().is_none_or(|ev| ev.rv <= rv) {
+            return Snapshot::Ok(Cow::Borrowed(&ks.objects));
         }
         let mut objects = ks.objects.clone();
         for ev in ks.history.iter().rev() {
@@ -403,7 +410,7 @@ impl Store {
                 }
             }
         }
-        Snapshot::Ok(objects)
+        Snapshot::Ok(Cow::Owned(objects))
     }
 
     /// History events of `kind` after `rv`, or None if `rv` is older than
