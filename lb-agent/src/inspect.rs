@@ -178,7 +178,7 @@ impl Subject for Services {
             for slot in 0..(value.active as u32 + value.terminating as u32) {
                 let Some(backend_id) = maps
                     .slots
-                    .get(&value.slot_base.wrapping_add(slot), 0)
+                    .get(value.slot_base.wrapping_add(slot))
                     .ok()
                     .and_then(|s| s.backend_of(value.backend_set, slot))
                 else {

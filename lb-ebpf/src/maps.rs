@@ -1,7 +1,7 @@
 //! The maps every hook shares. Layouts live in `lb-common`; the capacities
 //! here are defaults the agent overrides at load time.
 use aya_ebpf::{
-    bindings::{BPF_F_INNER_MAP, BPF_F_NO_PREALLOC},
+    bindings::{BPF_F_INNER_MAP, BPF_F_MMAPABLE, BPF_F_NO_PREALLOC},
     btf_maps::{Array, HashMap, HashOfMaps, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
@@ -18,9 +18,10 @@ pub static LB_SERVICES: HashMap<ServiceKey, ServiceValue, { capacity::SERVICES a
 
 /// Backend sets, each a range of slots from `ServiceValue::slot_base`: an
 /// array, so that a lookup is inlined by the verifier, not a hash walk
-/// (Katran's `ch_rings`).
+/// (Katran's `ch_rings`). Mappable: the agent writes it as memory.
 #[btf_map]
-pub static LB_SLOTS: Array<BackendSlot, { capacity::SLOTS as usize }> = Array::new();
+pub static LB_SLOTS: Array<BackendSlot, { capacity::SLOTS as usize }, { BPF_F_MMAPABLE as usize }> =
+    Array::new();
 
 /// One Maglev table: 64 positions an element (see `MaglevEntry`). The
 /// agent creates one per Maglev frontend, as long as its `maglev_size`
@@ -46,8 +47,13 @@ pub static LB_UNPROGRAMMED: HashMap<
 
 /// Backends by `BackendId`: an array, so that a lookup is the few
 /// instructions the verifier inlines, not a hash walk (Katran's `reals`).
+/// Mappable: the agent writes it as memory.
 #[btf_map]
-pub static LB_BACKENDS: Array<Backend, { capacity::BACKENDS as usize }> = Array::new();
+pub static LB_BACKENDS: Array<
+    Backend,
+    { capacity::BACKENDS as usize },
+    { BPF_F_MMAPABLE as usize },
+> = Array::new();
 
 #[btf_map]
 pub static LB_REV_SOCK: LruHashMap<

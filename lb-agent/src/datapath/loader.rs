@@ -27,6 +27,7 @@ use crate::{
     datapath::affinity::{self, AffinityPolicy},
     datapath::datagram_flows::{self, DatagramPolicy, FlowFrontend},
     datapath::features::KernelFeatures,
+    datapath::mapped::MappedArray,
     datapath::reconcile::{MaglevWriteError, MapOps},
     datapath::sweep::{self, SweepReport},
 };
@@ -250,10 +251,10 @@ pub struct Datapath {
 pub struct PinnedMaps {
     pub services: HashMap<MapData, ServiceKey, ServiceValue>,
     /// Backend sets, each a range from its `ServiceValue::slot_base`.
-    pub slots: Array<MapData, BackendSlot>,
+    pub slots: MappedArray<BackendSlot>,
     /// By `BackendId`; read through [`PinnedMaps::backend`] and
     /// [`PinnedMaps::backend_entries`], which skip free ids.
-    pub backends: Array<MapData, Backend>,
+    pub backends: MappedArray<Backend>,
     /// Maglev tables by backend set (see `new_maglev_table`).
     pub maglev: HashOfMaps<MapData, u32>,
     /// `maglev` again, for the batch writes aya's `HashOfMaps` does not
@@ -276,8 +277,8 @@ impl PinnedMaps {
         };
         Ok(Self {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
-            slots: Array::try_from(open(map_names::SLOTS)?)?,
-            backends: Array::try_from(open(map_names::BACKENDS)?)?,
+            slots: MappedArray::new(Array::try_from(open(map_names::SLOTS)?)?)?,
+            backends: MappedArray::new(Array::try_from(open(map_names::BACKENDS)?)?)?,
             maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(open(map_names::UNPROGRAMMED)?)?,
@@ -378,7 +379,7 @@ impl PinnedMaps {
 }
 
 /// `bpf_map_type` numbers of the maps the object declares.
-mod map_type {
+pub(crate) mod map_type {
     pub const HASH: u32 = 1;
     pub const ARRAY: u32 = 2;
     pub const PERCPU_ARRAY: u32 = 6;
@@ -762,8 +763,10 @@ impl Datapath {
         };
         let maps = PinnedMaps {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
-            slots: Array::try_from(take(&mut ebpf, map_names::SLOTS)?)?,
-            backends: Array::try_from(take(&mut ebpf, map_names::BACKENDS)?)?,
+            slots: MappedArray::new(Array::try_from(take(&mut ebpf, map_names::SLOTS)?)?)
+                .context("mapping LB_SLOTS")?,
+            backends: MappedArray::new(Array::try_from(take(&mut ebpf, map_names::BACKENDS)?)?)
+                .context("mapping LB_BACKENDS")?,
             maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(pin_dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(take(&mut ebpf, map_names::UNPROGRAMMED)?)?,
@@ -771,6 +774,17 @@ impl Datapath {
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
         };
+        for (name, mapped) in [
+            (map_names::SLOTS, maps.slots.is_mapped()),
+            (map_names::BACKENDS, maps.backends.is_mapped()),
+        ] {
+            if !mapped {
+                tracing::info!(
+                    map = name,
+                    "pinned by an earlier version without BPF_F_MMAPABLE: kept, and written with system calls"
+                );
+            }
+        }
         adopted.services = unstamped_entries(&maps.services);
         if adopt_slots {
             adopted.slots = maps.slot_entries().context("reading LB_SLOTS")?;
@@ -1165,18 +1179,15 @@ pub fn backend_in_use(id: BackendId, b: &Backend) -> bool {
 impl PinnedMaps {
     /// Backend `id` as the programs see it: `None` for a free id.
     pub fn backend(&self, id: u32) -> Option<Backend> {
-        let b = self.backends.get(&id, 0).ok()?;
+        let b = self.backends.get(id).ok()?;
         backend_in_use(BackendId { id }, &b).then_some(b)
     }
 
     /// Every `LB_BACKENDS` element that is not free (zeros), with its
     /// check as found, in id order.
     pub fn backend_entries(&self) -> std::io::Result<Vec<(BackendId, Backend)>> {
-        use std::os::fd::AsFd as _;
-        let map = self.backends.map();
-        let len = self.backends.len();
         let mut entries = Vec::new();
-        crate::datapath::batch::visit_array(map.fd().as_fd(), len, |id, b: Backend| {
+        self.backends.visit(|id, b| {
             if b != Backend::default() {
                 entries.push((BackendId { id }, b));
             }
@@ -1186,17 +1197,12 @@ impl PinnedMaps {
 
     /// Every `LB_SLOTS` element that is not free (zeros), by index.
     pub fn slot_entries(&self) -> std::io::Result<Vec<(u32, BackendSlot)>> {
-        use std::os::fd::AsFd as _;
         let mut entries = Vec::new();
-        crate::datapath::batch::visit_array(
-            self.slots.map().fd().as_fd(),
-            self.slots.len(),
-            |i, s: BackendSlot| {
-                if s != BackendSlot::default() {
-                    entries.push((i, s));
-                }
-            },
-        )?;
+        self.slots.visit(|i, s| {
+            if s != BackendSlot::default() {
+                entries.push((i, s));
+            }
+        })?;
         Ok(entries)
     }
 }
@@ -1209,17 +1215,17 @@ impl MapOps for PinnedMaps {
         self.services.remove(&key).map_err(io)
     }
     fn put_slot(&mut self, index: u32, value: BackendSlot) -> std::io::Result<()> {
-        self.slots.set(index, value, 0).map_err(io)
+        self.slots.set(index, value)
     }
     fn del_slot(&mut self, index: u32) -> std::io::Result<()> {
-        self.slots.set(index, BackendSlot::default(), 0).map_err(io)
+        self.slots.set(index, BackendSlot::default())
     }
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()> {
-        self.backends.set(id.id, stamp(&id, backend), 0).map_err(io)
+        self.backends.set(id.id, stamp(&id, backend))
     }
     /// An array element is not deleted: zeros free it (their check fails).
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
-        self.backends.set(id.id, Backend::default(), 0).map_err(io)
+        self.backends.set(id.id, Backend::default())
     }
     fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
         let table = new_maglev_table(table).map_err(MaglevWriteError::Table)?;
@@ -1294,16 +1300,15 @@ impl MapOps for PinnedMaps {
         &mut self,
         items: &[(BackendId, Backend)],
     ) -> crate::datapath::reconcile::BatchResult {
-        batch_put(self.backends.map(), items)
+        let stamped: Vec<(u32, Backend)> =
+            items.iter().map(|(id, b)| (id.id, stamp(id, *b))).collect();
+        self.backends.set_all(&stamped)
     }
     fn put_slots(
         &mut self,
         items: &[(u32, BackendSlot)],
     ) -> crate::datapath::reconcile::BatchResult {
-        use std::os::fd::AsFd as _;
-        let (indexes, values): (Vec<u32>, Vec<BackendSlot>) = items.iter().copied().unzip();
-        crate::datapath::batch::update(self.slots.map().fd().as_fd(), &indexes, &values)
-            .map_err(|e| (e.done, e.error))
+        self.slots.set_all(items)
     }
     fn put_services(
         &mut self,
@@ -1312,14 +1317,15 @@ impl MapOps for PinnedMaps {
         batch_put(self.services.map(), items)
     }
     fn del_slots(&mut self, indexes: &[u32]) {
-        use std::os::fd::AsFd as _;
-        let zeros = vec![BackendSlot::default(); indexes.len()];
-        let fd = self.slots.map().fd().as_fd();
+        let zeros: Vec<(u32, BackendSlot)> = indexes
+            .iter()
+            .map(|&i| (i, BackendSlot::default()))
+            .collect();
         let mut at = 0;
         // Best effort (see `MapOps::del_slots`): past an element that
         // fails, go on with the rest.
-        while let Err(e) = crate::datapath::batch::update(fd, &indexes[at..], &zeros[at..]) {
-            at = (at + e.done + 1).min(indexes.len());
+        while let Err((done, _)) = self.slots.set_all(&zeros[at..]) {
+            at = (at + done + 1).min(zeros.len());
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The kernel side as the agent owns it: loading the embedded object and
 //! pinning its maps (`loader`), writing the difference between desired and
-//! programmed state (`reconcile`, through `batch`, placing backend sets with
+//! programmed state (`reconcile`, through `batch` and, for the two arrays
+//! it fills in bulk, `mapped`, placing backend sets with
 //! `slot_ranges`), the tc programs and their
 //! conntrack (`tc`), the ageing of what the kernel records (`sweep`, for
 //! sessionAffinity in `affinity` and unconnected UDP flows in
@@ -14,6 +15,7 @@ pub mod features;
 #[cfg(test)]
 mod fuzz;
 pub mod loader;
+pub mod mapped;
 pub mod reconcile;
 pub mod slot_ranges;
 pub mod sockets;
