@@ -591,6 +591,25 @@ impl Objects {
                 else {
                     continue;
                 };
+                // Every object of a first read, and any new one: nothing
+                // defines its label yet, so this definition wins without an
+                // election (the store holds an object exactly when its
+                // label has a winner). A tenth of a 20 000-object first
+                // sync went through `shadowed` and `elect` for this.
+                if !contested.contains_key(label)
+                    && !self.winners.contains_key(label)
+                    && !self.shadowed.contains_key(label)
+                {
+                    object.put(&mut self.store, key);
+                    changes.note(*kind, key);
+                    self.winners.insert(label.clone(), (file.clone(), i));
+                    // Files where it failed to decode may now report it as
+                    // a duplicate of this one.
+                    if let Some(files) = self.failed.get(label) {
+                        self.dirty.extend(files.iter().cloned());
+                    }
+                    continue;
+                }
                 self.shadowed
                     .entry(label.clone())
                     .or_default()
@@ -1806,6 +1825,24 @@ mod tests {
                 &["Service default/web"],
             ),
             (Remove("b.yaml"), &["Endpoints default/web"]),
+            // A definition that fails, then a first good one in an earlier
+            // file (the failure is now a duplicate), then one earlier still:
+            // how the failure is reported depends on which wins.
+            (
+                Write("h.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: odd}\nspec: {ports: [{port: x}]}\n"),
+                &[],
+            ),
+            (
+                Write("g.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: odd}\nspec: {clusterIP: 10.96.0.30}\n"),
+                &["Service default/odd"],
+            ),
+            (
+                Write("e.yaml", "apiVersion: v1\nkind: Service\nmetadata: {name: odd}\nspec: {clusterIP: 10.96.0.31}\n"),
+                &["Service default/odd"],
+            ),
+            (Remove("e.yaml"), &["Service default/odd"]),
+            (Remove("g.yaml"), &["Service default/odd"]),
+            (Remove("h.yaml"), &[]),
             (Remove("c.json"), &[]),
             (Remove("d.yaml"), &["Node n1"]),
         ];
@@ -1822,6 +1859,11 @@ mod tests {
                     fs::rename(&tmp, dir.path().join(name)).unwrap();
                 }
             }
+            // A file read within `RACY_MARGIN` of its last change is read
+            // again by every refresh until it is not: read later, it is
+            // left alone by the next steps, so that only the cache's own
+            // bookkeeping keeps what it reports right.
+            std::thread::sleep(RACY_MARGIN + Duration::from_millis(20));
             let changes = cached.refresh();
             assert_eq!(changed(&changes), *want, "step {i}: changes");
             let (store, rejections) = load_dir(dir.path());
