@@ -1311,8 +1311,13 @@ fn decode<T: DeserializeOwned>(value: Value) -> Result<Box<T>, (String, String)>
         })
 }
 
-/// Like [`decode`], from the object's own text.
+/// Like [`decode`], from the object's own text. Decoded first without
+/// tracking the path, which costs on every field of every object; only an
+/// object that fails is decoded again, to name the field.
 fn decode_str<T: DeserializeOwned>(text: &str) -> Result<Box<T>, (String, String)> {
+    if let Ok(object) = T::deserialize(&mut serde_json::Deserializer::from_str(text)) {
+        return Ok(Box::new(object));
+    }
     let mut de = serde_json::Deserializer::from_str(text);
     serde_path_to_error::deserialize(&mut de)
         .map(Box::new)
