@@ -94,21 +94,33 @@ impl<V: Pod> MappedArray<V> {
         self.map.map()
     }
 
-    /// The window holding element `index`: the one given if it does,
-    /// else a new one from the [`WINDOW`] boundary below the element.
-    fn window<'w>(&self, held: &'w mut Option<Window>, index: u32) -> io::Result<&'w mut Window> {
+    /// The window holding element `index`: the one given if it does, else
+    /// a new one from the element's page, of at most [`WINDOW`] bytes and
+    /// none past the page of element `last` (the last one the caller will
+    /// want, if it comes after): the kernel maps every page of a window
+    /// when it is made, and a sync's chunk of writes spans far less.
+    fn window<'w>(
+        &self,
+        held: &'w mut Option<Window>,
+        index: u32,
+        last: u32,
+    ) -> io::Result<&'w mut Window> {
         let at = index as usize * stride::<V>();
         let element = at..at + std::mem::size_of::<V>();
         if !held
             .as_ref()
             .is_some_and(|w| w.range.start <= element.start && element.end <= w.range.end)
         {
+            let page = page_size();
             // The kernel maps the elements from offset 0, page-aligned;
             // the last page may be partly past the last element.
-            let total = (self.len as usize * stride::<V>()).next_multiple_of(page_size());
-            let start = at / WINDOW * WINDOW;
-            let end = (start + WINDOW)
-                .max(element.end.next_multiple_of(page_size()))
+            let total = (self.len as usize * stride::<V>()).next_multiple_of(page);
+            let start = at / page * page;
+            let wanted = last.max(index) as usize * stride::<V>() + std::mem::size_of::<V>();
+            let end = wanted
+                .min(start + WINDOW)
+                .max(element.end)
+                .next_multiple_of(page)
                 .min(total);
             *held = None;
             // SAFETY: the map's own memory, which the kernel keeps while it
@@ -128,11 +140,12 @@ impl<V: Pod> MappedArray<V> {
         Ok(held.as_mut().expect("a window"))
     }
 
-    fn read(&self, held: &mut Option<Window>, index: u32) -> io::Result<V> {
+    /// Element `index`, through `held` or a window up to element `last`.
+    fn read(&self, held: &mut Option<Window>, index: u32, last: u32) -> io::Result<V> {
         if index >= self.len {
             return Err(past_end());
         }
-        let w = self.window(held, index)?;
+        let w = self.window(held, index, last)?;
         let at = index as usize * stride::<V>() - w.range.start;
         // SAFETY: inside the window, aligned (page-aligned window, 8-byte
         // stride); any bytes are a valid `V` (`Pod`).
@@ -143,7 +156,7 @@ impl<V: Pod> MappedArray<V> {
         if !self.mappable {
             return self.map.get(&index, 0).map_err(io::Error::other);
         }
-        self.read(&mut None, index)
+        self.read(&mut None, index, index)
     }
 
     pub fn set(&mut self, index: u32, value: V) -> io::Result<()> {
@@ -158,6 +171,12 @@ impl<V: Pod> MappedArray<V> {
             return batch::update(self.map.map().fd().as_fd(), &indexes, &values)
                 .map_err(|e| (e.done, e.error));
         }
+        let last = items
+            .iter()
+            .map(|(i, _)| *i)
+            .filter(|i| *i < self.len)
+            .max();
+        let last = last.unwrap_or(0);
         let mut held = None;
         let result = items
             .iter()
@@ -166,7 +185,7 @@ impl<V: Pod> MappedArray<V> {
                 if index >= self.len {
                     return Err((done, past_end()));
                 }
-                let w = self.window(&mut held, index).map_err(|e| (done, e))?;
+                let w = self.window(&mut held, index, last).map_err(|e| (done, e))?;
                 let at = index as usize * stride::<V>() - w.range.start;
                 // SAFETY: as in `read`.
                 unsafe { w.mem.as_mut_ptr().add(at).cast::<V>().write_volatile(value) };
@@ -186,7 +205,7 @@ impl<V: Pod> MappedArray<V> {
         }
         let mut held = None;
         for index in 0..self.len {
-            f(index, self.read(&mut held, index)?);
+            f(index, self.read(&mut held, index, self.len - 1)?);
         }
         Ok(())
     }
