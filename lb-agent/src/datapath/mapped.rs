@@ -86,10 +86,6 @@ impl<V: Pod> MappedArray<V> {
         self.mappable
     }
 
-    pub fn len(&self) -> u32 {
-        self.len
-    }
-
     pub fn map(&self) -> &MapData {
         self.map.map()
     }
