@@ -379,7 +379,7 @@ impl PinnedMaps {
 }
 
 /// `bpf_map_type` numbers of the maps the object declares.
-pub(crate) mod map_type {
+mod map_type {
     pub const HASH: u32 = 1;
     pub const ARRAY: u32 = 2;
     pub const PERCPU_ARRAY: u32 = 6;

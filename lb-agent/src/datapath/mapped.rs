@@ -222,13 +222,10 @@ mod tests {
     use lb_common::Backend;
 
     fn array<V: Pod>(flags: u32, len: u32) -> Array<MapData, V> {
-        let obj = aya_obj::Map::new_from_params(
-            crate::datapath::loader::map_type::ARRAY,
-            4,
-            std::mem::size_of::<V>() as u32,
-            len,
-            flags,
-        );
+        /// `BPF_MAP_TYPE_ARRAY`.
+        const ARRAY: u32 = 2;
+        let obj =
+            aya_obj::Map::new_from_params(ARRAY, 4, std::mem::size_of::<V>() as u32, len, flags);
         let data = MapData::create(obj, "mapped_test", None).expect("creating an array");
         Array::try_from(aya::maps::Map::Array(data)).expect("an array")
     }
