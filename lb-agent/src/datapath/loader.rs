@@ -277,8 +277,10 @@ impl PinnedMaps {
         };
         Ok(Self {
             services: HashMap::try_from(open(map_names::SERVICES)?)?,
-            slots: MappedArray::new(Array::try_from(open(map_names::SLOTS)?)?)?,
-            backends: MappedArray::new(Array::try_from(open(map_names::BACKENDS)?)?)?,
+            slots: MappedArray::new(Array::try_from(open(map_names::SLOTS)?)?)
+                .context("reading the map info of LB_SLOTS")?,
+            backends: MappedArray::new(Array::try_from(open(map_names::BACKENDS)?)?)
+                .context("reading the map info of LB_BACKENDS")?,
             maglev: HashOfMaps::try_from(open(map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(open(map_names::UNPROGRAMMED)?)?,
@@ -764,9 +766,9 @@ impl Datapath {
         let maps = PinnedMaps {
             services: HashMap::try_from(take(&mut ebpf, map_names::SERVICES)?)?,
             slots: MappedArray::new(Array::try_from(take(&mut ebpf, map_names::SLOTS)?)?)
-                .context("mapping LB_SLOTS")?,
+                .context("reading the map info of LB_SLOTS")?,
             backends: MappedArray::new(Array::try_from(take(&mut ebpf, map_names::BACKENDS)?)?)
-                .context("mapping LB_BACKENDS")?,
+                .context("reading the map info of LB_BACKENDS")?,
             maglev: HashOfMaps::try_from(take(&mut ebpf, map_names::MAGLEV)?)?,
             maglev_batch: MapData::from_pin(pin_dir.join(map_names::MAGLEV))?,
             unprogrammed: HashMap::try_from(take(&mut ebpf, map_names::UNPROGRAMMED)?)?,

@@ -86,10 +86,6 @@ impl<V: Pod> MappedArray<V> {
         self.mappable
     }
 
-    pub fn map(&self) -> &MapData {
-        self.map.map()
-    }
-
     /// The window holding element `index`: the one given if it does, else
     /// a new one from the element's page, of at most [`WINDOW`] bytes and
     /// none past the page of element `last` (the last one the caller will
