@@ -116,9 +116,67 @@ pub fn set_rv(obj: &mut Value, rv: u64) {
     }
 }
 
+/// A stored object and its text as a list item, written once when it is
+/// stored, as kube-apiserver's watch cache encodes an object once for all
+/// its readers (`cachingObject`): a list page is then a copy of texts. The
+/// fixture runs on the agent's cores, where a real API server does not, and
+/// writing each object of a 10 000-object list anew was most of its cost.
+pub struct StoredObject {
+    value: Value,
+    list_item: Box<[u8]>,
+}
+
+impl StoredObject {
+    pub fn new(value: Value) -> StoredObject {
+        let list_item = serde_json::to_vec(&ListItem(&value))
+            .expect("JSON")
+            .into_boxed_slice();
+        StoredObject { value, list_item }
+    }
+
+    /// The object as a list's item (without `kind` and `apiVersion`).
+    pub fn list_item(&self) -> &[u8] {
+        &self.list_item
+    }
+
+    pub fn into_value(self) -> Value {
+        self.value
+    }
+}
+
+impl std::ops::Deref for StoredObject {
+    type Target = Value;
+    fn deref(&self) -> &Value {
+        &self.value
+    }
+}
+
+/// An object as a list item: kube-apiserver's list items carry no
+/// kind/apiVersion.
+struct ListItem<'a>(&'a Value);
+
+impl serde::Serialize for ListItem<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let Value::Object(fields) = self.0 else {
+            return self.0.serialize(s);
+        };
+        let kept = || {
+            fields
+                .iter()
+                .filter(|(k, _)| k.as_str() != "kind" && k.as_str() != "apiVersion")
+        };
+        let mut map = s.serialize_map(Some(kept().count()))?;
+        for (k, v) in kept() {
+            map.serialize_entry(k, v)?;
+        }
+        map.end()
+    }
+}
+
 pub struct KindState {
     /// Shared, so that a list's snapshot copies pointers, not objects.
-    pub objects: BTreeMap<String, Arc<Value>>,
+    pub objects: BTreeMap<String, Arc<StoredObject>>,
     pub history: VecDeque<Arc<Ev>>,
     /// A watch (or consistent read) from resourceVersion N is possible iff
     /// `N >= floor`: every event after `floor` is in `history`.
@@ -143,7 +201,7 @@ pub struct Store {
 pub enum Snapshot<'a> {
     /// Borrowed when nothing of the kind changed since: the pages of a
     /// list taken while nothing changes copy no map.
-    Ok(Cow<'a, BTreeMap<String, Arc<Value>>>),
+    Ok(Cow<'a, BTreeMap<String, Arc<StoredObject>>>),
     /// Older than the compacted history.
     Expired,
     /// Newer than the current resourceVersion.
@@ -297,7 +355,7 @@ impl Store {
         set_rv(&mut obj, rv);
         self.kind_mut(kind)
             .objects
-            .insert(key.clone(), Arc::new(obj.clone()));
+            .insert(key.clone(), Arc::new(StoredObject::new(obj.clone())));
         let etype = if existing.is_some() {
             EventType::Modified
         } else {
@@ -325,7 +383,8 @@ impl Store {
             namespace
         });
         let key = object_key(ns, name);
-        let old = Arc::unwrap_or_clone(self.kind_mut(kind).objects.remove(&key)?);
+        let old = self.kind_mut(kind).objects.remove(&key)?;
+        let old = Arc::try_unwrap(old).map_or_else(|shared| (**shared).clone(), StoredObject::into_value);
         self.rv += 1;
         let rv = self.rv;
         let mut object = old.clone();
@@ -405,7 +464,7 @@ impl Store {
                 EventType::Modified | EventType::Deleted => {
                     objects.insert(
                         ev.key.clone(),
-                        Arc::new(ev.prev.clone().expect("prev state")),
+                        Arc::new(StoredObject::new(ev.prev.clone().expect("prev state"))),
                     );
                 }
             }
