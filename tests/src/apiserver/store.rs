@@ -384,7 +384,8 @@ impl Store {
         });
         let key = object_key(ns, name);
         let old = self.kind_mut(kind).objects.remove(&key)?;
-        let old = Arc::try_unwrap(old).map_or_else(|shared| (**shared).clone(), StoredObject::into_value);
+        let old =
+            Arc::try_unwrap(old).map_or_else(|shared| (**shared).clone(), StoredObject::into_value);
         self.rv += 1;
         let rv = self.rv;
         let mut object = old.clone();
