@@ -281,13 +281,14 @@ impl<'de> Deserialize<'de> for WireSlice {
 }
 
 /// One endpoint of a [`WireSlice`]; the fields translation does not read
-/// are decoded for their checks only.
+/// are checked as the API type would decode them, without keeping them
+/// (a real cluster's endpoints each carry a `targetRef` of four strings).
 struct WireEndpoint(SliceEndpoint);
 
 impl FromMap for WireEndpoint {
     const NAME: &'static str = "Endpoint";
     fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
-        use k8s_openapi::api::{core::v1::ObjectReference, discovery::v1::Endpoint};
+        use k8s_openapi::api::discovery::v1::Endpoint;
         let mut ep = Endpoint::default();
         let mut addresses: Option<Vec<String>> = None;
         while let Some(key) = map.next_key::<WireField>()? {
@@ -295,15 +296,15 @@ impl FromMap for WireEndpoint {
                 WireField::Addresses => addresses = map.next_value()?,
                 WireField::Conditions => ep.conditions = map.next_value()?,
                 WireField::DeprecatedTopology => {
-                    map.next_value::<Option<BTreeMap<String, String>>>()?;
+                    map.next_value::<Option<TextMap>>()?;
                 }
                 WireField::Hints => ep.hints = map.next_value()?,
                 WireField::Hostname | WireField::Zone => {
-                    map.next_value::<Option<String>>()?;
+                    map.next_value::<Option<Text>>()?;
                 }
                 WireField::NodeName => ep.node_name = map.next_value()?,
                 WireField::TargetRef => {
-                    map.next_value::<Option<ObjectReference>>()?;
+                    map.next_value::<Option<ReferenceCheck>>()?;
                 }
                 _ => {
                     map.next_value::<IgnoredAny>()?;
@@ -312,6 +313,89 @@ impl FromMap for WireEndpoint {
         }
         ep.addresses = addresses.unwrap_or_default();
         Ok(WireEndpoint(ep.into()))
+    }
+}
+
+/// A string value, checked and dropped: what a `String` accepts, without
+/// the allocation.
+struct Text;
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = Text;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: serde::de::Error>(self, _: &str) -> Result<Text, E> {
+                Ok(Text)
+            }
+        }
+        de.deserialize_str(V)
+    }
+}
+
+/// A map of strings to strings, checked and dropped (a
+/// `BTreeMap<String, String>`).
+struct TextMap;
+
+impl<'de> Deserialize<'de> for TextMap {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = TextMap;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<TextMap, A::Error> {
+                while map.next_entry::<Text, Text>()?.is_some() {}
+                Ok(TextMap)
+            }
+        }
+        de.deserialize_map(V)
+    }
+}
+
+/// An `ObjectReference` (an endpoint's `targetRef`), checked field by
+/// field as k8s-openapi decodes it, and dropped.
+struct ReferenceCheck;
+
+/// The keys of an `ObjectReference`.
+#[derive(Deserialize)]
+#[serde(field_identifier, rename_all = "camelCase")]
+enum ReferenceField {
+    ApiVersion,
+    FieldPath,
+    Kind,
+    Name,
+    Namespace,
+    ResourceVersion,
+    Uid,
+    #[serde(other)]
+    Other,
+}
+
+impl FromMap for ReferenceCheck {
+    const NAME: &'static str = "ObjectReference";
+    fn from_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<Self, A::Error> {
+        while let Some(key) = map.next_key::<ReferenceField>()? {
+            match key {
+                ReferenceField::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+                _ => {
+                    map.next_value::<Option<Text>>()?;
+                }
+            }
+        }
+        Ok(ReferenceCheck)
+    }
+}
+
+impl<'de> Deserialize<'de> for ReferenceCheck {
+    fn deserialize<D: serde::Deserializer<'de>>(de: D) -> Result<Self, D::Error> {
+        MapVisitor::<Self>::deserialize(de)
     }
 }
 
@@ -383,6 +467,19 @@ mod tests {
             r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "hostname": 5}]}"#,
             r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "zone": []}]}"#,
             r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"name": 5}}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"uid": "u", "kind": ["Pod"]}}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"apiVersion": "v1", "fieldPath": "f", "resourceVersion": "3",
+                "kind": "Pod", "kind": "Node", "name": "a\"b\u00e9", "namespace": null, "other": {"x": [1]}}}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {}}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": ["Pod"]}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": "Pod/a"}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "targetRef": {"name": "a"}, "targetRef": 1}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "hostname": "h\n", "zone": null}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "hostname": true}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "deprecatedTopology": null}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "deprecatedTopology": {"a\t": "b\u0041", "c": "d"}}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "deprecatedTopology": [["a", "b"]]}]}"#,
+            r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "deprecatedTopology": {"a": null}}]}"#,
             r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "deprecatedTopology": {"a": 1}}]}"#,
             r#"{"addressType": "IPv4", "endpoints": [{"addresses": ["10.0.0.1"], "hints": {"forZones": [{}]}}]}"#,
             r#"{"addressType": "IPv4", "ports": [{"port": "80"}]}"#,
