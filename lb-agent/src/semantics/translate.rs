@@ -192,12 +192,17 @@ impl Translator {
             rejections_version: self.rejections_version + 1,
             ..Default::default()
         };
-        for (key, slice) in &store.slices {
-            if let Some(service) = service_of_slice(key, slice) {
-                self.slices.insert((service.clone(), key.clone()));
-                self.slice_service.insert(key.clone(), service);
-            }
-        }
+        // Built at once (a sort and a bulk build), as `settle_all` does.
+        let owned: Vec<(ObjectKey, ObjectKey)> = store
+            .slices
+            .iter()
+            .filter_map(|(key, slice)| Some((key.clone(), service_of_slice(key, slice)?)))
+            .collect();
+        self.slices = owned
+            .iter()
+            .map(|(slice, service)| (service.clone(), slice.clone()))
+            .collect();
+        self.slice_service = owned.into_iter().collect();
         let ctx = Context {
             store,
             node,
@@ -230,11 +235,7 @@ impl Translator {
             })
         };
         let losses = self.elect(&services, &outs);
-        for (i, ((key, _), out)) in services.iter().zip(outs).enumerate() {
-            if let Some((out, report)) = out {
-                self.settle(key, out, report, losses.get(&i));
-            }
-        }
+        self.settle_all(&services, outs, &losses);
         Update {
             full: true,
             touched: BTreeSet::new(),
@@ -380,6 +381,69 @@ impl Translator {
         let mut out = ServiceOut::default();
         translate_service(ctx, key, svc, slices.as_ref(), &mut report, &mut out);
         Some((out, report))
+    }
+
+    /// Records every Service's translation after an election (`losses`:
+    /// the claims that lost, by Service index and claim index). The maps
+    /// start empty here, so each is built at once from its entries (a sort
+    /// and a bulk build instead of a search per insert); where one key comes
+    /// twice, the later entry wins, as it would by inserting in order.
+    fn settle_all(
+        &mut self,
+        services: &[(&ObjectKey, &StoredService)],
+        outs: Vec<Option<(ServiceOut, Report)>>,
+        losses: &BTreeMap<usize, BTreeMap<usize, String>>,
+    ) {
+        debug_assert!(self.services.is_empty() && self.owners.is_empty());
+        debug_assert!(self.state.frontends.is_empty() && self.vip_refs.is_empty());
+        let mut translated = Vec::with_capacity(services.len());
+        let mut owners = Vec::with_capacity(services.len());
+        let mut frontends = Vec::with_capacity(services.len());
+        let mut all_vips = Vec::with_capacity(services.len());
+        for (i, ((key, _), out)) in services.iter().zip(outs).enumerate() {
+            let Some((out, mut report)) = out else {
+                continue;
+            };
+            let ServiceOut {
+                claims,
+                vips,
+                not_served,
+                endpoint_rejections,
+            } = out;
+            let lost = losses.get(&i);
+            let mut claimed = Vec::with_capacity(claims.len());
+            for (j, (frontend, state, field)) in claims.into_iter().enumerate() {
+                claimed.push(frontend);
+                if let Some(reason) = lost.and_then(|l| l.get(&j)) {
+                    report.reject(field, reason.clone());
+                    continue;
+                }
+                owners.push((frontend, ((*key).clone(), field)));
+                frontends.push((frontend, state));
+            }
+            all_vips.extend_from_slice(&vips);
+            let mut rejections = endpoint_rejections;
+            rejections.extend(report.rejections);
+            translated.push((
+                (*key).clone(),
+                Translated {
+                    frontends: claimed,
+                    vips,
+                    not_served,
+                    rejections,
+                },
+            ));
+        }
+        self.services = translated.into_iter().collect();
+        self.owners = owners.into_iter().collect();
+        self.state.frontends = frontends.into_iter().collect();
+        all_vips.sort_unstable();
+        let refs: Vec<((IpAddr, Scope), u32)> = all_vips
+            .chunk_by(|a, b| a == b)
+            .map(|run| (run[0], run.len() as u32))
+            .collect();
+        self.state.vips = refs.iter().map(|(vip, _)| *vip).collect();
+        self.vip_refs = refs.into_iter().collect();
     }
 
     /// Adds a translated Service: every claim but those `losses` rejects
