@@ -87,7 +87,7 @@ struct Context<'a> {
 #[derive(Default)]
 struct ServiceOut {
     /// `(frontend, state, field)` in the order the Service asks for them.
-    claims: Vec<(Frontend, Arc<FrontendState>, String)>,
+    claims: Vec<Claim>,
     vips: Vec<(IpAddr, Scope)>,
     /// Its SCTP frontends, in the order the Service asks for them.
     not_served: Vec<NotServed>,
@@ -106,6 +106,44 @@ struct Translated {
     /// Its rejections, conflicts included, in the order a full
     /// translation reports them.
     rejections: Vec<Rejection>,
+}
+
+/// A Service's claim on a frontend: the frontend, its state, and the field
+/// that asked for it.
+type Claim = (Frontend, Arc<FrontendState>, String);
+
+/// A translated Service's record, and the claims that won (those `losses`
+/// does not reject, by claim index): each frontend with the field that
+/// claimed it and its state.
+fn record_of(
+    out: ServiceOut,
+    mut report: Report,
+    losses: Option<&BTreeMap<usize, String>>,
+) -> (Translated, Vec<Claim>) {
+    let ServiceOut {
+        claims,
+        vips,
+        not_served,
+        endpoint_rejections,
+    } = out;
+    let mut frontends = Vec::with_capacity(claims.len());
+    let mut won = Vec::with_capacity(claims.len());
+    for (j, (frontend, state, field)) in claims.into_iter().enumerate() {
+        frontends.push(frontend);
+        match losses.and_then(|l| l.get(&j)) {
+            Some(reason) => report.reject(field, reason.clone()),
+            None => won.push((frontend, state, field)),
+        }
+    }
+    let mut rejections = endpoint_rejections;
+    rejections.extend(report.rejections);
+    let record = Translated {
+        frontends,
+        vips,
+        not_served,
+        rejections,
+    };
+    (record, won)
 }
 
 /// What an update changed.
@@ -401,38 +439,16 @@ impl Translator {
         let mut frontends = Vec::with_capacity(services.len());
         let mut all_vips = Vec::with_capacity(services.len());
         for (i, ((key, _), out)) in services.iter().zip(outs).enumerate() {
-            let Some((out, mut report)) = out else {
+            let Some((out, report)) = out else {
                 continue;
             };
-            let ServiceOut {
-                claims,
-                vips,
-                not_served,
-                endpoint_rejections,
-            } = out;
-            let lost = losses.get(&i);
-            let mut claimed = Vec::with_capacity(claims.len());
-            for (j, (frontend, state, field)) in claims.into_iter().enumerate() {
-                claimed.push(frontend);
-                if let Some(reason) = lost.and_then(|l| l.get(&j)) {
-                    report.reject(field, reason.clone());
-                    continue;
-                }
+            let (record, won) = record_of(out, report, losses.get(&i));
+            for (frontend, state, field) in won {
                 owners.push((frontend, ((*key).clone(), field)));
                 frontends.push((frontend, state));
             }
-            all_vips.extend_from_slice(&vips);
-            let mut rejections = endpoint_rejections;
-            rejections.extend(report.rejections);
-            translated.push((
-                (*key).clone(),
-                Translated {
-                    frontends: claimed,
-                    vips,
-                    not_served,
-                    rejections,
-                },
-            ));
+            all_vips.extend_from_slice(&record.vips);
+            translated.push(((*key).clone(), record));
         }
         self.services = translated.into_iter().collect();
         self.owners = owners.into_iter().collect();
@@ -452,40 +468,19 @@ impl Translator {
         &mut self,
         key: &ObjectKey,
         out: ServiceOut,
-        mut report: Report,
+        report: Report,
         losses: Option<&BTreeMap<usize, String>>,
     ) {
-        let ServiceOut {
-            claims,
-            vips,
-            not_served,
-            endpoint_rejections,
-        } = out;
-        let mut frontends = Vec::with_capacity(claims.len());
-        for (j, (frontend, state, field)) in claims.into_iter().enumerate() {
-            frontends.push(frontend);
-            if let Some(reason) = losses.and_then(|l| l.get(&j)) {
-                report.reject(field, reason.clone());
-                continue;
-            }
+        let (record, won) = record_of(out, report, losses);
+        for (frontend, state, field) in won {
             self.owners.insert(frontend, (key.clone(), field));
             self.state.frontends.insert(frontend, state);
         }
-        for vip in &vips {
+        for vip in &record.vips {
             *self.vip_refs.entry(*vip).or_default() += 1;
             self.state.vips.insert(*vip);
         }
-        let mut rejections = endpoint_rejections;
-        rejections.extend(report.rejections);
-        self.services.insert(
-            key.clone(),
-            Translated {
-                frontends,
-                vips,
-                not_served,
-                rejections,
-            },
-        );
+        self.services.insert(key.clone(), record);
     }
 
     /// Replaces the translation of Service `key` by `out` (`None`: gone or
