@@ -112,9 +112,8 @@ struct Translated {
 /// that asked for it.
 type Claim = (Frontend, Arc<FrontendState>, String);
 
-/// A translated Service's record, and the claims that won (those `losses`
-/// does not reject, by claim index): each frontend with the field that
-/// claimed it and its state.
+/// A translated Service's record, and its claims that won: those `losses`
+/// (claim index to reason) does not reject, in claim order.
 fn record_of(
     out: ServiceOut,
     mut report: Report,
