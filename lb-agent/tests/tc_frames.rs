@@ -509,6 +509,25 @@ impl Fixture {
     fn stat(&self, index: u32) -> u64 {
         self.stats.get(&index, 0).unwrap().iter().sum()
     }
+
+    /// A resolved neighbour on the fixture's device, as a node has for the
+    /// hosts it talks to (a permanent entry: it never goes stale here).
+    fn neighbour(&mut self, addr: &str, mac: [u8; 6]) {
+        let mac = mac.map(|b| format!("{b:02x}")).join(":");
+        let args = format!("neigh replace {addr} lladdr {mac} dev d0 nud permanent");
+        let st = std::process::Command::new("ip")
+            .args(args.split(' '))
+            .status()
+            .expect("ip");
+        assert!(st.success(), "ip {args}");
+    }
+
+    /// Moves `LB_ROUTE_EPOCH`, as the agent does at a route change.
+    fn route_epoch(&mut self, epoch: u32) {
+        let mut m: Array<&mut MapData, u32> =
+            Array::try_from(self.ebpf.map_mut(map_names::ROUTE_EPOCH).unwrap()).unwrap();
+        m.set(0, epoch, 0).unwrap();
+    }
 }
 
 fn ct_key(src: &str, sport: u16, dst: &str, dport: u16, proto: u8) -> CtKey {
@@ -2534,6 +2553,83 @@ fn a_resolved_next_hop_gets_its_macs_from_the_program() {
     assert_eq!(&out[..12], &input[..12], "left to bpf_redirect_neigh");
 }
 
+/// A flow's packets after the first take the next hop it cached
+/// (`CtEntry::hop`) instead of a FIB lookup, while the route epoch and the
+/// second stay as they were and the hop's check holds: the neighbour's new
+/// MAC shows only once the agent moves `LB_ROUTE_EPOCH` (at the change),
+/// or, with no agent, at the next second; a hop altered in the map fails
+/// its check and the packet takes the lookup.
+#[test]
+fn a_flow_keeps_its_next_hop_until_the_route_epoch_moves() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.2.10");
+    let mut fx = Fixture::new();
+    let (mac_a, mac_b, mac_c) = (
+        [0x02, 0, 0, 0, 0x02, 0x0a],
+        [0x02, 0, 0, 0, 0x02, 0x0b],
+        [0x02, 0, 0, 0, 0x02, 0x0c],
+    );
+    fx.neighbour(pod, mac_a);
+    fx.neighbour(client, [0x02, 0, 0, 0, 0x77, 0x64]);
+    fx.backend(1, pod, 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    fx.route_epoch(1);
+    let dmac = |fx: &mut Fixture| -> [u8; 6] {
+        let (rc, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, NODE4, 30080, TCP_ACK),
+        );
+        assert_eq!(rc, REDIRECT);
+        assert_eq!(parse(&out).dst, ip(pod));
+        out[..6].try_into().unwrap()
+    };
+    // The next second's start is far enough: every step below is within
+    // one second of the clock (kernel ktime >> 30).
+    let second = || lb_agent::base::clock::monotonic_now_ns() >> 30;
+    while lb_agent::base::clock::monotonic_now_ns() & ((1 << 30) - 1) > 1 << 28 {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let start = second();
+    let (rc, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN),
+    );
+    assert_eq!(rc, REDIRECT);
+    assert_eq!(out[..6], mac_a);
+    let snat = parse(&out).sport;
+    let (rc, _) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, snat, TCP_SYN | TCP_ACK),
+    );
+    assert_eq!(rc, REDIRECT);
+    let hop = fx
+        .entry(client, 40000, NODE4, 30080, proto::TCP)
+        .unwrap()
+        .hop;
+    assert_eq!((hop.dmac, hop.len > 0), (mac_a, true), "cached at the SYN");
+    fx.neighbour(pod, mac_b);
+    assert_eq!(dmac(&mut fx), mac_a, "the cached hop, no lookup");
+    fx.route_epoch(2);
+    assert_eq!(dmac(&mut fx), mac_b, "looked up again in the new epoch");
+    assert_eq!(dmac(&mut fx), mac_b);
+    // A hop whose check fails (here: altered in the map) is not used.
+    let key = ct_key(client, 40000, NODE4, 30080, proto::TCP);
+    let mut e = fx.conntrack.get(&key, 0).unwrap();
+    e.hop.dmac = mac_c;
+    fx.conntrack.insert(key, e, 0).unwrap();
+    assert_eq!(dmac(&mut fx), mac_b, "a hop failing its check is looked up");
+    assert_eq!(second(), start, "the steps above took under a second");
+    // With no agent to move the epoch, a hop lasts until the next second.
+    fx.neighbour(pod, mac_c);
+    assert_eq!(dmac(&mut fx), mac_b);
+    while second() == start {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(dmac(&mut fx), mac_c, "looked up again the next second");
+}
+
 /// tc_egress decides "not ours" from the packet's source port before its
 /// conntrack lookup: only a port `LB_LOCAL_PORTS` marks for the protocol
 /// can carry a local backend's reply. A reply whose port the agent did not
@@ -2638,6 +2734,10 @@ fn cost_by_packet_kind() {
     fx.backend(1, "10.244.2.10", 8080, proto::TCP, false);
     fx.frontend(NODE4, 30080, proto::TCP, 9, &[1]);
     let client = "192.168.77.100";
+    // Both ends' neighbours resolved, as under real traffic: each flow
+    // direction's packets after its first take the next hop it cached.
+    fx.neighbour("10.244.2.10", [0x02, 0, 0, 0, 0x02, 0x0a]);
+    fx.neighbour(client, [0x02, 0, 0, 0, 0x77, 0x64]);
     let mut cost: std::collections::BTreeMap<&str, Vec<u128>> = Default::default();
     let mut not_ours = Vec::new();
     let mut timed = |fx: &mut Fixture, kind: &'static str, f: &Frame| -> Vec<u8> {
@@ -2720,6 +2820,11 @@ fn cost_with_cold_caches() {
     fx.snat_ports(1_024, 65_535);
     fx.backend(1, "10.244.2.10", 8080, proto::TCP, false);
     fx.frontend(NODE4, 30080, proto::TCP, 9, &[1]);
+    // Every neighbour resolved, as under real traffic.
+    fx.neighbour("10.244.2.10", [0x02, 0, 0, 0, 0x02, 0x0a]);
+    for i in 0..100u8 {
+        fx.neighbour(&format!("192.168.77.{}", 100 + i), [0x02, 0, 0, 0, 0x77, i]);
+    }
     let mut flows = Vec::new();
     for i in 0..FLOWS {
         // Clients on the fixture's one routed subnet, a port each.

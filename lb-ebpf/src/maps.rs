@@ -147,6 +147,12 @@ pub static LB_FRONTEND_PORTS: Array<PortUse, { capacity::FRONTEND_PORTS as usize
 #[btf_map]
 pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
 
+/// tc path: the route epoch, moved by the agent whenever the node's
+/// routes, neighbours, links or addresses change; a flow's cached next hop
+/// (`CtEntry::hop_*`) is only good within the epoch it was found in.
+#[btf_map]
+pub static LB_ROUTE_EPOCH: Array<u32, 1> = Array::new();
+
 #[btf_map]
 pub static LB_STATS: PerCpuArray<u64, { stat::COUNT as usize }> = PerCpuArray::new();
 

@@ -494,7 +494,7 @@ fn rewrite(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> bool {
 /// neighbour; the stack would drop it as martian (its source is local) or
 /// would not forward it back out of the device it came in.
 #[inline(always)]
-fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
+fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry, ptr: *mut CtEntry, now: u64) -> i32 {
     let nat = nat_tuple(e);
     let target = route::Target {
         v6: p.v6,
@@ -505,7 +505,8 @@ fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry) -> i32 {
         sport: nat.sport,
         dport: nat.dport,
     };
-    match route::redirect(ctx, &target) {
+    let flow = route::Flow { entry: e, ptr, now };
+    match route::redirect(ctx, &target, Some(&flow)) {
         route::Fib::Sent(verdict) => verdict,
         route::Fib::TooBig(mtu) => icmp::too_big(ctx, p, e, mtu),
         route::Fib::NoRoute => {
@@ -860,6 +861,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     fwd.ack_seq = 0;
     fwd.backend_time_wait = 0;
     fwd._pad2 = [0; 3];
+    // SAFETY: all zeros is "no next hop".
+    fwd.hop = unsafe { core::mem::zeroed() };
     if local {
         fwd.nat_src = p.src;
         fwd.nat_sport = p.sport;
@@ -892,6 +895,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.ack_seq = 0;
     reply.backend_time_wait = 0;
     reply._pad2 = [0; 3];
+    // SAFETY: as above.
+    reply.hop = unsafe { core::mem::zeroed() };
     if local && !reply_key_held(table, &scratch.reply_key, p, now, cfg) {
         // The reply key is the client's own tuple reversed: only this
         // client can hold it, and a flow it held through this frontend
@@ -949,7 +954,13 @@ fn reply_key_held(table: Table, reply_key: &CtKey, p: &Pkt, now: u64, cfg: &TcCo
 }
 
 #[inline(always)]
-fn finish(ctx: &TcContext, p: &Pkt, e: &CtEntry, at_ingress: bool) -> i32 {
+fn finish(
+    ctx: &TcContext,
+    p: &Pkt,
+    (e, ptr): (&CtEntry, *mut CtEntry),
+    now: u64,
+    at_ingress: bool,
+) -> i32 {
     if !rewrite(ctx, p, e) {
         count(stat::TC_DROP_REWRITE);
         return TC_ACT_SHOT;
@@ -957,7 +968,7 @@ fn finish(ctx: &TcContext, p: &Pkt, e: &CtEntry, at_ingress: bool) -> i32 {
     count(stat::TC_TRANSLATED);
     frag::record(ctx, p, e, at_ingress);
     if at_ingress && e.flags & (ct_flags::SNAT | ct_flags::REPLY) != 0 {
-        redirect(ctx, p, e)
+        redirect(ctx, p, e, ptr, now)
     } else {
         TC_ACT_OK
     }
@@ -1138,7 +1149,7 @@ fn follow(
     if !track(table, key, ptr, &e, p, now) {
         return Some(TC_ACT_SHOT);
     }
-    Some(finish(ctx, p, &e, at_ingress))
+    Some(finish(ctx, p, (&e, ptr), now, at_ingress))
 }
 
 /// The forward entry of the flow an ICMP error is about (`key`: client ->

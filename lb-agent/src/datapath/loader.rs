@@ -442,7 +442,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 18] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 19] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeerEntry, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -503,6 +503,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 18] {
             ARRAY,
             lb_common::capacity::FRONTEND_PORTS,
         ),
+        layout::<u32, u32>(map_names::ROUTE_EPOCH, ARRAY, 1),
     ]
 }
 
@@ -556,6 +557,14 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
             }
         };
         if let Some(why) = why {
+            if CARRIED.contains(&name) && carried_layout(&path).is_some() {
+                // Set aside, read into its replacement once that exists.
+                let aside = carried_path(&path);
+                fs::rename(&path, &aside)
+                    .with_context(|| format!("moving {} to {}", path.display(), aside.display()))?;
+                recreated.push(format!("{name}: {why}; its entries are carried over"));
+                continue;
+            }
             fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
             recreated.push(format!("{name}: {why}"));
             core_changed |= CORE.contains(&name);
@@ -574,6 +583,77 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
         }
     }
     Ok(recreated)
+}
+
+/// The conntrack tables, whose entries an agent of another layout carries
+/// over instead of dropping them (each one an open connection through a
+/// NodePort, LoadBalancer IP or externalIP, broken if its entry went).
+const CARRIED: [&str; 2] = [map_names::CONNTRACK, map_names::CONNTRACK_SYN];
+
+/// The size of an entry of an earlier version's conntrack table that
+/// [`carry_over`] reads: 64, before `CtEntry::hop` (which starts empty).
+/// Any other layout is recreated empty.
+const CARRIED_VALUE: usize = 64;
+
+/// Where a table to carry over waits (bpffs takes no dot in a name).
+fn carried_path(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_owned();
+    name.push("_CARRIED");
+    path.with_file_name(name)
+}
+
+/// Whether the pinned map at `path` is a conntrack table [`carry_over`]
+/// reads: of this version's type and key, entries of [`CARRIED_VALUE`].
+fn carried_layout(path: &Path) -> Option<()> {
+    use lb_common::CtKey;
+    let info = MapInfo::from_pin(path).ok()?;
+    let t = info.map_type().ok()? as u32;
+    (t == map_type::LRU_HASH
+        && info.key_size() as usize == std::mem::size_of::<CtKey>()
+        && info.value_size() as usize == CARRIED_VALUE)
+        .then_some(())
+}
+
+/// Copies the entries of the conntrack table set aside for `name` (see
+/// `drop_incompatible_pins`) into the new one, each zero-extended (no next
+/// hop), and removes it. Returns how many were carried over; entries the
+/// new table has no room for are counted as lost. Flows the earlier
+/// programs open between this copy and their replacement's attachment are
+/// not carried.
+fn carry_over(pin_dir: &Path, name: &str) -> anyhow::Result<Option<(usize, usize)>> {
+    use lb_common::{CtEntry, CtKey};
+    let aside = carried_path(&pin_dir.join(name));
+    if !aside.exists() {
+        return Ok(None);
+    }
+    let open = |path: &Path| -> anyhow::Result<Map> {
+        let data =
+            MapData::from_pin(path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(Map::LruHashMap(data))
+    };
+    let old: HashMap<MapData, CtKey, [u8; CARRIED_VALUE]> = HashMap::try_from(open(&aside)?)?;
+    let mut new: HashMap<MapData, CtKey, CtEntry> = HashMap::try_from(open(&pin_dir.join(name))?)?;
+    let (mut carried, mut lost) = (0, 0);
+    for item in old.iter() {
+        let Ok((key, bytes)) = item else {
+            // The earlier programs may remove an entry during the walk.
+            continue;
+        };
+        let mut raw = [0u8; std::mem::size_of::<CtEntry>()];
+        raw[..CARRIED_VALUE].copy_from_slice(&bytes);
+        // SAFETY: `CtEntry` is plain data (any bytes are a value); its
+        // first CARRIED_VALUE bytes are laid out as the earlier version's
+        // whole entry (the table in lb-common), the rest zero: no hop.
+        let entry: CtEntry = unsafe { std::ptr::read_unaligned(raw.as_ptr().cast()) };
+        // BPF_NOEXIST: never over an entry the new programs wrote.
+        match new.insert(key, entry, 1) {
+            Ok(()) => carried += 1,
+            Err(_) => lost += 1,
+        }
+    }
+    drop(old);
+    fs::remove_file(&aside).with_context(|| format!("removing {}", aside.display()))?;
+    Ok(Some((carried, lost)))
 }
 
 /// Whether the tables of the pinned `LB_MAGLEV` at `path` are of another
@@ -743,6 +823,18 @@ impl Datapath {
         let mut ebpf = loader
             .load(EBPF_OBJECT)
             .context("loading the kernel programs")?;
+        for name in CARRIED {
+            match carry_over(pin_dir, name) {
+                Ok(Some((carried, lost))) => tracing::info!(
+                    map = name,
+                    carried,
+                    lost,
+                    "flows carried over from the earlier layout"
+                ),
+                Ok(None) => {}
+                Err(e) => tracing::error!("carrying {name} over: {e:#}; its flows are lost"),
+            }
+        }
         match aya_log::EbpfLogger::init(&mut ebpf) {
             Ok(logger) => adopted.logger = Some(logger),
             Err(e) => tracing::warn!(error = %e, "kernel-side logs unavailable"),
@@ -1360,6 +1452,83 @@ mod tests {
             let _ = remove_pins(&self.pins);
             let _ = fs::remove_dir(&self.cgroup);
         }
+    }
+
+    /// An agent whose conntrack entries are larger than the pinned
+    /// tables' (64 bytes, before `CtEntry::hop`) carries every flow over
+    /// into its new tables, zero-extended, instead of dropping them: each
+    /// is an open NodePort connection.
+    #[test]
+    fn conntrack_entries_of_the_earlier_layout_are_carried_over() {
+        if lacks_root("load BPF programs") {
+            return;
+        }
+        use lb_common::{CtEntry, CtKey};
+        let id = std::process::id();
+        let scratch = Scratch {
+            cgroup: cgroup2_root().unwrap().join(format!("lb-unit-carry-{id}")),
+            pins: PathBuf::from(format!("/sys/fs/bpf/lb-unit-carry-{id}")),
+        };
+        fs::create_dir_all(&scratch.pins).unwrap();
+        let small = Capacity::small();
+        let key = |port: u16| CtKey {
+            src: lb_common::ipv4_mapped([192, 168, 77, 100]),
+            dst: lb_common::ipv4_mapped([192, 168, 77, 1]),
+            sport: port,
+            dport: 30080,
+            proto: lb_common::proto::TCP,
+            _pad: [0; 3],
+        };
+        // Old entries: every byte set, so a byte lost or moved shows.
+        let old_entry = |port: u16| -> [u8; 64] { std::array::from_fn(|i| (i as u8) ^ port as u8) };
+        for (name, ports) in [
+            (map_names::CONNTRACK, 40_000..40_010),
+            (map_names::CONNTRACK_SYN, 41_000..41_003),
+        ] {
+            let def = aya_obj::Map::new_from_params(
+                map_type::LRU_HASH,
+                std::mem::size_of::<CtKey>() as u32,
+                64,
+                64,
+                0,
+            );
+            let data = MapData::create(def, name, None).unwrap();
+            data.pin(scratch.pins.join(name)).unwrap();
+            let mut old: HashMap<MapData, CtKey, [u8; 64]> =
+                HashMap::try_from(Map::LruHashMap(data)).unwrap();
+            for port in ports {
+                old.insert(key(port), old_entry(port), 0).unwrap();
+            }
+        }
+        let refusal = Refusal::for_kernel(&KernelFeatures::probe());
+        let (dp, adopted) = Datapath::load_detached(&scratch.pins, &small, refusal).unwrap();
+        let carried: Vec<_> = adopted
+            .recreated
+            .iter()
+            .filter(|r| r.contains("carried over"))
+            .collect();
+        assert_eq!(carried.len(), 2, "{:?}", adopted.recreated);
+        for (name, ports) in [
+            (map_names::CONNTRACK, 40_000..40_010),
+            (map_names::CONNTRACK_SYN, 41_000..41_003),
+        ] {
+            let path = scratch.pins.join(name);
+            assert!(
+                !carried_path(&path).exists(),
+                "{name}: the old table stays pinned"
+            );
+            let new: HashMap<MapData, CtKey, CtEntry> =
+                HashMap::try_from(Map::LruHashMap(MapData::from_pin(&path).unwrap())).unwrap();
+            assert_eq!(new.keys().count(), ports.len(), "{name}");
+            for port in ports {
+                let e = new.get(&key(port), 0).unwrap();
+                // SAFETY: plain data, read as bytes.
+                let bytes: [u8; 88] = unsafe { std::mem::transmute(e) };
+                assert_eq!(bytes[..64], old_entry(port), "{name} {port}");
+                assert_eq!(e.hop, Default::default(), "{name} {port}: no next hop yet");
+            }
+        }
+        drop(dp);
     }
 
     #[test]

@@ -1276,6 +1276,7 @@ mod tests {
             ack_seq: 0,
             backend_time_wait: 0,
             _pad2: [0; 3],
+            hop: Default::default(),
         }
     }
 

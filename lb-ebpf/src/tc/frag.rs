@@ -243,7 +243,7 @@ pub fn later(ctx: &TcContext, at_ingress: bool) -> Option<i32> {
         sport: e.nat_sport,
         dport: e.nat_dport,
     };
-    Some(match route::redirect(ctx, &target) {
+    Some(match route::redirect(ctx, &target, None) {
         route::Fib::Sent(v) => v,
         // Nothing to quote that the sender could match: dropped.
         route::Fib::TooBig(_) => {

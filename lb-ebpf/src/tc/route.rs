@@ -4,16 +4,18 @@
 //! or no route. With the next hop's MAC known, the program writes both MACs
 //! and the packet leaves with `bpf_redirect`; otherwise `bpf_redirect_neigh`
 //! resolves the neighbour (and repeats the route lookup) after the program.
+//! A flow keeps the answer in its entry (`CtEntry::hop`, see `NextHop`)
+//! and its later packets skip the lookup while it holds.
 use aya_ebpf::{
     bindings::bpf_fib_lookup,
     helpers::{bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_redirect_neigh},
     programs::TcContext,
     EbpfContext,
 };
-use lb_common::proto;
+use lb_common::{proto, CtEntry, NextHop};
 
 use super::{put, Words, AF_INET, AF_INET6, ETH_HLEN, FIB_NO_NEIGH, FIB_SUCCESS, LB_TC_SCRATCH};
-use crate::maps::this_cpu;
+use crate::maps::{this_cpu, LB_ROUTE_EPOCH};
 
 const FIB_FRAG_NEEDED: i64 = 8;
 
@@ -54,8 +56,40 @@ fn wire_len(ctx: &TcContext, t: &Target) -> u16 {
     (t.l4 - ETH_HLEN + l4_len + gso as usize) as u16
 }
 
+/// A flow's entry, for its cached next hop: `entry` as read at the start
+/// of the run, `ptr` the map element to write a new hop to.
+pub struct Flow<'a> {
+    pub entry: &'a CtEntry,
+    pub ptr: *mut CtEntry,
+    pub now: u64,
+}
+
+/// What a cached hop is good for: the route epoch and the second.
 #[inline(always)]
-pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
+fn stamp(now: u64) -> [u32; 2] {
+    [
+        LB_ROUTE_EPOCH.get(0).copied().unwrap_or(0),
+        (now >> 30) as u32,
+    ]
+}
+
+#[inline(always)]
+pub fn redirect(ctx: &TcContext, t: &Target, flow: Option<&Flow>) -> Fib {
+    let len = wire_len(ctx, t);
+    // SAFETY: the context pointer is valid for the program's run.
+    let in_ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    let stamp = flow.map(|f| stamp(f.now));
+    if let (Some(f), Some(stamp)) = (flow, stamp) {
+        let hop = &f.entry.hop;
+        if len <= hop.len
+            && hop.check == hop.digest(f.entry, stamp, in_ifindex, t.proto)
+            && put(ctx, 0, &hop.dmac)
+            && put(ctx, 6, &hop.smac)
+        {
+            // SAFETY: plain helper call; the packet leaves by that device.
+            return Fib::Sent(unsafe { bpf_redirect(hop.ifindex, 0) } as i32);
+        }
+    }
     let Some(scratch) = this_cpu(&LB_TC_SCRATCH) else {
         return Fib::NoRoute;
     };
@@ -68,9 +102,8 @@ pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
     fib.dport = t.dport.to_be();
     // A length makes the lookup check it against the route's MTU (a
     // lowered route MTU included), not only the device's.
-    fib.__bindgen_anon_1.tot_len = wire_len(ctx, t);
-    // SAFETY: the context pointer is valid for the program's run.
-    fib.ifindex = unsafe { (*ctx.skb.skb).ifindex };
+    fib.__bindgen_anon_1.tot_len = len;
+    fib.ifindex = in_ifindex;
     if t.v6 {
         fib.__bindgen_anon_3.ipv6_src = t.src.0;
         fib.__bindgen_anon_4.ipv6_dst = t.dst.0;
@@ -91,6 +124,25 @@ pub fn redirect(ctx: &TcContext, t: &Target) -> Fib {
         // The next hop's MAC and the device's, from the lookup (map memory,
         // as the helper takes it): the Ethernet header is complete.
         FIB_SUCCESS if put(ctx, 0, &fib.dmac) && put(ctx, 6, &fib.smac) => {
+            if let (Some(f), Some(stamp)) = (flow, stamp) {
+                let mut hop = NextHop {
+                    ifindex: fib.ifindex,
+                    dmac: fib.dmac,
+                    smac: fib.smac,
+                    // Packets up to this length take the route: a longer
+                    // one looks it up again (and may be too big).
+                    len,
+                    _pad: 0,
+                    check: 0,
+                };
+                // The digest of this flow's tuple as read at the start of
+                // the run, not of the element's: if the element has been
+                // reused by another flow since, the hop fails its check.
+                hop.check = hop.digest(f.entry, stamp, in_ifindex, t.proto);
+                // SAFETY: a valid element for this run; a torn write
+                // fails the check, as said on `NextHop`.
+                unsafe { (*f.ptr).hop = hop };
+            }
             // SAFETY: plain helper call; the packet leaves by that device.
             Fib::Sent(unsafe { bpf_redirect(fib.ifindex, 0) } as i32)
         }
