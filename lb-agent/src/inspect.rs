@@ -523,6 +523,25 @@ pub struct CtView {
     /// or an RST that belongs to the flow). UDP: "-".
     pub state: &'static str,
     pub idle_ms: u64,
+    /// The next hop tc_ingress last found for this direction's packets
+    /// (JSON only): whether it still holds depends on the route epoch and
+    /// the second, which the kernel checks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next_hop: Option<NextHopView>,
+}
+
+/// A flow direction's cached next hop (`CtEntry::hop`).
+#[derive(Debug, serde::Serialize)]
+pub struct NextHopView {
+    pub ifindex: u32,
+    pub dmac: String,
+    pub smac: String,
+    /// Packets up to this IP length take it without a lookup.
+    pub max_len: u16,
+}
+
+fn mac(m: &[u8; 6]) -> String {
+    m.map(|b| format!("{b:02x}")).join(":")
 }
 
 /// What `inspect conntrack` says of an entry's TCP state.
@@ -577,6 +596,12 @@ impl Subject for Conntrack {
                     flags,
                     state: ct_state_name(k.proto, &e),
                     idle_ms: clock::age_ns(now, e.last_seen_ns) / 1_000_000,
+                    next_hop: (e.hop.len > 0).then(|| NextHopView {
+                        ifindex: e.hop.ifindex,
+                        dmac: mac(&e.hop.dmac),
+                        smac: mac(&e.hop.smac),
+                        max_len: e.hop.len,
+                    }),
                 }
             })
             .collect();

@@ -1000,6 +1000,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             "programs attached"
         }
     );
+    if tc_attach.is_some() {
+        // Without it a flow's cached next hop still lasts at most a second.
+        if let Err(e) =
+            crate::datapath::route_epoch::RouteEpoch::open(&args.bpffs).and_then(|r| r.watch())
+        {
+            tracing::error!(
+                "following route changes: {e:#}; a flow's next hop is looked up again every second"
+            );
+        }
+    }
     let reconciler = Reconciler::adopt(
         args.maglev_table_size,
         args.capacity.max_slots,

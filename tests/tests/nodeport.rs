@@ -1546,3 +1546,116 @@ fn cluster_ips_from_outside_only_with_external_clusterip() {
     c.agents[0].restart(Duration::from_secs(20)).unwrap();
     not_served(&c, "restarted without the flag");
 }
+
+/// A NodePort flow to a remote backend keeps its next hop in its
+/// conntrack entry (no FIB lookup per packet), yet follows a change of
+/// that next hop at once: node 1's agent moves the route epoch at every
+/// rtnetlink notification. Here the neighbour entry of node 2 (through
+/// which node 2's pod is routed) is made wrong on node 1, then deleted so
+/// that ARP finds it again: replies must stop within 300 ms of the first
+/// and come back within 300 ms of the second, three times. A hop kept
+/// until the second turns (all that holds without the agent) would keep
+/// the flow working through the first up to a second, and leave it broken
+/// up to a second after the second, most of the times.
+#[test]
+fn a_flow_follows_a_changed_next_hop_at_once() {
+    require_root!();
+    let mut c = Cluster::new("hop", &[0, 1]).expect("topology");
+    c.serve_all().unwrap();
+    let pod = c.pod("n2p0").clone();
+    let mut docs = c.node_objects();
+    docs.extend([
+        service(
+            "dns",
+            &["10.96.0.53"],
+            json!({"ports": port(UDP_NODEPORT, "UDP")}),
+            json!({}),
+        ),
+        c.slice("dns", &[&pod], false, "UDP"),
+    ]);
+    c.manifests.write("dns.yaml", &docs).unwrap();
+    c.start_agents(&[]).unwrap();
+    let n1 = c.nodes[0].netns.clone();
+    let probe = ProbeChild::spawn(&[
+        "hold-udp".into(),
+        "--netns".into(),
+        c.client_netns.clone(),
+        "--target".into(),
+        format!("{}:{UDP_NODEPORT}", node_v4(1)),
+        "--interval-ms".into(),
+        "20".into(),
+        "--duration-ms".into(),
+        "30000".into(),
+    ])
+    .unwrap();
+    let mut events = Vec::new();
+    // Attempts until `until_ms` into the probe's run.
+    let read_until = |until_ms: f64, events: &mut Vec<Attempt>| loop {
+        let a = probe
+            .next_attempt(Duration::from_secs(5))
+            .unwrap_or_else(|e| panic!("{e:#}"));
+        let done = a.elapsed_ms > until_ms;
+        events.push(a);
+        if done {
+            break;
+        }
+    };
+    read_until(500.0, &mut events);
+    assert!(events.iter().any(|e| e.ok), "{}", show(&events));
+    // The flow's forward entry on node 1 holds its next hop: node 2.
+    let flows = c.agents[0].inspect_conntrack().unwrap();
+    let forward = flows
+        .iter()
+        .find(|f| f["direction"] == "forward" && f["proto"] == "UDP")
+        .unwrap_or_else(|| panic!("{flows:?}"));
+    let n2_mac =
+        integration_tests::cmd::ip(&["-n", &c.nodes[1].netns, "-br", "link", "show", "eth0"])
+            .unwrap();
+    let hop_mac = forward["next_hop"]["dmac"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{forward}"));
+    assert!(
+        n2_mac.contains(hop_mac),
+        "{hop_mac} is not node 2's ({n2_mac})"
+    );
+    let node2 = node_v4(2).to_string();
+    for round in 0..3 {
+        let now = events.last().unwrap().elapsed_ms;
+        integration_tests::cmd::ip(&[
+            "-n",
+            &n1,
+            "neigh",
+            "replace",
+            &node2,
+            "lladdr",
+            "02:00:00:00:00:99",
+            "dev",
+            "eth0",
+            "nud",
+            "permanent",
+        ])
+        .unwrap();
+        read_until(now + 700.0, &mut events);
+        let broken_from = now + 300.0;
+        let late: Vec<_> = events
+            .iter()
+            .filter(|e| e.ok && e.elapsed_ms > broken_from && e.elapsed_ms < now + 700.0)
+            .collect();
+        assert!(
+            late.is_empty(),
+            "round {round}: replies through a wrong next hop 300 ms after the change: {}",
+            show(&events)
+        );
+        let now = events.last().unwrap().elapsed_ms;
+        integration_tests::cmd::ip(&["-n", &n1, "neigh", "del", &node2, "dev", "eth0"]).unwrap();
+        read_until(now + 700.0, &mut events);
+        let back = events
+            .iter()
+            .any(|e| e.ok && e.elapsed_ms > now && e.elapsed_ms < now + 300.0);
+        assert!(
+            back,
+            "round {round}: no reply within 300 ms of the next hop's return: {}",
+            show(&events)
+        );
+    }
+}

@@ -17,6 +17,7 @@ mod fuzz;
 pub mod loader;
 pub mod mapped;
 pub mod reconcile;
+pub mod route_epoch;
 pub mod slot_ranges;
 pub mod sockets;
 pub mod sweep;
