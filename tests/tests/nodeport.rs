@@ -161,6 +161,27 @@ fn setup_with(tag: &str, extra: &[&str]) -> Cluster {
     c
 }
 
+/// A cluster of `pods_per_node` whose UDP NodePort `dns` has the one
+/// endpoint `pod`, its agents started with `extra`.
+fn udp_node_port_to(tag: &str, pods_per_node: &[u8], pod: &str, extra: &[&str]) -> Cluster {
+    let mut c = Cluster::new(tag, pods_per_node).expect("topology");
+    c.serve_all().unwrap();
+    let pod = c.pod(pod).clone();
+    let mut docs = c.node_objects();
+    docs.extend([
+        service(
+            "dns",
+            &["10.96.0.53"],
+            json!({"ports": port(UDP_NODEPORT, "UDP")}),
+            json!({}),
+        ),
+        c.slice("dns", &[&pod], false, "UDP"),
+    ]);
+    c.manifests.write("dns.yaml", &docs).unwrap();
+    c.start_agents(extra).unwrap();
+    c
+}
+
 fn ok_count(a: &[Attempt]) -> usize {
     a.iter().filter(|a| a.ok).count()
 }
@@ -1031,21 +1052,7 @@ fn source_ranges_changed_while_the_agent_was_down() {
 #[test]
 fn conntrack_entries_expire_with_the_configured_timeout() {
     require_root!();
-    let mut c = Cluster::new("ctexp", &[1]).expect("topology");
-    c.serve_all().unwrap();
-    let pod = c.pod("n1p0").clone();
-    let mut docs = c.node_objects();
-    docs.extend([
-        service(
-            "dns",
-            &["10.96.0.53"],
-            json!({"ports": port(UDP_NODEPORT, "UDP")}),
-            json!({}),
-        ),
-        c.slice("dns", &[&pod], false, "UDP"),
-    ]);
-    c.manifests.write("dns.yaml", &docs).unwrap();
-    c.start_agents(&["--conntrack-udp-timeout", "1s"]).unwrap();
+    let c = udp_node_port_to("ctexp", &[1], "n1p0", &["--conntrack-udp-timeout", "1s"]);
     let target = format!("{}:{UDP_NODEPORT}", node_v4(1));
     let a = c.from_client("udp", &target, 5);
     assert_eq!(ok_count(&a), 5, "{}", show(&a));
@@ -1560,21 +1567,7 @@ fn cluster_ips_from_outside_only_with_external_clusterip() {
 #[test]
 fn a_flow_follows_a_changed_next_hop_at_once() {
     require_root!();
-    let mut c = Cluster::new("hop", &[0, 1]).expect("topology");
-    c.serve_all().unwrap();
-    let pod = c.pod("n2p0").clone();
-    let mut docs = c.node_objects();
-    docs.extend([
-        service(
-            "dns",
-            &["10.96.0.53"],
-            json!({"ports": port(UDP_NODEPORT, "UDP")}),
-            json!({}),
-        ),
-        c.slice("dns", &[&pod], false, "UDP"),
-    ]);
-    c.manifests.write("dns.yaml", &docs).unwrap();
-    c.start_agents(&[]).unwrap();
+    let c = udp_node_port_to("hop", &[0, 1], "n2p0", &[]);
     let n1 = c.nodes[0].netns.clone();
     let probe = ProbeChild::spawn(&[
         "hold-udp".into(),
