@@ -149,7 +149,7 @@ pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
 
 /// tc path: the route epoch, moved by the agent whenever the node's
 /// routes, neighbours, links or addresses change; a flow's cached next hop
-/// (`CtEntry::hop_*`) is only good within the epoch it was found in.
+/// (`CtEntry::hop`) is only good within the epoch it was found in.
 #[btf_map]
 pub static LB_ROUTE_EPOCH: Array<u32, 1> = Array::new();
 

@@ -39,7 +39,7 @@ impl RouteEpoch {
         })
     }
 
-    pub fn get(&self) -> anyhow::Result<u32> {
+    fn get(&self) -> anyhow::Result<u32> {
         self.map
             .get(&0, 0)
             .with_context(|| format!("reading {}", map_names::ROUTE_EPOCH))
