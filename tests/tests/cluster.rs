@@ -52,6 +52,18 @@ fn until_error(env: &Env, what: &str, target: &str, error: &str) {
     eprintln!("{what}: {target} fails with {error} after {took:?}");
 }
 
+/// A connected UDP socket's attempt that met the agent's SOCK_DESTROY: its
+/// pending ECONNABORTED, read by the recv that waited, or reported by the
+/// send that came first (the destroy disconnects the socket, so that send
+/// fails and the probe reads the pending error).
+fn assert_destroyed(what: &str, a: &integration_tests::probe::Attempt) {
+    assert!(
+        a.error.as_deref() == Some("ECONNABORTED")
+            && matches!(a.stage.as_deref(), Some("recv" | "send")),
+        "{what}: {a:?}"
+    );
+}
+
 fn metrics(env: &Env) -> String {
     let (code, body) = env.agent().metrics().unwrap();
     assert_eq!(code, 200, "/metrics: {body}");
@@ -505,12 +517,7 @@ fn connected_udp_socket_to_a_departed_backend_is_destroyed() {
         "after {} more replies from {gone}: {aborted:?}",
         replies.len()
     );
-    assert_eq!(
-        aborted.error.as_deref(),
-        Some("ECONNABORTED"),
-        "{aborted:?}"
-    );
-    assert_eq!(aborted.stage.as_deref(), Some("recv"), "{aborted:?}");
+    assert_destroyed("the socket whose backend left", &aborted);
     // The reconnected socket reaches a live backend, and stays there.
     let mut after = None;
     for _ in 0..5 {
@@ -611,11 +618,7 @@ fn connected_udp_socket_keeps_a_backend_a_traffic_policy_excludes_while_it_serve
     let (aborted, _) = probe
         .until_error(100)
         .unwrap_or_else(|e| panic!("the socket was not destroyed after b2 left: {e:#}"));
-    assert_eq!(
-        (aborted.stage.as_deref(), aborted.error.as_deref()),
-        (Some("recv"), Some("ECONNABORTED")),
-        "{aborted:?}"
-    );
+    assert_destroyed("the stale socket", &aborted);
     let a = next();
     assert_eq!(a.backend.as_deref(), Some("b1"), "{a:?}");
 }
@@ -652,11 +655,7 @@ fn connected_udp_socket_is_destroyed_without_its_lb_rev_sock_entry() {
     let (aborted, _) = probe.until_error(100).unwrap_or_else(|e| {
         panic!("the socket to {gone}, whose LB_REV_SOCK entry was gone, was not destroyed: {e:#}")
     });
-    assert_eq!(
-        (aborted.stage.as_deref(), aborted.error.as_deref()),
-        (Some("recv"), Some("ECONNABORTED")),
-        "{aborted:?}"
-    );
+    assert_destroyed("the stale socket", &aborted);
     let a = next();
     assert!(a.ok, "after the reconnect: {a:?}");
     assert!(rest.contains(&a.backend.as_deref().unwrap()), "{a:?}");
@@ -721,10 +720,9 @@ fn udp_socket_connected_to_the_vip_before_the_service_is_destroyed_once_it_serve
             _ => break a,
         }
     };
-    assert_eq!(
-        (aborted.stage.as_deref(), aborted.error.as_deref()),
-        (Some("recv"), Some("ECONNABORTED")),
-        "the socket connected before the Service was not destroyed: {aborted:?}"
+    assert_destroyed(
+        "the socket connected before the Service was not destroyed",
+        &aborted,
     );
     let a = next();
     assert!(a.ok, "after the reconnect: {a:?}");

@@ -658,7 +658,7 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
     if connected {
         at("connect", s.connect(target))?;
         peer = Some(at("getpeername", s.peer_addr())?);
-        at("send", s.send(b"ping"))?;
+        at("send", send_connected(&s, b"ping"))?;
     } else {
         at("send", s.send_to(b"ping", target))?;
     }
@@ -677,6 +677,20 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
             source: None,
         },
     })
+}
+
+/// `send()` on a connected UDP socket. SOCK_DESTROY (`udp_abort`) leaves
+/// ECONNABORTED pending and disconnects the socket, so a send that comes
+/// after it, before any recv, fails with EDESTADDRREQ: the pending error is
+/// the cause, and the one an application reads next.
+fn send_connected(s: &UdpSocket, b: &[u8]) -> io::Result<usize> {
+    match s.send(b) {
+        Err(e) if e.raw_os_error() == Some(libc::EDESTADDRREQ) => match s.take_error() {
+            Ok(Some(pending)) => Err(pending),
+            _ => Err(e),
+        },
+        r => r,
+    }
 }
 
 fn resolve_target(target: &str, family: Option<Family>) -> Result<SocketAddr> {
@@ -823,7 +837,7 @@ fn hold_udp(a: HoldUdpArgs) -> Result<()> {
             },
         };
         let due = Instant::now() + interval;
-        if let Err(e) = s.send(b"ping") {
+        if let Err(e) = send_connected(&s, b"ping") {
             report(fail("send", &e))?;
             continue;
         }
