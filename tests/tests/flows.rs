@@ -450,6 +450,165 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     );
 }
 
+/// `eth0`'s MAC address in `netns`.
+fn eth0_mac(netns: &str) -> String {
+    let out = cmd::ip(&["-n", netns, "-br", "link", "show", "eth0"]).expect("ip link");
+    out.split_whitespace()
+        .nth(2)
+        .unwrap_or_else(|| panic!("no MAC in {out:?}"))
+        .to_string()
+}
+
+/// Issue 13: a flow direction keeps its next hop (device, MACs) in its
+/// conntrack entry, checked against the route epoch the agent moves at
+/// every rtnetlink change. Both CPUs write and read those hops at once
+/// while the epoch moves, and the agent is SIGKILLed and restarted
+/// mid-stream (no epoch moves while it is away; its start moves it once).
+///
+/// Bulk transfers both ways (a new connection per round) and streams, on
+/// both CPUs, through `remote` (n1 → n2, every packet through the cached
+/// hop to n2) and `mixed`, while n2's `eth0` changes its MAC address every
+/// 200 ms and n1's neighbour entry for n2 follows at once (a real next-hop
+/// change: frames to the old MAC reach nobody). Every connection must end
+/// without an error, with every byte at both ends, on one backend; the
+/// pods must send no RST; flows must have used cached hops.
+#[test]
+fn bulk_flows_follow_next_hop_changes_across_an_agent_restart() {
+    require_root!();
+    let cpus = [0, 1];
+    let mut bed = setup("hopmac", &[], &cpus);
+    let clients = [bed.c.client_netns.clone(), bed.c.client2_netns.clone()];
+    let (n1, n2) = (bed.c.nodes[0].netns.clone(), bed.c.nodes[1].netns.clone());
+    let macs = [eth0_mac(&n2), "02:00:00:00:13:02".to_string()];
+    const RUN_MS: u64 = 10_000;
+    let mut runs = Vec::new();
+    let mut expected = Vec::new();
+    for i in 0..4 {
+        let port = if i % 2 == 0 { REMOTE } else { MIXED };
+        runs.push(
+            ClientRun::new(&clients[i % 2], &target(port), &format!("bulk{i}"), "bulk")
+                .cpu(Some(cpus[i % 2]))
+                .arg("--up-bytes", 4 * MIB)
+                .arg("--down-bytes", 4 * MIB)
+                .arg("--rounds", 200)
+                .arg("--until-ms", RUN_MS)
+                .arg("--connect-timeout-ms", 10_000)
+                .args(),
+        );
+        expected.push(format!("bulk{i}.0"));
+        runs.push(
+            ClientRun::new(
+                &clients[(i + 1) % 2],
+                &target(port),
+                &format!("stream{i}"),
+                "stream",
+            )
+            .cpu(Some(cpus[(i + 1) % 2]))
+            .arg("--duration-ms", RUN_MS)
+            .arg("--connect-timeout-ms", 10_000)
+            .args(),
+        );
+        expected.push(format!("stream{i}"));
+    }
+    let watch = PodRstWatch::start(&bed.c);
+    let node2 = node_v4(2).to_string();
+    let set_mac = |mac: &str| {
+        cmd::ip(&["-n", &n2, "link", "set", "eth0", "address", mac]).expect("n2's MAC");
+        cmd::ip(&[
+            "-n",
+            &n1,
+            "neigh",
+            "replace",
+            &node2,
+            "lladdr",
+            mac,
+            "dev",
+            "eth0",
+            "nud",
+            "permanent",
+        ])
+        .expect("n1's neighbour for n2");
+    };
+    let mut changes = 0;
+    let mut hops_seen = 0;
+    let mut restarted = false;
+    let began = Instant::now();
+    let reports = std::thread::scope(|s| {
+        let traffic = s.spawn(|| run_clients(&runs, Duration::from_secs(120)));
+        while began.elapsed() < Duration::from_millis(RUN_MS - 1000) {
+            std::thread::sleep(Duration::from_millis(200));
+            changes += 1;
+            set_mac(&macs[changes % 2]);
+            if changes == 10 {
+                // Flows of `remote` hold n2's current MAC as their hop.
+                let flows = bed.c.agents[0].inspect_conntrack().expect("conntrack");
+                let mac = &macs[changes % 2];
+                hops_seen = flows
+                    .iter()
+                    .filter(|f| f["next_hop"]["dmac"].as_str() == Some(mac.as_str()))
+                    .count();
+                bed.c.agents[0].kill().expect("SIGKILL n1's agent");
+            }
+            if changes == 15 {
+                bed.c.agents[0]
+                    .restart(Duration::from_secs(20))
+                    .expect("restart n1's agent");
+                restarted = true;
+            }
+        }
+        traffic.join().expect("clients")
+    })
+    .expect("clients");
+    set_mac(&macs[0]);
+    let ids: Vec<String> = reports.iter().map(|r| r.id.clone()).collect();
+    let servers = bed.servers.wait_for(&ids, Duration::from_secs(10));
+    let rsts = watch.finish(&bed.c);
+    let bad = problems(&reports, &servers, &expected);
+    let bulk: Vec<ClientReport> = reports
+        .iter()
+        .filter(|r| r.id.starts_with("bulk"))
+        .cloned()
+        .collect();
+    println!(
+        "next hops: {changes} MAC changes of n2 in {:.1} s, n1's agent restarted: {restarted}, \
+         entries holding n2's MAC before the restart: {hops_seen}\n  {}\n  RSTs sent by the pods: {}\n  broken connections: {}",
+        began.elapsed().as_secs_f64(),
+        summary("bulk 4 MiB both ways and streams", &reports),
+        rsts.sent,
+        bad.len(),
+    );
+    assert!(restarted);
+    assert!(
+        bad.is_empty(),
+        "{} of {} connections broken:\n{}",
+        bad.len(),
+        reports.len(),
+        bad.join("\n")
+    );
+    assert_eq!(
+        rsts.unexplained(),
+        0,
+        "the pods sent RSTs other than TCP's answer to a late segment of a closed connection:\n{}",
+        rsts.other.join("\n")
+    );
+    assert!(
+        hops_seen > 0,
+        "no conntrack entry held n2's MAC as its next hop: the flows did not use cached hops"
+    );
+    for i in 0..4 {
+        let rounds = bulk
+            .iter()
+            .filter(|r| r.id.starts_with(&format!("bulk{i}.")))
+            .count();
+        assert!(rounds >= 2, "bulk{i} did only {rounds} rounds");
+    }
+    let backends = by_backend(&reports);
+    assert!(
+        backends.contains_key("n2p0"),
+        "no flow through n2: {backends:?}"
+    );
+}
+
 /// Issue 10: the first FIN moved both directions to the close timeout, so
 /// a half-closed connection whose other side sends later was cut. Agents
 /// with `--conntrack-tcp-close-timeout 2s`; the client sends a little and
