@@ -121,6 +121,9 @@ impl Mode {
 #[serde(rename_all = "kebab-case")]
 pub enum ArmKind {
     Direct,
+    /// `Direct` again, as a second arm of the same rounds: the A/A control
+    /// of the connect-rate ratios (only in [`NoiseFloor`]).
+    DirectAgain,
     Ours,
     IptablesNft,
     IptablesLegacy,
@@ -139,6 +142,7 @@ impl ArmKind {
     pub fn label(self) -> &'static str {
         match self {
             ArmKind::Direct => "direct",
+            ArmKind::DirectAgain => "direct (again)",
             ArmKind::Ours => "lb (ours)",
             ArmKind::IptablesNft => "iptables (nft)",
             ArmKind::IptablesLegacy => "iptables (legacy)",
@@ -149,6 +153,7 @@ impl ArmKind {
     fn short(self) -> &'static str {
         match self {
             ArmKind::Direct => "direct",
+            ArmKind::DirectAgain => "direct2",
             ArmKind::Ours => "ours",
             ArmKind::IptablesNft => "iptnft",
             ArmKind::IptablesLegacy => "iptleg",
@@ -351,7 +356,32 @@ pub struct Results {
     /// The NodePort (tc path) experiment.
     #[serde(default)]
     pub nodeport: Option<nodeport::NodePortResults>,
+    /// The connect rate's A/A control at the smallest point.
+    #[serde(default)]
+    pub noise_floor: Option<NoiseFloor>,
     pub elapsed_s: f64,
+}
+
+/// Connect+close only, at the smallest ClusterIP point, in more rounds than
+/// the main experiment: direct, direct again (a second backend namespace,
+/// the same test) and ours, shuffled each round. Direct again ÷ direct is
+/// what the machine's noise alone does to a ratio that should be 1.000;
+/// ours ÷ direct beside it says whether our gap can be told from it.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NoiseFloor {
+    pub services: usize,
+    pub rounds: usize,
+    pub cc_ms: u64,
+    pub samples: Vec<Sample>,
+}
+
+/// Rounds of the A/A control (quick: a few).
+fn noise_floor_rounds(quick: bool) -> usize {
+    if quick {
+        3
+    } else {
+        21
+    }
 }
 
 /// Endpoints of every filler Service at the datapath scale points.
@@ -430,6 +460,7 @@ fn run(opts: &Opts) -> Result<()> {
         costs: Vec::new(),
         control: None,
         nodeport: None,
+        noise_floor: None,
         elapsed_s: 0.0,
     };
     let json_path = out_dir.join("results.json");
@@ -1014,7 +1045,7 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(Arm, Setup)> {
         connect4: None,
     };
     match kind {
-        ArmKind::Direct => {
+        ArmKind::Direct | ArmKind::DirectAgain => {
             let b = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), BACKEND_PORT);
             arm.tcp = b;
             arm.udp = b;
@@ -1137,9 +1168,57 @@ fn datapath_point(
             s.rss_mib = vm_hwm_mib(agent.pid()).or(s.rss_mib);
         }
     }
+    if results.points.first() == Some(&services) {
+        arms.retain(|a| matches!(a.kind, ArmKind::Direct | ArmKind::Ours));
+        results.noise_floor = Some(noise_floor(opts, &at, bench_bin, services, seed, arms)?);
+        return Ok(());
+    }
     say(format!("tearing down the {services}-Service arms"));
     drop(arms);
     Ok(())
+}
+
+/// The A/A control ([`NoiseFloor`]) with the point's direct and ours arms
+/// (the others torn down first) and a second direct arm.
+fn noise_floor(
+    opts: &Opts,
+    at: &ArmCtx,
+    bench_bin: &Path,
+    services: usize,
+    seed: &mut u64,
+    mut arms: Vec<Arm>,
+) -> Result<NoiseFloor> {
+    let (again, _) = setup_arm(at, ArmKind::DirectAgain).context("setting up direct (again)")?;
+    again.sanity(bench_bin)?;
+    arms.push(again);
+    let rounds = noise_floor_rounds(opts.quick);
+    let cc_ms = durations(opts.quick)[0].1;
+    say(format!(
+        "=== connect+close A/A control at {services} Services: {rounds} rounds ==="
+    ));
+    let mut samples = Vec::new();
+    let paused: Vec<u32> = arms.iter().flat_map(Measured::agent_pids).collect();
+    while_paused(&paused, || {
+        measure_rounds(
+            "A/A ",
+            &[(Mode::Cc, cc_ms)],
+            bench_bin,
+            services,
+            rounds,
+            &mut arms,
+            seed,
+            &mut samples,
+            |_, _| Ok(()),
+        )
+    })?;
+    say(format!("tearing down the {services}-Service arms"));
+    drop(arms);
+    Ok(NoiseFloor {
+        services,
+        rounds,
+        cc_ms,
+        samples,
+    })
 }
 
 /// An arm as a round runs it.
