@@ -1345,7 +1345,11 @@ mod tests {
         let few = Spread::of(rounds(5)).unwrap();
         let many = Spread::of(rounds(41)).unwrap();
         for s in [&few, &many] {
-            assert!(s.interval.0 <= s.med && s.med <= s.interval.1, "{:?}", s.interval);
+            assert!(
+                s.interval.0 <= s.med && s.med <= s.interval.1,
+                "{:?}",
+                s.interval
+            );
             assert!(s.min <= s.quartiles.0 && s.quartiles.1 <= s.max);
         }
         assert!(
@@ -1356,6 +1360,9 @@ mod tests {
         );
         // The same rounds give the same interval (a fixed seed).
         assert_eq!(Spread::of(rounds(41)).unwrap().interval, many.interval);
-        assert_eq!(few.below, (0..5).filter(|i| (0.9 + 0.05 * (*i as f64)) < 0.98).count());
+        assert_eq!(
+            few.below,
+            (0..5).filter(|i| (0.9 + 0.05 * (*i as f64)) < 0.98).count()
+        );
     }
 }
