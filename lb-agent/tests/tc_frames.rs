@@ -17,7 +17,7 @@ use aya::{
 };
 use lb_common::{
     backend_flags, ct_flags, ct_state, map_names, proto, scope, stat, Backend, BackendId,
-    BackendSlot, BackendSlotKey, CtEntry, CtKey, KeyCheck, PortUse, ServiceKey, ServiceValue,
+    BackendSlot, BackendSlotKey, CtEntry, CtKey, KeyCheck, PortBits, ServiceKey, ServiceValue,
     TcConfig,
 };
 
@@ -242,8 +242,8 @@ struct Fixture {
     conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
     stats: PerCpuArray<MapData, u64>,
     config: Array<MapData, TcConfig>,
-    local_ports: Array<MapData, PortUse>,
-    frontend_ports: Array<MapData, PortUse>,
+    local_ports: Array<MapData, PortBits>,
+    frontend_ports: Array<MapData, PortBits>,
     next_set: u32,
     /// The `LB_SLOTS` index of the next set's first slot.
     next_slot: u32,
@@ -383,10 +383,7 @@ impl Fixture {
         self.backends.set(id, b, 0).unwrap();
         // As the agent does before it publishes a local backend.
         if local {
-            let marked = self.local_ports.get(&u32::from(port), 0).unwrap();
-            self.local_ports
-                .set(u32::from(port), marked.with(proto), 0)
-                .unwrap();
+            mark_port(&mut self.local_ports, port, proto);
         }
     }
 
@@ -436,10 +433,7 @@ impl Fixture {
     }
 
     fn mark_frontend_port(&mut self, port: u16, proto: u8) {
-        let marked = self.frontend_ports.get(&u32::from(port), 0).unwrap();
-        self.frontend_ports
-            .set(u32::from(port), marked.with(proto), 0)
-            .unwrap();
+        mark_port(&mut self.frontend_ports, port, proto);
     }
 
     /// Sets `flags` on the EXTERNAL frontend.
@@ -2630,6 +2624,34 @@ fn a_flow_keeps_its_next_hop_until_the_route_epoch_moves() {
     assert_eq!(dmac(&mut fx), mac_c, "looked up again the next second");
 }
 
+/// Marks `proto`'s `port` in `LB_LOCAL_PORTS` or `LB_FRONTEND_PORTS`, as
+/// the agent does.
+fn mark_port(ports: &mut Array<MapData, PortBits>, port: u16, proto: u8) {
+    let i = PortBits::index(proto, port).unwrap();
+    let marked = ports.get(&i, 0).unwrap();
+    ports.set(i, marked.with(port), 0).unwrap();
+}
+
+/// Clears every mark of `ports`, then marks each of `marks`.
+fn set_ports(ports: &mut Array<MapData, PortBits>, marks: &[(u16, u8)]) {
+    for i in 0..PortBits::ELEMENTS {
+        ports.set(i, PortBits::default(), 0).unwrap();
+    }
+    for (port, proto) in marks {
+        mark_port(ports, *port, *proto);
+    }
+}
+
+/// The marks under which port 8080 (or 30080) must not count as TCP's: no
+/// mark, UDP's, and TCP's neighbours in the same element.
+fn other_marks(port: u16) -> [Vec<(u16, u8)>; 3] {
+    [
+        vec![],
+        vec![(port, proto::UDP)],
+        vec![(port - 1, proto::TCP), (port + 1, proto::TCP)],
+    ]
+}
+
 /// tc_egress decides "not ours" from the packet's source port before its
 /// conntrack lookup: only a port `LB_LOCAL_PORTS` marks for the protocol
 /// can carry a local backend's reply. A reply whose port the agent did not
@@ -2643,15 +2665,13 @@ fn egress_looks_up_only_packets_from_local_backend_ports() {
     let (client, pod) = ("192.168.77.100", "10.244.1.10");
     let mut fx = local_backend_flow(client, pod);
     let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
-    for marked in [PortUse::default(), PortUse::default().with(proto::UDP)] {
-        fx.local_ports.set(8080, marked, 0).unwrap();
+    for marked in other_marks(8080) {
+        set_ports(&mut fx.local_ports, &marked);
         let (rc, out) = fx.run("tc_egress", &reply);
         assert_eq!(rc, UNSPEC, "{marked:?}");
         assert_eq!(parse(&out).src, ip(pod), "{marked:?}: untouched");
     }
-    fx.local_ports
-        .set(8080, PortUse::default().with(proto::TCP), 0)
-        .unwrap();
+    mark_port(&mut fx.local_ports, 8080, proto::TCP);
     let (rc, out) = fx.run("tc_egress", &reply);
     assert_eq!(rc, OK);
     assert_eq!(
@@ -2678,8 +2698,8 @@ fn ingress_looks_up_only_packets_to_frontend_or_snat_ports() {
     let mut fx = local_backend_flow(client, pod);
     // The flow's SYN again (a retransmission).
     let syn = Frame::tcp(client, 40000, NODE4, 30080, TCP_SYN);
-    for marked in [PortUse::default(), PortUse::default().with(proto::UDP)] {
-        fx.frontend_ports.set(30080, marked, 0).unwrap();
+    for marked in other_marks(30080) {
+        set_ports(&mut fx.frontend_ports, &marked);
         let (rc, out) = fx.run("tc_ingress", &syn);
         assert_eq!((rc, out), (UNSPEC, syn.bytes()), "{marked:?}: untouched");
     }

@@ -914,11 +914,13 @@ pub struct FragEntry {
     pub _pad: [u8; 3],
 }
 
-/// Value of `LB_LOCAL_PORTS` and `LB_FRONTEND_PORTS`, indexed by port (host
-/// order): whether TCP or UDP use the port, as a backend on this node
-/// (`LB_LOCAL_PORTS`) or as a frontend the tc path serves
+/// Value of `LB_LOCAL_PORTS` and `LB_FRONTEND_PORTS`: 64 ports of one
+/// protocol as bits, which of them a backend on this node serves on
+/// (`LB_LOCAL_PORTS`) or a frontend the tc path serves listens on
 /// (`LB_FRONTEND_PORTS`: `scope::EXTERNAL`, a NodePort or a LoadBalancer
-/// IP's or an externalIP's port).
+/// IP's or an externalIP's port). Element [`PortBits::index`] holds the
+/// port, bit `port % 64` says whether it is used: elements 0..1024 are
+/// TCP's ports, 1024..2048 UDP's.
 ///
 /// A packet leaving a device can be the reply of a translated flow only if
 /// it comes from a local backend's port (the tc path's other packets are
@@ -927,41 +929,55 @@ pub struct FragEntry {
 /// ours only if it goes to a frontend's port (a new flow, or a packet of
 /// one) or to a SNAT port (a reply of a masqueraded flow), so `tc_ingress`
 /// passes the node's own traffic the same way, before its conntrack and
-/// frontend lookups. The agent marks a port before it publishes a backend
-/// or frontend on it and never clears one while its pins last: a flow may
-/// outlive its backend's place in every Service, or its frontend.
+/// frontend lookups. Bits, not an element per port: that read is on every
+/// packet of the node, and a protocol's 65 536 ports fit in 8 KiB (128
+/// cache lines, 512 ports each) that stay in the CPU's caches, where an
+/// element per port spread them over 256 KiB and most reads missed. The
+/// agent marks a port before it publishes a backend or frontend on it and
+/// never clears one while its pins last: a flow may outlive its backend's
+/// place in every Service, or its frontend.
 ///
-/// | offset | field | meaning                     |
-/// |--------|-------|-----------------------------|
-/// | 0      | `tcp` | 1: TCP uses the port        |
-/// | 1      | `udp` | 1: UDP uses the port        |
+/// | offset | field   | meaning                                        |
+/// |--------|---------|------------------------------------------------|
+/// | 0      | `ports` | bit `port % 64` set: the protocol uses the port |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct PortUse {
-    pub tcp: u8,
-    pub udp: u8,
-    pub _pad: [u8; 2],
+pub struct PortBits {
+    pub ports: u64,
 }
 
-impl PortUse {
-    /// Whether `proto` uses the port.
+impl PortBits {
+    /// Elements of a map of `PortBits`: every TCP and UDP port.
+    pub const ELEMENTS: u32 = 2 * 65_536 / 64;
+
+    /// The element holding `proto`'s `port`; `None` for a protocol other
+    /// than TCP and UDP, which the maps do not hold.
     #[inline(always)]
-    pub fn serves(&self, proto: u8) -> bool {
-        match proto {
-            proto::TCP => self.tcp != 0,
-            proto::UDP => self.udp != 0,
-            _ => false,
-        }
+    pub fn index(proto: u8, port: u16) -> Option<u32> {
+        let first = match proto {
+            proto::TCP => 0,
+            proto::UDP => Self::ELEMENTS / 2,
+            _ => return None,
+        };
+        Some(first + u32::from(port) / 64)
     }
 
-    /// This entry with `proto` marked too.
-    pub fn with(mut self, proto: u8) -> Self {
-        match proto {
-            proto::TCP => self.tcp = 1,
-            proto::UDP => self.udp = 1,
-            _ => {}
+    #[inline(always)]
+    fn bit(port: u16) -> u64 {
+        1 << (port % 64)
+    }
+
+    /// Whether `port` (of this element's protocol and range) is used.
+    #[inline(always)]
+    pub fn has(&self, port: u16) -> bool {
+        self.ports & Self::bit(port) != 0
+    }
+
+    /// This element with `port` marked too.
+    pub fn with(self, port: u16) -> Self {
+        Self {
+            ports: self.ports | Self::bit(port),
         }
-        self
     }
 }
 
@@ -1232,10 +1248,10 @@ pub mod capacity {
     pub const MAGLEV: u32 = 65_536;
     /// Frontends `LB_UNPROGRAMMED` can list; allocated per entry.
     pub const UNPROGRAMMED: u32 = 65_536;
-    /// One `LB_LOCAL_PORTS` element per port.
-    pub const LOCAL_PORTS: u32 = 65_536;
-    /// One `LB_FRONTEND_PORTS` element per port.
-    pub const FRONTEND_PORTS: u32 = 65_536;
+    /// `LB_LOCAL_PORTS`: every TCP and UDP port, a bit each.
+    pub const LOCAL_PORTS: u32 = super::PortBits::ELEMENTS;
+    /// `LB_FRONTEND_PORTS`: every TCP and UDP port, a bit each.
+    pub const FRONTEND_PORTS: u32 = super::PortBits::ELEMENTS;
 }
 
 const _: () = {
@@ -1261,7 +1277,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockPeerEntry>() == 48);
     assert!(core::mem::offset_of!(SockPeerEntry, check) == 44);
     assert!(SOCK_PEER_PROBES > 0);
-    assert!(core::mem::size_of::<PortUse>() == 4);
+    assert!(core::mem::size_of::<PortBits>() == 8);
     assert!(core::mem::size_of::<SockSourceCheck>() == 4);
     assert!(core::mem::size_of::<AffinityKey>() == 24);
     assert!(core::mem::size_of::<AffinityEntry>() == 16);
@@ -1299,7 +1315,7 @@ mod pod {
     unsafe impl aya::Pod for ReverseSockValue {}
     unsafe impl aya::Pod for SockPeer {}
     unsafe impl aya::Pod for SockPeerEntry {}
-    unsafe impl aya::Pod for PortUse {}
+    unsafe impl aya::Pod for PortBits {}
     unsafe impl aya::Pod for SockSourceCheck {}
     unsafe impl aya::Pod for AffinityKey {}
     unsafe impl aya::Pod for AffinityEntry {}
@@ -1740,5 +1756,46 @@ mod service_check_tests {
         assert_eq!(s.backend_of(7, 2), None);
         assert_eq!(s.backend_of(8, 3), None);
         assert_eq!(BackendSlot::default().backend_of(0, 0), None);
+    }
+}
+
+#[cfg(test)]
+mod port_bits_tests {
+    use super::*;
+
+    /// Every (protocol, port) has an element and a bit of its own: no two
+    /// share both, and every element is within the map.
+    #[test]
+    fn each_port_of_each_protocol_has_its_own_bit() {
+        let mut seen = [[false; 64]; PortBits::ELEMENTS as usize];
+        for p in [proto::TCP, proto::UDP] {
+            for port in 0..=u16::MAX {
+                let i = PortBits::index(p, port).unwrap();
+                assert!(i < PortBits::ELEMENTS, "{p} {port}: {i}");
+                let only = PortBits::default().with(port);
+                assert_eq!(only.ports.count_ones(), 1);
+                let bit = &mut seen[i as usize][only.ports.trailing_zeros() as usize];
+                assert!(!*bit, "{p} {port}");
+                *bit = true;
+            }
+        }
+        assert_eq!(PortBits::index(proto::SCTP, 80), None);
+    }
+
+    #[test]
+    fn a_marked_port_leaves_its_neighbours_unmarked() {
+        for (port, next) in [(0, 1), (63, 62), (64, 65), (8080, 8081), (65_535, 65_534)] {
+            let e = PortBits::default().with(port);
+            assert!(e.has(port), "{port}");
+            assert!(!e.has(next), "{port}: {next}");
+            assert_eq!(
+                PortBits::index(proto::TCP, port),
+                PortBits::index(proto::TCP, next)
+            );
+            assert_ne!(
+                PortBits::index(proto::TCP, port),
+                PortBits::index(proto::UDP, port)
+            );
+        }
     }
 }

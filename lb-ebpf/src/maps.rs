@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, CtEntry, CtKey, DatagramFlow,
-    DatagramFlowKey, FragEntry, FragKey, MaglevEntry, PortUse, ReverseSockKey, ReverseSockValue,
+    DatagramFlowKey, FragEntry, FragKey, MaglevEntry, PortBits, ReverseSockKey, ReverseSockValue,
     ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck, SourceRangeData, TcConfig,
     Unprogrammed,
 };
@@ -132,15 +132,27 @@ pub static LB_SOURCE_RANGES: LpmTrie<SourceRangeData, u32, { capacity::SOURCE_RA
 pub static LB_FRAGMENTS: LruHashMap<FragKey, FragEntry, { capacity::FRAGMENTS as usize }> =
     LruHashMap::new();
 
-/// tc path: the ports local backends serve on (see `PortUse`), which
-/// `tc_egress` checks before anything else.
-#[btf_map]
-pub static LB_LOCAL_PORTS: Array<PortUse, { capacity::LOCAL_PORTS as usize }> = Array::new();
+/// A set of TCP and UDP ports, a bit each (see `PortBits`).
+pub type PortMap = Array<PortBits, { PortBits::ELEMENTS as usize }>;
 
-/// tc path: the ports frontends of `scope::EXTERNAL` listen on (see
-/// `PortUse`), which `tc_ingress` checks before anything else.
+/// tc path: the ports local backends serve on, which `tc_egress` checks
+/// before anything else.
 #[btf_map]
-pub static LB_FRONTEND_PORTS: Array<PortUse, { capacity::FRONTEND_PORTS as usize }> = Array::new();
+pub static LB_LOCAL_PORTS: PortMap = Array::new();
+
+/// tc path: the ports frontends of `scope::EXTERNAL` listen on, which
+/// `tc_ingress` checks before anything else.
+#[btf_map]
+pub static LB_FRONTEND_PORTS: PortMap = Array::new();
+
+/// Whether `ports` (`LB_LOCAL_PORTS` or `LB_FRONTEND_PORTS`) marks `proto`'s
+/// `port`.
+#[inline(always)]
+pub fn port_marked(ports: &PortMap, proto: u8, port: u16) -> bool {
+    PortBits::index(proto, port)
+        .and_then(|i| ports.get(i))
+        .is_some_and(|e| e.has(port))
+}
 
 /// tc path: masquerade addresses and timeouts, written by the agent; the
 /// socket path reads its UDP timeout (`LB_DGRAM_FLOWS`).

@@ -43,8 +43,8 @@ use lb_common::{
 use crate::{
     lb,
     maps::{
-        count, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_FRONTEND_PORTS, LB_LOCAL_PORTS,
-        LB_SOURCE_RANGES, LB_TC_CONFIG,
+        count, port_marked, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_FRONTEND_PORTS,
+        LB_LOCAL_PORTS, LB_SOURCE_RANGES, LB_TC_CONFIG,
     },
 };
 
@@ -1309,9 +1309,7 @@ fn surely_not_ours(ctx: &TcContext) -> bool {
         return false;
     };
     !(cfg.snat_port_min..=cfg.snat_port_max).contains(&dport)
-        && !LB_FRONTEND_PORTS
-            .get(dport as u32)
-            .is_some_and(|port| port.serves(l4proto))
+        && !port_marked(&LB_FRONTEND_PORTS, l4proto, dport)
 }
 
 /// Most of what leaves a device is not a local backend's reply, and the
@@ -1323,11 +1321,8 @@ fn surely_not_ours(ctx: &TcContext) -> bool {
 /// same decision or a translation.
 #[inline(always)]
 fn surely_not_a_reply(ctx: &TcContext) -> bool {
-    usual_port(ctx, 0, LATER_FRAGMENT).is_some_and(|(l4proto, sport)| {
-        !LB_LOCAL_PORTS
-            .get(sport as u32)
-            .is_some_and(|port| port.serves(l4proto))
-    })
+    usual_port(ctx, 0, LATER_FRAGMENT)
+        .is_some_and(|(l4proto, sport)| !port_marked(&LB_LOCAL_PORTS, l4proto, sport))
 }
 
 /// tc egress of an external device: replies of local backends.
@@ -1342,10 +1337,7 @@ pub fn egress(ctx: &TcContext) -> i32 {
     // Only a local backend's reply can be ours (as above, for the packets
     // `surely_not_a_reply` does not parse), decided without the conntrack
     // lookup that misses for the rest.
-    if !LB_LOCAL_PORTS
-        .get(p.sport as u32)
-        .is_some_and(|port| port.serves(p.proto))
-    {
+    if !port_marked(&LB_LOCAL_PORTS, p.proto, p.sport) {
         return TC_ACT_UNSPEC;
     }
     let key = key_of(p);

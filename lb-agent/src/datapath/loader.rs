@@ -493,12 +493,12 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 19] {
             LRU_HASH,
             c.max_datagram_flows,
         ),
-        layout::<u32, lb_common::PortUse>(
+        layout::<u32, lb_common::PortBits>(
             map_names::LOCAL_PORTS,
             ARRAY,
             lb_common::capacity::LOCAL_PORTS,
         ),
-        layout::<u32, lb_common::PortUse>(
+        layout::<u32, lb_common::PortBits>(
             map_names::FRONTEND_PORTS,
             ARRAY,
             lb_common::capacity::FRONTEND_PORTS,
@@ -1500,8 +1500,29 @@ mod tests {
                 old.insert(key(port), old_entry(port), 0).unwrap();
             }
         }
+        // The port sets of that version: an element of 4 bytes per port.
+        for name in [map_names::LOCAL_PORTS, map_names::FRONTEND_PORTS] {
+            let def = aya_obj::Map::new_from_params(map_type::ARRAY, 4, 4, 65_536, 0);
+            let data = MapData::create(def, name, None).unwrap();
+            data.pin(scratch.pins.join(name)).unwrap();
+        }
         let refusal = Refusal::for_kernel(&KernelFeatures::probe());
         let (dp, adopted) = Datapath::load_detached(&scratch.pins, &small, refusal).unwrap();
+        // Recreated as sets of bits, which the tc maps' opening marks
+        // again from the conntrack tables (`TcMaps::open`).
+        for name in [map_names::LOCAL_PORTS, map_names::FRONTEND_PORTS] {
+            assert!(
+                adopted.recreated.iter().any(|r| r.starts_with(name)),
+                "{name}: {:?}",
+                adopted.recreated
+            );
+            let info = MapInfo::from_pin(scratch.pins.join(name)).unwrap();
+            assert_eq!(
+                (info.value_size(), info.max_entries()),
+                (8, lb_common::PortBits::ELEMENTS),
+                "{name}"
+            );
+        }
         let carried: Vec<_> = adopted
             .recreated
             .iter()

@@ -27,7 +27,7 @@ use aya::{
     Ebpf,
 };
 use lb_common::{
-    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, PortUse,
+    conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, PortBits,
     SourceRangeData, TcConfig,
 };
 
@@ -637,10 +637,10 @@ pub struct TcMaps {
 /// its packets must still be translated. So the marks are at most every
 /// port a local backend ever served on, or a frontend listened on.
 pub struct PortMarks {
-    map: Array<MapData, PortUse>,
+    map: Array<MapData, PortBits>,
     name: &'static str,
-    /// What this process read or wrote of the map, by port.
-    known: BTreeMap<u16, PortUse>,
+    /// What this process read or wrote of the map, by element.
+    known: BTreeMap<u32, PortBits>,
 }
 
 impl PortMarks {
@@ -653,31 +653,39 @@ impl PortMarks {
     }
 
     /// Marks each (port, protocol) not marked yet, keeping what the map
-    /// holds for the port (an earlier process's marks). The errors, for
-    /// the log: a port that could not be marked is tried again next time.
+    /// holds (an earlier process's marks). The errors, for the log: a port
+    /// that could not be marked is tried again next time. A protocol the
+    /// map does not hold (SCTP, which the tc path does not rewrite) is
+    /// passed over.
     pub fn mark(&mut self, ports: impl IntoIterator<Item = (u16, u8)>) -> Vec<String> {
         let mut errors = Vec::new();
         for (port, proto) in ports {
-            let now = match self.known.get(&port) {
-                Some(p) => *p,
-                None => match self.map.get(&u32::from(port), 0) {
-                    Ok(p) => p,
+            let Some(index) = PortBits::index(proto, port) else {
+                continue;
+            };
+            let now = match self.known.get(&index) {
+                Some(e) => *e,
+                None => match self.map.get(&index, 0) {
+                    Ok(e) => e,
                     Err(e) => {
-                        errors.push(format!("reading {}[{port}]: {e}", self.name));
+                        errors.push(format!("reading {}[{index}]: {e}", self.name));
                         continue;
                     }
                 },
             };
-            if now.serves(proto) {
-                self.known.insert(port, now);
+            if now.has(port) {
+                self.known.insert(index, now);
                 continue;
             }
-            let marked = now.with(proto);
-            match self.map.set(u32::from(port), marked, 0) {
+            let marked = now.with(port);
+            match self.map.set(index, marked, 0) {
                 Ok(()) => {
-                    self.known.insert(port, marked);
+                    self.known.insert(index, marked);
                 }
-                Err(e) => errors.push(format!("marking {}[{port}]: {e}", self.name)),
+                Err(e) => errors.push(format!(
+                    "marking port {port}/{proto} in {}[{index}]: {e}",
+                    self.name
+                )),
             }
         }
         errors
