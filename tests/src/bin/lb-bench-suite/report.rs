@@ -597,62 +597,62 @@ fn goals(r: &Results) -> Vec<Goal> {
 }
 
 /// Issue 13's tc goals, judged on the NodePort experiment's per-run costs
-/// (every packet there belongs to a translated flow).
+/// net of the empty program beside ours (what `BPF_ENABLE_STATS` charges
+/// any program here), the gross figures given beside them.
 fn tc_cost_goals(np: &crate::nodeport::NodePortResults) -> Vec<Goal> {
-    let per_point = |prog: &str| -> Vec<(usize, Stat)> {
+    use crate::nodeport::{FLOOR_EGRESS, FLOOR_INGRESS};
+    let span = |s: &Stat| format!("{:.0} ns ({:.0}–{:.0})", s.med, s.min, s.max);
+    // Per point: ours, the empty program, ours net of it.
+    let per_point = |prog: &str, floor: &str| -> Vec<(usize, Stat, Option<Stat>, Option<Stat>)> {
         np.points
             .iter()
-            .filter_map(|n| Some((*n, tc_cost(np, *n, prog)?.0)))
+            .filter_map(|n| {
+                Some((
+                    *n,
+                    tc_cost(np, *n, prog)?.0,
+                    tc_cost(np, *n, floor).map(|c| c.0),
+                    tc_net_cost(np, *n, prog, floor),
+                ))
+            })
             .collect()
     };
-    let measured = |costs: &[(usize, Stat)]| {
+    let measured = |costs: &[(usize, Stat, Option<Stat>, Option<Stat>)]| {
         costs
             .iter()
-            .map(|(n, s)| {
-                format!(
-                    "{}: {:.0} ns ({:.0}–{:.0})",
-                    thousands(*n),
-                    s.med,
-                    s.min,
-                    s.max
-                )
+            .map(|(n, ours, floor, net)| {
+                let net = net
+                    .as_ref()
+                    .map_or("net: no empty program measured".into(), |s| {
+                        format!("net {}", span(s))
+                    });
+                let floor = floor
+                    .as_ref()
+                    .map_or(String::new(), |s| format!(", empty program {}", span(s)));
+                format!("{}: {net} (ours {}{floor})", thousands(*n), span(ours))
             })
             .collect::<Vec<_>>()
-            .join(", ")
+            .join("; ")
     };
-    let within = |costs: &[(usize, Stat)], limit: f64| {
-        (!costs.is_empty()).then(|| costs.iter().all(|(_, s)| s.med <= limit))
+    // Judged net of the floor: without it, not judged.
+    let within = |costs: &[(usize, Stat, Option<Stat>, Option<Stat>)], limit: f64| {
+        let nets: Option<Vec<f64>> = costs.iter().map(|c| Some(c.3.as_ref()?.med)).collect();
+        nets.filter(|n| !n.is_empty())
+            .map(|n| n.iter().all(|m| *m <= limit))
     };
-    let (ingress, egress) = (per_point("tc_ingress_eth0"), per_point("tc_egress_eth0"));
-    // The empty program beside ours on the same packets, if it was measured.
-    let floor = |prog: &str| {
-        let costs = per_point(prog);
-        if costs.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; an empty tc program on the same packets: {}",
-                measured(&costs)
-            )
-        }
-    };
-    use crate::nodeport::{FLOOR_EGRESS, FLOOR_INGRESS};
+    let ingress = per_point("tc_ingress_eth0", FLOOR_INGRESS);
+    let egress = per_point("tc_egress_eth0", FLOOR_EGRESS);
     vec![
         Goal {
             what: "tc_ingress ≤ 350 ns per packet (issue 13)",
             met: within(&ingress, 350.0),
-            measured: format!("{}{}", measured(&ingress), floor(FLOOR_INGRESS)),
-            limit: "run_time_ns / run_cnt of tc_ingress on n1's eth0 in the NodePort experiment's connect+close runs, all four packets of each connection (SYN, SYN-ACK, ACK, RST), with the route and neighbour work that bpf_redirect_neigh once did after the program now inside it (a resolved next hop's MACs are written by the program, which then calls bpf_redirect). A connection's first two packets write its flow (two entries into LB_CT_SYN at the SYN, moved to LB_CONNTRACK at the SYN-ACK), which is most of the figure; each packet's conntrack lookup misses the CPU's caches after the rest of the stack ran. Issue 13 took ten helper calls out of an established packet and the clock read out of packets that are not ours (see the NodePort section), and the memset and memmove subprogram calls out of every packet (tc_frames cost_by_packet_kind, best of four alternated runs: SYN 1944 → 1703 ns, SYN-ACK 1603 → 1433, established ACK 801 → 701, not ours 431 → 321); then each flow direction kept its next hop in its conntrack entry (CtEntry::hop, checked against the route epoch the agent moves at every rtnetlink change, and the second), so that its packets after the first skip bpf_fib_lookup (cost tests with resolved neighbours, three alternated pairs: established ACK 540–751 → 371–390 ns, RST 671–921 → 501–541 ns; in connect+close the SYN and SYN-ACK still look up, the ACK and RST do not); on this machine, whose kernel returns from every call through the SRSO safe-return thunk, the remaining map operations alone exceed 350 ns.".into(),
+            measured: measured(&ingress),
+            limit: "run_time_ns / run_cnt of tc_ingress on n1's eth0 in the NodePort experiment's connect+close runs, all four packets of each connection (SYN, SYN-ACK, ACK, RST), with the route and neighbour work that bpf_redirect_neigh once did after the program now inside it (a resolved next hop's MACs are written by the program, which then calls bpf_redirect); net of an empty program (r0 = TCX_NEXT; exit) linked before ours on the same packets, per round. A connection's first two packets write its flow (two entries into LB_CT_SYN at the SYN, moved to LB_CONNTRACK at the SYN-ACK), which is most of the figure; each packet's conntrack lookup misses the CPU's caches after the rest of the stack ran. Issue 13 took ten helper calls out of an established packet and the clock read out of packets that are not ours (see the NodePort section), and the memset and memmove subprogram calls out of every packet (tc_frames cost_by_packet_kind, best of four alternated runs: SYN 1944 → 1703 ns, SYN-ACK 1603 → 1433, established ACK 801 → 701, not ours 431 → 321); then each flow direction kept its next hop in its conntrack entry (CtEntry::hop, checked against the route epoch the agent moves at every rtnetlink change, and the second), so that its packets after the first skip bpf_fib_lookup (cost tests with resolved neighbours, three alternated pairs: established ACK 540–751 → 371–390 ns, RST 671–921 → 501–541 ns; in connect+close the SYN and SYN-ACK still look up, the ACK and RST do not). Conntrack tables with per-CPU LRU lists (BPF_F_NO_COMMON_LRU) were tried and dropped: three alternated pairs of this experiment at 1 Service (--quick), 1911 / 2159 / 1777 ns with the common lists against 1895 / 1963 / 2096 ns with per-CPU ones, within the noise. On this machine, whose kernel returns from every call through the SRSO safe-return thunk, the remaining map operations alone exceed 350 ns.".into(),
         },
         Goal {
             what: "tc_egress ≤ 40 ns per packet that is not ours (issue 13)",
             met: within(&egress, 40.0),
-            measured: format!(
-                "{} (every packet here is a translated flow's){}",
-                measured(&egress),
-                floor(FLOOR_EGRESS)
-            ),
-            limit: "The experiment sends only translated flows through n1's eth0, so its figure is that of packets that are ours (one conntrack lookup and the rewrite). A packet that is not ours is decided from its bytes and LB_LOCAL_PORTS before any hash lookup (issue 13): 136 ns per run with one flow, 260 ns with flows taken in turn, 335 ns with 1 MiB written between runs (tc_frames cost_with_cold_caches, medians of four runs on this machine), most of it the program's entry and the packet's first cache misses: the 40 ns goal is below what one array lookup and the context's loads cost here. The empty program (r0 = TCX_NEXT; exit, linked before ours on the same packets) shows what BPF_ENABLE_STATS charges a tc program that does nothing on this machine: where it exceeds 40 ns, as here, no program meets the goal as it is measured.".into(),
+            measured: measured(&egress),
+            limit: "Every packet leaving n1's eth0 in this experiment is one tc_egress passes as not ours: the backend is on n2, so a forwarded packet leaves from a SNAT port and a reply to the client from the node port, neither of them a local backend's port (LB_LOCAL_PORTS); only a local backend's reply is looked up. Judged net of the empty program (r0 = TCX_NEXT; exit) linked before ours on the same packets, per round: that program does nothing, and what BPF_ENABLE_STATS charges it (its two clock reads, the call) is more than 40 ns on this machine, so no program would meet the goal gross. What is left is the program's entry, the packet's first bytes and one read of LB_LOCAL_PORTS. That read was most of it while the map held an element per port (65 536 × 4 bytes: a source port's element, a new one at every SNAT port, was mostly a cache miss): three alternated pairs of this experiment at 1 Service (--quick) gave 142 / 122 / 123 ns gross, and 87 / 84 / 96 ns once the map held a bit per port (PortBits: 8 KiB a protocol, which stay cached), the same as a build that skips the read (85 / 90 / 93 ns); the empty program beside them 58–75 ns.".into(),
         },
     ]
 }
@@ -763,6 +763,34 @@ fn nodeport_goal(v: &Results, r: &Results) -> Goal {
             l
         },
     }
+}
+
+/// Ours net of the empty program beside it: per round, `prog`'s ns per run
+/// less `floor`'s on the same packets.
+fn tc_net_cost(
+    np: &crate::nodeport::NodePortResults,
+    services: usize,
+    prog: &str,
+    floor: &str,
+) -> Option<Stat> {
+    let per_run = |name: &str, round: usize| {
+        np.costs
+            .iter()
+            .find(|c| c.services == services && c.round == round && c.prog == name && c.run_cnt > 0)
+            .map(|c| c.run_time_ns as f64 / c.run_cnt as f64)
+    };
+    let rounds: Vec<usize> = np
+        .costs
+        .iter()
+        .filter(|c| c.services == services && c.prog == prog)
+        .map(|c| c.round)
+        .collect();
+    Stat::of(
+        rounds
+            .into_iter()
+            .filter_map(|round| Some(per_run(prog, round)? - per_run(floor, round)?))
+            .collect(),
+    )
 }
 
 fn tc_cost(
@@ -917,7 +945,11 @@ fn nodeport_section(o: &mut String, r: &Results) {
          later decided it from the packet's bytes before copying the packet's addresses out \
          (`surely_not_a_reply`): medians of four alternated runs of each build on the SRSO \
          machine, 240 → 136 ns (one flow), 356 → 260 ns (flows in turn), 496 → 335 ns (1 MiB \
-         written between runs). \
+         written between runs). Both port maps then became a bit per port (`PortBits`: \
+         8 KiB a protocol instead of an element of 4 bytes per port over 256 KiB), so the \
+         one read a packet that is not ours costs stays in the caches: tc_egress in this \
+         experiment (three alternated pairs at 1 Service, `--quick`) 142 / 122 / 123 → \
+         87 / 84 / 96 ns per run, the same as a build that skips the read. \
          Since issue 13 a masqueraded packet whose next hop is resolved also leaves with the \
          MACs the program writes and `bpf_redirect`, not `bpf_redirect_neigh`, so the route \
          and neighbour lookup after the program is gone and the two stores are in tc_ingress's \
@@ -1364,5 +1396,46 @@ mod tests {
             few.below,
             (0..5).filter(|i| (0.9 + 0.05 * (*i as f64)) < 0.98).count()
         );
+    }
+
+    /// The tc goals are judged on ours less the empty program of the same
+    /// round; a round without the empty program is left out, and without
+    /// any the goal is not judged.
+    #[test]
+    fn tc_costs_are_judged_net_of_the_empty_program() {
+        use crate::nodeport::{NodePortResults, TcCost, FLOOR_EGRESS};
+        let cost = |round, prog: &str, ns_per_run: u64| TcCost {
+            services: 1,
+            round,
+            prog: prog.into(),
+            run_cnt: 100,
+            run_time_ns: 100 * ns_per_run,
+            conns: 25,
+        };
+        let mut np = NodePortResults {
+            points: vec![1],
+            rounds: 3,
+            durations_ms: Vec::new(),
+            node_port: 30080,
+            setups: Vec::new(),
+            samples: Vec::new(),
+            costs: vec![
+                cost(0, "tc_egress_eth0", 100),
+                cost(0, FLOOR_EGRESS, 60),
+                cost(1, "tc_egress_eth0", 90),
+                cost(1, FLOOR_EGRESS, 40),
+                cost(2, "tc_egress_eth0", 80),
+            ],
+            ours_stats: Vec::new(),
+            notes: Vec::new(),
+        };
+        let net = tc_net_cost(&np, 1, "tc_egress_eth0", FLOOR_EGRESS).unwrap();
+        assert_eq!((net.min, net.med, net.max, net.n), (40.0, 45.0, 50.0, 2));
+        let egress = |np: &NodePortResults| tc_cost_goals(np).pop().unwrap();
+        assert_eq!(egress(&np).met, Some(false), "a median of 45 ns");
+        np.costs[3].run_time_ns = 100 * 60;
+        assert_eq!(egress(&np).met, Some(true));
+        np.costs.retain(|c| c.prog != FLOOR_EGRESS);
+        assert_eq!(egress(&np).met, None, "not judged without the floor");
     }
 }
