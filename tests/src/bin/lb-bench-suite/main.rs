@@ -356,14 +356,25 @@ pub struct Results {
     /// The NodePort (tc path) experiment.
     #[serde(default)]
     pub nodeport: Option<nodeport::NodePortResults>,
-    /// The connect rate's A/A control at the smallest point.
+    /// The connect rate's A/A control, at every point.
     #[serde(default)]
+    pub noise_floors: Vec<NoiseFloor>,
+    /// Results saved before `noise_floors`: the A/A control at the
+    /// smallest point only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise_floor: Option<NoiseFloor>,
     pub elapsed_s: f64,
 }
 
-/// Connect+close only, at the smallest ClusterIP point, in more rounds than
-/// the main experiment: direct, direct again (a second backend namespace,
+impl Results {
+    /// The A/A controls measured, by point.
+    pub fn noise_floors(&self) -> impl Iterator<Item = &NoiseFloor> {
+        self.noise_floors.iter().chain(&self.noise_floor)
+    }
+}
+
+/// Connect+close only, at a ClusterIP point, in more rounds than the main
+/// experiment: direct, direct again (a second backend namespace,
 /// the same test) and ours, shuffled each round. Direct again ÷ direct is
 /// what the machine's noise alone does to a ratio that should be 1.000;
 /// ours ÷ direct beside it says whether our gap can be told from it.
@@ -460,6 +471,7 @@ fn run(opts: &Opts) -> Result<()> {
         costs: Vec::new(),
         control: None,
         nodeport: None,
+        noise_floors: Vec::new(),
         noise_floor: None,
         elapsed_s: 0.0,
     };
@@ -1168,13 +1180,9 @@ fn datapath_point(
             s.rss_mib = vm_hwm_mib(agent.pid()).or(s.rss_mib);
         }
     }
-    if results.points.first() == Some(&services) {
-        arms.retain(|a| matches!(a.kind, ArmKind::Direct | ArmKind::Ours));
-        results.noise_floor = Some(noise_floor(opts, &at, bench_bin, services, seed, arms)?);
-        return Ok(());
-    }
-    say(format!("tearing down the {services}-Service arms"));
-    drop(arms);
+    arms.retain(|a| matches!(a.kind, ArmKind::Direct | ArmKind::Ours));
+    let nf = noise_floor(opts, &at, bench_bin, services, seed, arms)?;
+    results.noise_floors.push(nf);
     Ok(())
 }
 
@@ -1192,7 +1200,10 @@ fn noise_floor(
     again.sanity(bench_bin)?;
     arms.push(again);
     let rounds = noise_floor_rounds(opts.quick);
-    let cc_ms = durations(opts.quick)[0].1;
+    let cc_ms = durations(opts.quick)
+        .into_iter()
+        .find_map(|(mode, ms)| (mode == Mode::Cc).then_some(ms))
+        .context("no connect+close duration")?;
     say(format!(
         "=== connect+close A/A control at {services} Services: {rounds} rounds ==="
     ));

@@ -160,7 +160,10 @@ impl Spread {
 
 /// The A/A control's three ratios: (direct again ÷ direct, ours ÷ direct,
 /// ours ÷ direct again).
-fn noise_floor_spreads(nf: &crate::NoiseFloor) -> [(&'static str, Option<Spread>); 3] {
+/// A/A ratios by name, as [`noise_floor_spreads`] gives them.
+type Spreads = [(&'static str, Option<Spread>); 3];
+
+fn noise_floor_spreads(nf: &crate::NoiseFloor) -> Spreads {
     let of = |arm, base| Spread::of(ratios_of(&nf.samples, nf.services, arm, base, Mode::Cc));
     [
         (
@@ -175,42 +178,52 @@ fn noise_floor_spreads(nf: &crate::NoiseFloor) -> [(&'static str, Option<Spread>
     ]
 }
 
-fn noise_floor_section(o: &mut String, nf: &crate::NoiseFloor) {
+fn noise_floor_section(o: &mut String, r: &Results) {
+    let floors: Vec<&crate::NoiseFloor> = r.noise_floors().collect();
+    let Some(first) = floors.first() else {
+        return;
+    };
+    let points = floors
+        .iter()
+        .map(|nf| thousands(nf.services))
+        .collect::<Vec<_>>()
+        .join(", ");
     let _ = write!(
         o,
-        "## Connect+close: the A/A control at {} Service{}\n\n\
-         After the main rounds of the smallest point, {} more rounds of connect+close only \
-         ({} ms per arm), with the point's direct and lb (ours) arms and a second direct arm \
-         (its own backend namespace, the same test), shuffled each round. Two direct arms differ \
-         in nothing, so their ratio's spread is what this machine's noise does to one round's \
-         ratio; the 90 % interval is that of the median over the rounds (a percentile bootstrap \
-         of the rounds), what a goal judged on the median can resolve.\n\n\
-         | ratio (same round) | median | 90 % interval of the median | quartiles | min–max | \
-         rounds below 0.98 |\n|---|---:|---:|---:|---:|---:|\n",
-        nf.services,
-        if nf.services == 1 { "" } else { "s" },
-        nf.rounds,
-        nf.cc_ms
+        "## Connect+close: the A/A control\n\n\
+         After the main rounds of each point ({points} Services), {} more rounds of \
+         connect+close only ({} ms per arm), with the point's direct and lb (ours) arms and a \
+         second direct arm (its own backend namespace, the same test), shuffled each round. \
+         Two direct arms differ in nothing, so their ratio's spread is what this machine's \
+         noise does to one round's ratio; the 90 % interval is that of the median over the \
+         rounds (a percentile bootstrap of the rounds), what a goal judged on the median can \
+         resolve.\n\n\
+         | Services | ratio (same round) | median | 90 % interval of the median | quartiles | \
+         min–max | rounds below 0.98 |\n|---:|---|---:|---:|---:|---:|---:|\n",
+        first.rounds, first.cc_ms
     );
-    for (what, sp) in noise_floor_spreads(nf) {
-        match sp {
-            Some(sp) => {
-                let _ = writeln!(
-                    o,
-                    "| {what} | {:.3} | {:.3}–{:.3} | {:.3}–{:.3} | {:.3}–{:.3} | {} of {} |",
-                    sp.med,
-                    sp.interval.0,
-                    sp.interval.1,
-                    sp.quartiles.0,
-                    sp.quartiles.1,
-                    sp.min,
-                    sp.max,
-                    sp.below,
-                    sp.n
-                );
-            }
-            None => {
-                let _ = writeln!(o, "| {what} | – | – | – | – | – |");
+    for nf in floors {
+        for (what, sp) in noise_floor_spreads(nf) {
+            let n = thousands(nf.services);
+            match sp {
+                Some(sp) => {
+                    let _ = writeln!(
+                        o,
+                        "| {n} | {what} | {:.3} | {:.3}–{:.3} | {:.3}–{:.3} | {:.3}–{:.3} | {} of {} |",
+                        sp.med,
+                        sp.interval.0,
+                        sp.interval.1,
+                        sp.quartiles.0,
+                        sp.quartiles.1,
+                        sp.min,
+                        sp.max,
+                        sp.below,
+                        sp.n
+                    );
+                }
+                None => {
+                    let _ = writeln!(o, "| {n} | {what} | – | – | – | – | – |");
+                }
             }
         }
     }
@@ -370,20 +383,23 @@ fn goals(r: &Results) -> Vec<Goal> {
         .copied()
         .filter(|n| rate(r, *n, ArmKind::Ours, Mode::Cc).is_some())
         .collect();
-    // 1. ≥ 0.98× direct at every point, flat. The smallest point is judged
-    // by the A/A control's rounds when there are any (the same test, three
-    // times the rounds, beside a second direct arm).
-    let floor = r
-        .noise_floor
-        .as_ref()
-        .map(|nf| (nf, noise_floor_spreads(nf)));
+    // 1. ≥ 0.98× direct at every point, flat. A point is judged by its
+    // A/A control's rounds when there are any (the same test, three times
+    // the rounds, beside a second direct arm), else by its main rounds.
+    let floors: Vec<(&crate::NoiseFloor, Spreads)> = r
+        .noise_floors()
+        .map(|nf| (nf, noise_floor_spreads(nf)))
+        .collect();
+    let floor_at = |n: usize| {
+        floors
+            .iter()
+            .find(|(nf, _)| nf.services == n)
+            .and_then(|(nf, sp)| Some((*nf, sp[0].1.as_ref()?, sp[1].1.as_ref()?)))
+    };
     let ratios: Vec<(usize, f64)> = pts
         .iter()
         .filter_map(|n| {
-            let aa = floor
-                .as_ref()
-                .filter(|(nf, _)| nf.services == *n)
-                .and_then(|(_, sp)| sp[1].1.as_ref().map(|s| s.med));
+            let aa = floor_at(*n).map(|(_, _, ours)| ours.med);
             Some((
                 *n,
                 aa.or(ratio(r, *n, ArmKind::Ours, ArmKind::Direct, Mode::Cc).map(|s| s.med))?,
@@ -393,50 +409,75 @@ fn goals(r: &Results) -> Vec<Goal> {
     let worst = ratios.iter().map(|x| x.1).fold(f64::INFINITY, f64::min);
     let first = ratios.first().map(|x| x.1);
     let last = ratios.last().map(|x| x.1);
-    let aa_text =
-        floor.as_ref().map(|(nf, sp)| {
-            let one = |i: usize| {
-                sp[i].1.as_ref().map_or("–".to_string(), |s| {
-                    format!(
-                        "{:.3} (90 % interval of the median {:.3}–{:.3}; rounds {:.3}–{:.3})",
-                        s.med, s.interval.0, s.interval.1, s.min, s.max
-                    )
+    let judged_on_aa: Vec<usize> = pts
+        .iter()
+        .copied()
+        .filter(|n| floor_at(*n).is_some())
+        .collect();
+    let aa_text = (!judged_on_aa.is_empty()).then(|| {
+        let per_point =
+            judged_on_aa
+                .iter()
+                .filter_map(|n| {
+                    let (nf, aa, ours) = floor_at(*n)?;
+                    Some(format!(
+                    "{}: direct (again) ÷ direct {:.3} ({:.3}–{:.3}), lb (ours) ÷ direct {:.3} \
+                     ({:.3}–{:.3}; the main rounds gave {})",
+                    thousands(nf.services),
+                    aa.med,
+                    aa.interval.0,
+                    aa.interval.1,
+                    ours.med,
+                    ours.interval.0,
+                    ours.interval.1,
+                    fmt_ratio(ratio(r, nf.services, ArmKind::Ours, ArmKind::Direct, Mode::Cc)).0,
+                ))
                 })
-            };
-            format!(
-            " (at {n}: the A/A control's {} rounds; the main rounds gave {}). A/A control at {n}: \
-             direct (again) ÷ direct {}, lb (ours) ÷ direct {}",
-            nf.rounds,
-            fmt_ratio(ratio(r, nf.services, ArmKind::Ours, ArmKind::Direct, Mode::Cc)).0,
-            one(0),
-            one(1),
-            n = thousands(nf.services),
+                .collect::<Vec<_>>()
+                .join("; ");
+        format!(
+            " (medians of the A/A control's rounds at {}). A/A control, median and 90 % \
+             interval of the median: {per_point}",
+            judged_on_aa
+                .iter()
+                .map(|n| thousands(*n))
+                .collect::<Vec<_>>()
+                .join(", ")
         )
-        });
-    let aa_limit = floor.as_ref().and_then(|(nf, sp)| {
-        let (aa, ours) = (sp[0].1.as_ref()?, sp[1].1.as_ref()?);
-        let verdict = if ours.interval.0 >= 0.98 {
-            "all above 0.98, met beyond this noise"
-        } else if ours.interval.1 < 0.98 {
-            "all below 0.98, missed beyond this noise"
-        } else {
-            "0.98 lies inside, so these rounds cannot tell met from missed"
-        };
-        Some(format!(
-            " Two identical direct arms (the A/A control, {} rounds) stand {:.3}–{:.3} apart in \
-             one round (quartiles {:.3}–{:.3}), and the median of their ratio, which is 1 in \
-             truth, is known to {:.3}–{:.3}; that of ours ÷ direct in the same rounds to {:.3}–{:.3}: \
-             {verdict}.",
-            nf.rounds,
-            aa.min,
-            aa.max,
-            aa.quartiles.0,
-            aa.quartiles.1,
-            aa.interval.0,
-            aa.interval.1,
-            ours.interval.0,
-            ours.interval.1,
-        ))
+    });
+    let aa_limit = (!judged_on_aa.is_empty()).then(|| {
+        let verdicts = judged_on_aa
+            .iter()
+            .filter_map(|n| {
+                let (nf, aa, ours) = floor_at(*n)?;
+                let verdict = if ours.interval.0 >= 0.98 {
+                    "all above 0.98: met beyond this noise"
+                } else if ours.interval.1 < 0.98 {
+                    "all below 0.98: missed beyond this noise"
+                } else {
+                    "0.98 lies inside: these rounds cannot tell met from missed"
+                };
+                Some(format!(
+                    "at {}, two identical direct arms stand {:.3}–{:.3} apart in one round \
+                     (quartiles {:.3}–{:.3}) and the median of their ratio, 1 in truth, is \
+                     known to {:.3}–{:.3}; that of ours ÷ direct to {:.3}–{:.3}, {verdict}",
+                    thousands(nf.services),
+                    aa.min,
+                    aa.max,
+                    aa.quartiles.0,
+                    aa.quartiles.1,
+                    aa.interval.0,
+                    aa.interval.1,
+                    ours.interval.0,
+                    ours.interval.1,
+                ))
+            })
+            .collect::<Vec<_>>()
+            .join("; ");
+        format!(
+            " The A/A control ({} rounds a point): {verdicts}.",
+            floors[0].0.rounds
+        )
     });
     g.push(Goal {
         what: "ClusterIP connect rate ≥ 0.98× direct at every scale point, flat from 1 to the largest",
@@ -1109,9 +1150,7 @@ fn markdown(r: &Results) -> String {
     );
     o.push_str("## Connect+close (connections per second)\n\n");
     mode_table(&mut o, r, Mode::Cc, "conn/s", true);
-    if let Some(nf) = &r.noise_floor {
-        noise_floor_section(&mut o, nf);
-    }
+    noise_floor_section(&mut o, r);
     o.push_str("## TCP_CRR (transactions per second)\n\n");
     mode_table(&mut o, r, Mode::Crr, "trans/s", true);
     o.push_str("## Request/response on one connection (control)\n\n");
