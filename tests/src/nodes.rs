@@ -48,6 +48,15 @@ pub fn node_v6(i: u8) -> Ipv6Addr {
     Ipv6Addr::new(0xfd00, 0x77, 0, 0, 0, 0, 0, i as u16)
 }
 
+/// `eth0`'s MAC address in `netns` (a node's, the client's).
+pub fn eth0_mac(netns: &str) -> Result<String> {
+    let out = ip(&["-n", netns, "-br", "link", "show", "eth0"])?;
+    out.split_whitespace()
+        .nth(2)
+        .map(str::to_string)
+        .ok_or_else(|| anyhow!("no MAC in {out:?}"))
+}
+
 pub const CLIENT_INDEX: u8 = 100;
 
 /// A pod: `10.244.{node}.{10+k}`, `fd00:244:{node}::{10+k}`.

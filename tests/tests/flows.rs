@@ -36,7 +36,7 @@ use std::{
 use integration_tests::{
     cluster::{metric_sum, ProbeChild},
     cmd,
-    nodes::{node_v4, Cluster, POD_PORT},
+    nodes::{eth0_mac, node_v4, Cluster, POD_PORT},
     require_root,
     tcpflow::{
         self, problems, run_clients, tally, ClientReport, ClientRun, FlowState, StreamServers,
@@ -258,6 +258,26 @@ impl Drop for Frozen {
     }
 }
 
+/// Every connection ended whole (`bad`, from `problems`, is empty) and
+/// the pods sent no RST but TCP's answer to a late segment of a connection
+/// both ends had closed.
+fn assert_whole(bad: &[String], reports: &[ClientReport], rsts: &PodRsts) {
+    assert!(
+        bad.is_empty(),
+        "{} of {} connections broken:\n{}",
+        bad.len(),
+        reports.len(),
+        bad.join("\n")
+    );
+    assert_eq!(
+        rsts.unexplained(),
+        0,
+        "the pods sent RSTs other than TCP's answer to a late segment of a closed connection: \
+         segments of flows they did not have:\n{}",
+        rsts.other.join("\n")
+    );
+}
+
 fn by_backend(clients: &[ClientReport]) -> BTreeMap<String, usize> {
     let mut m = BTreeMap::new();
     for c in clients {
@@ -415,20 +435,7 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
     for b in &bad {
         println!("  - {b}");
     }
-    assert!(
-        bad.is_empty(),
-        "{} of {} connections broken:\n{}",
-        bad.len(),
-        reports.len(),
-        bad.join("\n")
-    );
-    assert_eq!(
-        rsts.unexplained(),
-        0,
-        "the pods sent RSTs other than TCP's answer to a late segment of a closed connection: \
-         segments of flows they did not have:\n{}",
-        rsts.other.join("\n")
-    );
+    assert_whole(&bad, &reports, &rsts);
     for i in 0..4 {
         let rounds = bulk
             .iter()
@@ -448,15 +455,6 @@ fn multi_cpu_bulk_and_busy_streams_never_reset() {
             && (backends.contains_key("n1p0") || backends.contains_key("n1p1")),
         "both the local and the masquerade path must be used: {backends:?}"
     );
-}
-
-/// `eth0`'s MAC address in `netns`.
-fn eth0_mac(netns: &str) -> String {
-    let out = cmd::ip(&["-n", netns, "-br", "link", "show", "eth0"]).expect("ip link");
-    out.split_whitespace()
-        .nth(2)
-        .unwrap_or_else(|| panic!("no MAC in {out:?}"))
-        .to_string()
 }
 
 /// Issue 13: a flow direction keeps its next hop (device, MACs) in its
@@ -479,7 +477,10 @@ fn bulk_flows_follow_next_hop_changes_across_an_agent_restart() {
     let mut bed = setup("hopmac", &[], &cpus);
     let clients = [bed.c.client_netns.clone(), bed.c.client2_netns.clone()];
     let (n1, n2) = (bed.c.nodes[0].netns.clone(), bed.c.nodes[1].netns.clone());
-    let macs = [eth0_mac(&n2), "02:00:00:00:13:02".to_string()];
+    let macs = [
+        eth0_mac(&n2).expect("n2's MAC"),
+        "02:00:00:00:13:02".to_string(),
+    ];
     const RUN_MS: u64 = 10_000;
     let mut runs = Vec::new();
     let mut expected = Vec::new();
@@ -578,19 +579,7 @@ fn bulk_flows_follow_next_hop_changes_across_an_agent_restart() {
         bad.len(),
     );
     assert!(restarted);
-    assert!(
-        bad.is_empty(),
-        "{} of {} connections broken:\n{}",
-        bad.len(),
-        reports.len(),
-        bad.join("\n")
-    );
-    assert_eq!(
-        rsts.unexplained(),
-        0,
-        "the pods sent RSTs other than TCP's answer to a late segment of a closed connection:\n{}",
-        rsts.other.join("\n")
-    );
+    assert_whole(&bad, &reports, &rsts);
     assert!(
         hops_seen > 0,
         "no conntrack entry held n2's MAC as its next hop: the flows did not use cached hops"
