@@ -284,6 +284,11 @@ pub enum InspectWhat {
     /// links as the kernel lists them, clsact filters as recorded), and
     /// why the agent could not attach them where asked, while it cannot.
     Tc(InspectArgs),
+    /// The ports the tc path looks at beyond its first check: those local
+    /// backends serve on (`LB_LOCAL_PORTS`, for tc_egress) and those its
+    /// frontends listen on (`LB_FRONTEND_PORTS`, for tc_ingress). Marks
+    /// stay while the pins last.
+    Ports(InspectArgs),
 }
 
 #[derive(Debug, Args)]

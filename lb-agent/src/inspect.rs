@@ -1,6 +1,6 @@
 //! `lb-agent inspect`: what the datapath does, read from the pinned maps
 //! alone, so it works with or without a running agent. Each subject
-//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`, `Tc`) reads its views and renders them as
+//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`, `Tc`, `Ports`) reads its views and renders them as
 //! a table; [`show`] prints either that table or the views as JSON.
 use std::{
     collections::BTreeMap,
@@ -13,7 +13,7 @@ use anyhow::Context as _;
 use aya::maps::{HashMap, MapData};
 use lb_common::{
     affinity_client, backend_flags, clock, ct_flags, ct_state, map_names, proto, service_flags,
-    CtEntry, CtKey, ServiceKey,
+    CtEntry, CtKey, PortBits, ServiceKey,
 };
 use serde::Serialize;
 
@@ -42,6 +42,8 @@ pub struct DatagramFlows;
 pub struct Conntrack;
 /// Where the tc programs are attached, or why not.
 pub struct Tc;
+/// The ports marked in `LB_LOCAL_PORTS` and `LB_FRONTEND_PORTS`.
+pub struct Ports;
 
 /// `S` read from the pins under `dir`, as a table or as pretty JSON.
 pub fn show<S: Subject>(dir: &Path, json: bool) -> anyhow::Result<String> {
@@ -61,6 +63,7 @@ pub fn show_what(what: &InspectWhat) -> anyhow::Result<String> {
         InspectWhat::DatagramFlows(a) => show_args::<DatagramFlows>(a),
         InspectWhat::Conntrack(a) => show_args::<Conntrack>(a),
         InspectWhat::Tc(a) => show_args::<Tc>(a),
+        InspectWhat::Ports(a) => show_args::<Ports>(a),
     }
 }
 
@@ -713,6 +716,65 @@ impl Subject for Tc {
     }
 }
 
+/// One marked port.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct PortView {
+    /// "local backend" (`LB_LOCAL_PORTS`) or "frontend" (`LB_FRONTEND_PORTS`).
+    pub set: &'static str,
+    pub proto: String,
+    pub port: u16,
+}
+
+/// The ports `elements` (a map of `PortBits`, by index) mark, as `set`.
+fn port_views(set: &'static str, elements: &[(u32, PortBits)]) -> Vec<PortView> {
+    elements
+        .iter()
+        .flat_map(|(i, e)| e.marked(*i))
+        .map(|(p, port)| PortView {
+            set,
+            proto: Protocol::from_number(p).map_or(p.to_string(), |p| p.to_string()),
+            port,
+        })
+        .collect()
+}
+
+impl Subject for Ports {
+    type View = PortView;
+
+    fn read(dir: &Path) -> anyhow::Result<Vec<PortView>> {
+        let mut views = Vec::new();
+        for (name, set) in [
+            (map_names::LOCAL_PORTS, "local backend"),
+            (map_names::FRONTEND_PORTS, "frontend"),
+        ] {
+            let map: aya::maps::Array<MapData, PortBits> =
+                aya::maps::Array::try_from(tc::open(dir, name)?)
+                    .with_context(|| format!("{name}: not a map of PortBits"))?;
+            let elements: Vec<(u32, PortBits)> = (0..map.len())
+                .filter_map(|i| Some((i, map.get(&i, 0).ok()?)))
+                .filter(|(_, e)| e.ports != 0)
+                .collect();
+            views.extend(port_views(set, &elements));
+        }
+        Ok(views)
+    }
+
+    fn render(views: &[PortView]) -> String {
+        const COLUMNS: Columns = Columns(&[(14, Left), (6, Left), (0, Left)]);
+        let mut out = COLUMNS.header(&["SET", "PROTO", "PORTS"]);
+        let mut rows: BTreeMap<(&str, &str), Vec<String>> = BTreeMap::new();
+        for v in views {
+            rows.entry((v.set, &v.proto))
+                .or_default()
+                .push(v.port.to_string());
+        }
+        for ((set, proto), ports) in rows {
+            COLUMNS.row(&mut out, &[&set, &proto, &ports.join(", ")]);
+        }
+        out
+    }
+}
+
 /// The columns of a text table: each a width and an alignment.
 struct Columns(&'static [(usize, Align)]);
 
@@ -764,5 +826,46 @@ fn flags_column(flags: &[&str]) -> String {
         "-".to_owned()
     } else {
         flags.join(",")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each marked bit is one row, named by its set, protocol and port,
+    /// and the table groups a set's ports by protocol.
+    #[test]
+    fn ports_are_listed_by_set_and_protocol() {
+        let at = |p: u8, port: u16| PortBits::index(p, port).unwrap();
+        let local = [(
+            at(proto::TCP, 8080),
+            PortBits::default().with(8080).with(8081),
+        )];
+        let frontend = [
+            (at(proto::TCP, 30080), PortBits::default().with(30080)),
+            (at(proto::UDP, 53), PortBits::default().with(53)),
+        ];
+        let mut views = port_views("local backend", &local);
+        views.extend(port_views("frontend", &frontend));
+        let rows: Vec<(&str, &str, u16)> = views
+            .iter()
+            .map(|v| (v.set, v.proto.as_str(), v.port))
+            .collect();
+        assert_eq!(
+            rows,
+            [
+                ("local backend", "TCP", 8080),
+                ("local backend", "TCP", 8081),
+                ("frontend", "TCP", 30080),
+                ("frontend", "UDP", 53),
+            ]
+        );
+        let table = Ports::render(&views);
+        assert!(
+            table.contains("local backend  TCP    8080, 8081"),
+            "{table}"
+        );
+        assert!(table.contains("frontend       UDP    53"), "{table}");
     }
 }

@@ -979,6 +979,21 @@ impl PortBits {
             ports: self.ports | Self::bit(port),
         }
     }
+
+    /// The (protocol, port) this element marks, read as element `index`
+    /// of its map (`index`'s inverse), in ascending port order.
+    pub fn marked(self, index: u32) -> impl Iterator<Item = (u8, u16)> {
+        let half = Self::ELEMENTS / 2;
+        let (proto, first) = if index < half {
+            (proto::TCP, index)
+        } else {
+            (proto::UDP, index - half)
+        };
+        let in_map = index < Self::ELEMENTS;
+        (0..64u32)
+            .filter(move |bit| in_map && self.ports & (1 << bit) != 0)
+            .map(move |bit| (proto, (first * 64 + bit) as u16))
+    }
 }
 
 /// Settings of the tc path, and the UDP timeout the socket path's
@@ -1780,6 +1795,32 @@ mod port_bits_tests {
             }
         }
         assert_eq!(PortBits::index(proto::SCTP, 80), None);
+    }
+
+    /// `marked` gives back exactly what `index` and `with` put in.
+    #[test]
+    fn marked_ports_read_back_as_written() {
+        for (p, port) in [
+            (proto::TCP, 0),
+            (proto::TCP, 8080),
+            (proto::TCP, 65_535),
+            (proto::UDP, 0),
+            (proto::UDP, 53),
+            (proto::UDP, 65_535),
+        ] {
+            let i = PortBits::index(p, port).unwrap();
+            let e = PortBits::default().with(port);
+            let mut it = e.marked(i);
+            assert_eq!(it.next(), Some((p, port)));
+            assert_eq!(it.next(), None);
+        }
+        let i = PortBits::index(proto::TCP, 30_080).unwrap();
+        let e = PortBits::default().with(30_081).with(30_080);
+        let mut it = e.marked(i);
+        assert_eq!(it.next(), Some((proto::TCP, 30_080)));
+        assert_eq!(it.next(), Some((proto::TCP, 30_081)));
+        assert_eq!(it.next(), None);
+        assert_eq!(e.marked(PortBits::ELEMENTS).next(), None, "past the map");
     }
 
     #[test]

@@ -518,6 +518,11 @@ impl Agent {
         self.inspect_list("conntrack")
     }
 
+    /// `lb-agent inspect ports --bpffs PIN --json`, parsed.
+    pub fn inspect_ports(&self) -> Result<Vec<serde_json::Value>> {
+        self.inspect_list("ports")
+    }
+
     /// `lb-agent inspect datagram-flows --bpffs PIN --json`, parsed.
     pub fn inspect_datagram_flows(&self) -> Result<Vec<serde_json::Value>> {
         self.inspect_list("datagram-flows")

@@ -14,7 +14,7 @@ use std::{
 use integration_tests::{
     cluster::{frontend_backends, ProbeChild},
     netns::in_netns,
-    nodes::{node_v4, node_v6, Cluster},
+    nodes::{node_v4, node_v6, Cluster, POD_PORT},
     require_root, wait_until, Attempt,
 };
 use serde_json::{json, Value};
@@ -286,6 +286,29 @@ fn local_policy_and_health_check_node_ports() {
         "{}",
         show(&a)
     );
+
+    // What an operator reads of the ports the tc path looks up: node 1
+    // serves the node port, and its pod n1p0 is a local backend on
+    // POD_PORT; node 3 has no local endpoint (the node port is still its).
+    for (node, local) in [(0, true), (2, false)] {
+        let ports = c.agents[node].inspect_ports().unwrap();
+        let has = |set: &str, port: u16| {
+            ports
+                .iter()
+                .any(|p| p["set"] == set && p["proto"] == "TCP" && p["port"] == port)
+        };
+        assert!(
+            has("frontend", LOCAL_NODEPORT),
+            "node {}: {ports:?}",
+            node + 1
+        );
+        assert_eq!(
+            has("local backend", POD_PORT),
+            local,
+            "node {}: {ports:?}",
+            node + 1
+        );
+    }
 
     let (code, body) = c.health_check(1, HEALTH_PORT).unwrap();
     assert_eq!(code, 200, "{body}");
