@@ -1,7 +1,8 @@
 //! `lb-agent inspect`: what the datapath does, read from the pinned maps
 //! alone, so it works with or without a running agent. Each subject
-//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`, `Tc`, `Ports`) reads its views and renders them as
-//! a table; [`show`] prints either that table or the views as JSON.
+//! (`Services`, `Affinity`, `DatagramFlows`, `Conntrack`, `Tc`, `Ports`)
+//! reads its views and renders them as a table; [`show`] prints either
+//! that table or the views as JSON.
 use std::{
     collections::BTreeMap,
     fmt::{Display, Write as _},
@@ -750,10 +751,15 @@ impl Subject for Ports {
             let map: aya::maps::Array<MapData, PortBits> =
                 aya::maps::Array::try_from(tc::open(dir, name)?)
                     .with_context(|| format!("{name}: not a map of PortBits"))?;
-            let elements: Vec<(u32, PortBits)> = (0..map.len())
-                .filter_map(|i| Some((i, map.get(&i, 0).ok()?)))
-                .filter(|(_, e)| e.ports != 0)
-                .collect();
+            let mut elements = Vec::new();
+            for i in 0..map.len() {
+                let e = map
+                    .get(&i, 0)
+                    .with_context(|| format!("reading {name}[{i}]"))?;
+                if e.ports != 0 {
+                    elements.push((i, e));
+                }
+            }
             views.extend(port_views(set, &elements));
         }
         Ok(views)
