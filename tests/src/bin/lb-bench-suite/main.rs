@@ -67,10 +67,11 @@ pub struct Opts {
     /// Only rewrite BENCHMARKS.md and the chart from target/bench/results.json.
     #[arg(long)]
     pub report_only: bool,
-    /// Control plane: ours only, without the rule loads of the other arms
-    /// (a quick A/B of the agent's first sync and memory; with
-    /// `--no-datapath --no-nodeport --root <scratch>`, as the report then
-    /// shows the others as not run).
+    /// Ours only, without the rule loads of the other arms: in the control
+    /// plane (a quick A/B of the agent's first sync and memory), and in the
+    /// ClusterIP experiment (ours and direct, e.g. the agent's RSS at
+    /// 100 000 Services with `--points 100000`). With `--root <scratch>`,
+    /// as the report then shows the others as not run.
     #[arg(long)]
     pub only_ours: bool,
     /// Endpoints of the target Service (addresses 10.244.1.1..=N of the backend).
@@ -325,6 +326,13 @@ pub struct ClusterStart {
     pub lists: Vec<(String, u64, f64)>,
     pub frontends: Option<(u64, u64)>,
     pub rss_mib: Option<f64>,
+    /// The agent's CPU time (user and system, every thread) and minor page
+    /// faults from its start until ready: the work done, which the wall
+    /// times above show only through a machine's noise.
+    #[serde(default)]
+    pub cpu_ms: Option<f64>,
+    #[serde(default)]
+    pub minor_faults: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -478,7 +486,15 @@ fn run(opts: &Opts) -> Result<()> {
     let json_path = out_dir.join("results.json");
     if !opts.no_datapath {
         let mut seed = seed();
-        let mut skip_next: Vec<ArmKind> = Vec::new();
+        let mut skip_next: Vec<ArmKind> = if opts.only_ours {
+            vec![
+                ArmKind::IptablesNft,
+                ArmKind::IptablesLegacy,
+                ArmKind::Nftables,
+            ]
+        } else {
+            Vec::new()
+        };
         for &n in &points {
             datapath_point(
                 opts,
@@ -880,6 +896,21 @@ fn write_target(manifests: &Path, target: &[Ipv4Addr]) -> Result<()> {
     )?;
     fs::rename(&tmp, manifests.join("target.json"))?;
     Ok(())
+}
+
+/// A process's CPU time (ms, user and system, every thread) and minor page
+/// faults so far, from `/proc/<pid>/stat`.
+fn cpu_and_faults(pid: u32) -> Option<(f64, u64)> {
+    let s = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // Fields after the command, which may hold spaces, in parentheses.
+    let rest: Vec<&str> = s.get(s.rfind(')')? + 2..)?.split_whitespace().collect();
+    // proc(5) numbers them from 1 with the pid: minflt is 10, utime 14,
+    // stime 15; `rest` starts at field 3.
+    let field = |n: usize| rest.get(n - 3)?.parse::<u64>().ok();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    let ticks = field(14)? + field(15)?;
+    Some((ticks as f64 * 1000.0 / hz, field(10)?))
 }
 
 fn vm_hwm_mib(pid: u32) -> Option<f64> {
@@ -1704,7 +1735,13 @@ fn cluster_start(scenario: &Scenario, fillers: &Path, timeout: Duration) -> Resu
     let t0 = Instant::now();
     let agent = Agent::start_cluster(Source::ApiServer(&url), cgroup.path(), opts)?;
     let ready_s = t0.elapsed().as_secs_f64();
+    let work = cpu_and_faults(agent.pid());
     let log = agent.log();
+    // The agent's log lives in a temporary directory: kept on request for
+    // a look at its timeline (lists, programs attached, sync).
+    if let Ok(keep) = std::env::var("LB_BENCH_KEEP_LOG") {
+        fs::write(&keep, &log).with_context(|| format!("LB_BENCH_KEEP_LOG={keep}"))?;
+    }
     let lists = log
         .lines()
         .filter(|l| l.contains(" listed "))
@@ -1735,6 +1772,8 @@ fn cluster_start(scenario: &Scenario, fillers: &Path, timeout: Duration) -> Resu
         lists,
         frontends: metric(&agent, "lb_frontends_programmed").map(|got| (got, want)),
         rss_mib: vm_hwm_mib(agent.pid()),
+        cpu_ms: work.map(|w| w.0),
+        minor_faults: work.map(|w| w.1),
     };
     say(format!("ours (cluster mode): {c:?}"));
     Ok(c)

@@ -720,13 +720,18 @@ fn cluster_summary(c: &ClusterStart) -> String {
         .map(|(kind, n, t)| format!("{kind} {n} objects in {t:.0} ms"))
         .collect();
     format!(
-        "watches started → every object in the maps {} ms (lists: {}; the first sync after them {} ms = translation {} ms + map writes {} ms); agent start to /readyz {} s; peak RSS {}; frontends programmed {}",
+        "watches started → every object in the maps {} ms (lists: {}; the first sync after them {} ms = translation {} ms + map writes {} ms); agent start to /readyz {} s{}; peak RSS {}; frontends programmed {}",
         ms(c.input_to_maps_ms),
         if lists.is_empty() { "?".into() } else { lists.join(", ") },
         ms(c.sync_ms),
         ms(c.read_translate_ms),
         ms(c.apply_ms),
         c.ready_s.map_or("?".into(), |s| format!("{s:.2}")),
+        c.cpu_ms
+            .zip(c.minor_faults)
+            .map_or(String::new(), |(cpu, faults)| format!(
+                " (agent CPU time by then {cpu:.0} ms, {faults} minor page faults)"
+            )),
         c.rss_mib.map_or("?".into(), |m| format!("{m:.1} MiB")),
         c.frontends
             .map_or("?".into(), |(got, want)| format!("{got} of {want}"))
