@@ -720,8 +720,18 @@ fn cluster_summary(c: &ClusterStart) -> String {
         .map(|(kind, n, t)| format!("{kind} {n} objects in {t:.0} ms"))
         .collect();
     format!(
-        "watches started → every object in the maps {} ms (lists: {}; the first sync after them {} ms = translation {} ms + map writes {} ms); agent start to /readyz {} s{}; peak RSS {}; frontends programmed {}",
+        "watches started → every object in the maps {} ms{} (lists: {}; the first sync after them {} ms = translation {} ms + map writes {} ms); agent start to /readyz {} s{}; peak RSS {}; frontends programmed {}",
         ms(c.input_to_maps_ms),
+        if c.runs_ms.len() > 1 {
+            let runs: Vec<String> = c.runs_ms.iter().map(|r| format!("{r:.0}")).collect();
+            format!(
+                " (the median of {} starts: {})",
+                c.runs_ms.len(),
+                runs.join(", ")
+            )
+        } else {
+            String::new()
+        },
         if lists.is_empty() { "?".into() } else { lists.join(", ") },
         ms(c.sync_ms),
         ms(c.read_translate_ms),
