@@ -1452,6 +1452,104 @@ mod tests {
         );
     }
 
+    /// The connect-rate goal judges a point on its A/A control's rounds
+    /// when it has them (ours ÷ direct of those rounds), else on its main
+    /// rounds, and fails on the worst point.
+    #[test]
+    fn connect_rate_is_judged_per_point_on_its_a_a_control() {
+        use crate::{ArmKind as A, Machine, NoiseFloor, Results, Run, Sample};
+        let sample = |services, round, arm, rate| Sample {
+            services,
+            round,
+            arm,
+            mode: Mode::Cc,
+            run: Run {
+                rate,
+                ..Default::default()
+            },
+        };
+        // Main rounds: ours at 0.90 of direct at both points.
+        let mut samples = Vec::new();
+        for n in [1, 1000] {
+            for round in 0..3 {
+                samples.push(sample(n, round, A::Direct, 100.0));
+                samples.push(sample(n, round, A::Ours, 90.0));
+            }
+        }
+        // An A/A control: ours at `ours` of direct in every round.
+        let floor = |services, ours: f64| NoiseFloor {
+            services,
+            rounds: 21,
+            cc_ms: 1000,
+            samples: (0..21)
+                .flat_map(|round| {
+                    [
+                        sample(services, round, A::Direct, 100.0),
+                        sample(services, round, A::DirectAgain, 100.0),
+                        sample(services, round, A::Ours, ours),
+                    ]
+                })
+                .collect(),
+        };
+        let mut r = Results {
+            machine: Machine {
+                cpu: String::new(),
+                cores: 2,
+                memory: String::new(),
+                kernel: String::new(),
+                date: String::new(),
+                commit: String::new(),
+                iptables: String::new(),
+                nft: String::new(),
+            },
+            quick: false,
+            points: vec![1, 1000],
+            rounds: 3,
+            durations_ms: Vec::new(),
+            target_endpoints: 4,
+            filler_endpoints: 2,
+            ipvs: String::new(),
+            setups: Vec::new(),
+            samples,
+            costs: Vec::new(),
+            control: None,
+            nodeport: None,
+            noise_floors: vec![floor(1, 99.0)],
+            noise_floor: None,
+            elapsed_s: 0.0,
+        };
+        let rate_goal = |r: &Results| goals(r).swap_remove(0);
+        let measured = |at_1000: &str| format!("1: 0.990, {}: {at_1000}", thousands(1000));
+        let g = rate_goal(&r);
+        assert!(g.measured.starts_with(&measured("0.900")), "{}", g.measured);
+        assert_eq!(
+            g.met,
+            Some(false),
+            "1 000 has only its main rounds, at 0.90"
+        );
+        assert!(
+            g.limit.contains("all above 0.98: met beyond"),
+            "{}",
+            g.limit
+        );
+        r.noise_floors.push(floor(1000, 99.0));
+        let g = rate_goal(&r);
+        assert!(g.measured.starts_with(&measured("0.990")), "{}", g.measured);
+        assert_eq!(g.met, Some(true));
+        r.noise_floors[0] = floor(1, 97.0);
+        let g = rate_goal(&r);
+        assert_eq!(g.met, Some(false), "the worst point decides");
+        assert!(
+            g.limit.contains("all below 0.98: missed beyond"),
+            "{}",
+            g.limit
+        );
+        // Results saved before the control ran at every point.
+        r.noise_floors.clear();
+        r.noise_floor = Some(floor(1, 99.0));
+        assert!(rate_goal(&r).measured.starts_with(&measured("0.900")));
+    }
+
     /// The tc goals are judged on ours less the empty program of the same
     /// round; a round without the empty program is left out, and without
     /// any the goal is not judged.
