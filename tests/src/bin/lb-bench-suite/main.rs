@@ -901,6 +901,17 @@ fn write_target(manifests: &Path, target: &[Ipv4Addr]) -> Result<()> {
     Ok(())
 }
 
+/// The middle one of `items` by `key`, those without a key counted as
+/// slowest: the start a first-sync figure is judged on.
+fn median_by<T: Clone>(items: &[T], key: impl Fn(&T) -> Option<f64>) -> Option<T> {
+    let mut sorted: Vec<&T> = items.iter().collect();
+    sorted.sort_by(|a, b| {
+        let k = |x: &T| key(x).unwrap_or(f64::INFINITY);
+        k(a).total_cmp(&k(b))
+    });
+    sorted.get(sorted.len() / 2).map(|m| (*m).clone())
+}
+
 /// [`wait_for_quiet`] up to 30 s before `what`, saying when it waited.
 fn quiet(what: &str) {
     match wait_for_quiet(Duration::from_secs(30)) {
@@ -938,7 +949,8 @@ fn wait_for_quiet(max: Duration) -> Option<Duration> {
         let a = sample()?;
         std::thread::sleep(Duration::from_millis(200));
         let b = sample()?;
-        let (idle, all) = (b.0 - a.0, b.1 - a.1);
+        // iowait may go backwards (proc(5)).
+        let (idle, all) = (b.0.saturating_sub(a.0), b.1.saturating_sub(a.1));
         if all > 0 && idle * 10 >= all * 9 {
             return Some(t0.elapsed());
         }
@@ -1652,9 +1664,7 @@ fn control_plane(
         let log = agent.log();
         starts.push(first_sync(took, &log));
         cp.ours_sync_runs_ms = starts.iter().filter_map(|s| s.1).collect();
-        let mut by_sync = starts.clone();
-        by_sync.sort_by(|a, b| a.1.partial_cmp(&b.1).unwrap_or(std::cmp::Ordering::Equal));
-        let median = by_sync[by_sync.len() / 2];
+        let median = median_by(&starts, |s| s.1).expect("three starts");
         cp.ours_ready_s = Some(median.0);
         cp.ours_sync_ms = median.1;
         cp.ours_read_translate_ms = median.2;
@@ -1715,7 +1725,7 @@ fn control_plane(
         drop(arm);
     }
     // Three starts, as from manifests; the median by input to maps.
-    let mut starts = Vec::new();
+    let mut starts: Vec<ClusterStart> = Vec::new();
     for _ in 0..3 {
         quiet("a start in cluster mode");
         match cluster_start(&scenario, &fillers, timeout) {
@@ -1723,14 +1733,8 @@ fn control_plane(
             Err(e) => cp.notes.push(format!("cluster mode: {e:#}")),
         }
     }
-    let runs: Vec<f64> = starts.iter().filter_map(|c| c.input_to_maps_ms).collect();
-    starts.sort_by(|a, b| {
-        let key = |c: &ClusterStart| c.input_to_maps_ms.unwrap_or(f64::INFINITY);
-        key(a).total_cmp(&key(b))
-    });
-    if !starts.is_empty() {
-        let mut median = starts.swap_remove(starts.len() / 2);
-        median.runs_ms = runs;
+    if let Some(mut median) = median_by(&starts, |c| c.input_to_maps_ms) {
+        median.runs_ms = starts.iter().filter_map(|c| c.input_to_maps_ms).collect();
         cp.cluster = Some(median);
     }
     let others = [
