@@ -909,6 +909,69 @@ fn local_backend_dnat_reply_and_conntrack() {
     }
 }
 
+/// A closed flow's entries stay for the close timeout, so that late
+/// packets still translate. A SYN-ACK from its backend then answers a new
+/// connection on the same tuple that came around the frontend (straight
+/// to the pod, or translated at connect by a socket hook): it leaves as
+/// the pod sent it, and the stale entries go. During the handshake a
+/// SYN-ACK sent again is the flow's own.
+#[test]
+fn a_syn_ack_after_the_close_answers_another_connection() {
+    if skip() {
+        return;
+    }
+    let cases = [
+        ("192.168.77.100", NODE4, "10.244.1.10"),
+        ("fd00:77::100", NODE6, "fd00:244:1::10"),
+    ];
+    // Who sends a FIN before the SYN-ACK: both ends (closed), or the
+    // backend alone (its TIME_WAIT, the client's FIN not seen yet).
+    for both_fins in [true, false] {
+        for (client, node, pod) in cases {
+            let mut fx = Fixture::new();
+            fx.backend(1, pod, 8080, proto::TCP, true);
+            fx.frontend(node, 30080, proto::TCP, 7, &[1]);
+            let syn_ack = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
+            fx.run(
+                "tc_ingress",
+                &Frame::tcp(client, 40000, node, 30080, TCP_SYN),
+            );
+            for _ in 0..2 {
+                let (rc, out) = fx.run("tc_egress", &syn_ack);
+                assert_eq!(rc, OK);
+                assert_eq!(parse(&out).src, ip(node), "{client}: the flow's SYN-ACK");
+            }
+            fx.run(
+                "tc_egress",
+                &Frame::tcp(pod, 8080, client, 40000, TCP_FIN | TCP_ACK),
+            );
+            if both_fins {
+                fx.run(
+                    "tc_ingress",
+                    &Frame::tcp(client, 40000, node, 30080, TCP_FIN | TCP_ACK),
+                );
+            }
+            // A late packet of the flow still translates.
+            let (rc, out) = fx.run("tc_egress", &Frame::tcp(pod, 8080, client, 40000, TCP_ACK));
+            assert_eq!((rc, parse(&out).src), (OK, ip(node)), "{client}: late ACK");
+
+            let (rc, out) = fx.run("tc_egress", &syn_ack);
+            assert_eq!(rc, UNSPEC, "{client}, both FINs {both_fins}");
+            let p = parse(&out);
+            assert_eq!(
+                (p.src, p.sport, p.dst, p.dport),
+                (ip(pod), 8080, ip(client), 40000),
+                "{client}, both FINs {both_fins}: untranslated"
+            );
+            assert!(fx.entry(pod, 8080, client, 40000, proto::TCP).is_none());
+            assert!(fx.entry(client, 40000, node, 30080, proto::TCP).is_none());
+            // The new connection's later packets pass as well.
+            let (rc, out) = fx.run("tc_egress", &Frame::tcp(pod, 8080, client, 40000, TCP_ACK));
+            assert_eq!((rc, parse(&out).src), (UNSPEC, ip(pod)));
+        }
+    }
+}
+
 /// One client port through two frontends of one local backend (a client
 /// may use a port again for another destination): the second flow's reply
 /// tuple would be the first's, so its backend would take its SYN for the

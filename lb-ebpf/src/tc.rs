@@ -1102,7 +1102,8 @@ fn lookup_syn(key: &CtKey, p: &Pkt) -> Option<*mut CtEntry> {
 /// Translates a packet of the flow whose entry for `key` is `ptr` in
 /// `table` (at egress, only reply entries are followed). None when the
 /// tuple has no live flow: its entry expired (and goes), or a new
-/// connection reuses a closing flow's tuple (both its entries go).
+/// connection reuses a closing flow's tuple, through the frontend or
+/// around it (both its entries go).
 #[inline(always)]
 fn follow(
     ctx: &TcContext,
@@ -1141,7 +1142,16 @@ fn follow(
     let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
         && e.state[ct_state::CLOSING] != 0
         && e.flags & ct_flags::REPLY == 0;
-    if reopened {
+    // A backend's SYN-ACK once its flow began to close (a FIN or an RST
+    // seen) answers a new connection on the same tuple that did not come
+    // through the frontend: straight to the pod, or translated at connect
+    // by a socket hook. Not this flow's, and its entries are stale.
+    let answers_another = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK
+        && e.flags & ct_flags::REPLY != 0
+        && (e.state[ct_state::CLOSING] != 0
+            || e.state[ct_state::FIN] != 0
+            || e.backend_time_wait != 0);
+    if reopened || answers_another {
         let _ = table.map().remove(&CtKey::partner(&e, p.proto));
         let _ = table.map().remove(key);
         return None;

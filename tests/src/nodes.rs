@@ -514,12 +514,30 @@ impl Cluster {
         target: &str,
         count: usize,
     ) -> Vec<Attempt> {
+        self.from_pod_with(node, netns, proto, target, count, &[])
+    }
+
+    /// [`from_pod`](Self::from_pod), with `extra` arguments for the client
+    /// (which may set its own `--timeout-ms`).
+    pub fn from_pod_with(
+        &self,
+        node: u8,
+        netns: &str,
+        proto: &str,
+        target: &str,
+        count: usize,
+        extra: &[&str],
+    ) -> Vec<Attempt> {
         let probe = crate::probe_bin().expect("lb-probe");
         let mut c = Command::new(probe);
         c.args(["client", "--cgroup"])
             .arg(self.cgroup(node))
             .args(["--netns", netns, "--target", target, "--proto", proto])
-            .args(["--count", &count.to_string(), "--timeout-ms", "1000"]);
+            .args(["--count", &count.to_string()])
+            .args(extra);
+        if !extra.contains(&"--timeout-ms") {
+            c.args(["--timeout-ms", "1000"]);
+        }
         let out = cmd::run(&mut c).unwrap_or_else(|e| panic!("{e:#}"));
         parse_attempts(&out).unwrap_or_else(|e| panic!("{e:#}"))
     }

@@ -693,7 +693,10 @@ fn pods_and_host_processes_use_the_socket_path_hairpin_included() {
         format!("{EXTERNAL_IP}:80"),
         format!("{LB_LOCAL}:80"),
     ] {
-        let a = c.from_pod(1, &n1p0, "tcp", &target, 60);
+        // 3 s: a client port may meet the backend's TIME_WAIT socket of
+        // an earlier target's flow (see
+        // `a_new_connection_on_a_closed_flows_backend_tuple_is_its_own`).
+        let a = c.from_pod_with(1, &n1p0, "tcp", &target, 60, &["--timeout-ms", "3000"]);
         assert_eq!(ok_count(&a), 60, "{target}: {}", show(&a));
         // The socket path uses every endpoint (kube-proxy short-circuits
         // in-cluster traffic to north-south addresses), itself included.
@@ -731,6 +734,35 @@ fn pods_and_host_processes_use_the_socket_path_hairpin_included() {
     );
     assert_eq!(ok_count(&a), 30, "{}", show(&a));
     assert_eq!(backends(&a).len(), 3, "{}", show(&a));
+}
+
+/// A new connection on the tuple a closed NodePort flow had at its local
+/// backend is a flow of its own: the closed flow's entries, kept for the
+/// close timeout, must not translate its SYN-ACK. Linux picks a client
+/// port per destination, so a pod that reaches one backend both through a
+/// node port and straight (or through the socket path, which translates
+/// at connect) meets this by chance (the hairpin test did, in CI); here
+/// the port is fixed. The timeout is 3 s because the backend's TIME_WAIT
+/// socket may answer the new SYN with an ACK (the two destinations give
+/// the client different timestamp offsets, and PAWS turns the older
+/// away): the client's RST then ends the TIME_WAIT, and the SYN sent again
+/// a second later is accepted, as it would be without a load balancer.
+#[test]
+fn a_new_connection_on_a_closed_flows_backend_tuple_is_its_own() {
+    require_root!();
+    let c = setup("reuse");
+    let n1p0 = c.pod("n1p0").netns.clone();
+    let via_node_port = format!("{}:{LOCAL_NODEPORT}", node_v4(2));
+    let straight = format!("{}:8080", c.pod("n2p0").ipv4);
+    let pinned = ["--source-port", "31000", "--timeout-ms", "3000"];
+    for target in [&via_node_port, &straight, &via_node_port, &straight] {
+        let a = c.from_pod_with(1, &n1p0, "tcp", target, 1, &pinned);
+        assert_eq!(ok_count(&a), 1, "{target}: {}", show(&a));
+        // Node 2's only endpoint of the Local Service, which sees the pod.
+        assert_eq!(a[0].backend.as_deref(), Some("n2p0"), "{target}");
+        assert_eq!(a[0].seen_from.as_deref(), Some("10.244.1.10"), "{target}");
+        assert_eq!(a[0].peer.as_deref(), Some(target.as_str()));
+    }
 }
 
 /// `loadBalancerSourceRanges` bind pods and host processes too, as

@@ -13,7 +13,8 @@
 //!   one JSON line for each:
 //!   `{"ok":true,"backend":"b1","reply":"b1","peer":"10.96.0.10:80","elapsed_ms":0.2}` or
 //!   `{"ok":false,"error":"ECONNREFUSED","stage":"connect","elapsed_ms":0.1}`.
-//!   `--interval-us N` paces the attempts (one every N µs).
+//!   `--interval-us N` paces the attempts (one every N µs); `--source-port P`
+//!   binds each TCP attempt to source port P.
 //! - `hold-udp --cgroup DIR --netns NS --target IP:PORT [--interval-ms 100]
 //!   [--duration-ms 10000]`: one connected UDP socket that sends every
 //!   interval and waits in recv() in between; one JSON line (flushed) per
@@ -321,6 +322,10 @@ struct ClientArgs {
     /// CLOCK_MONOTONIC).
     #[arg(long)]
     timestamps: bool,
+    /// TCP: bind every attempt's socket to this source port
+    /// (`SO_REUSEADDR`), so that two runs can share a tuple.
+    #[arg(long)]
+    source_port: Option<u16>,
 }
 
 fn main() -> Result<()> {
@@ -530,11 +535,29 @@ struct Answer {
     source: Option<SocketAddr>,
 }
 
-fn tcp_once(target: SocketAddr, timeout: Duration) -> Step<Answer> {
-    stream_answer(
-        at("connect", TcpStream::connect_timeout(&target, timeout))?,
-        timeout,
-    )
+fn tcp_once(target: SocketAddr, timeout: Duration, source_port: Option<u16>) -> Step<Answer> {
+    let Some(port) = source_port else {
+        return stream_answer(
+            at("connect", TcpStream::connect_timeout(&target, timeout))?,
+            timeout,
+        );
+    };
+    let s = at(
+        "socket",
+        socket2::Socket::new(
+            socket2::Domain::for_address(target),
+            socket2::Type::STREAM,
+            None,
+        ),
+    )?;
+    at("bind", s.set_reuse_address(true))?;
+    let unspecified: IpAddr = match target {
+        SocketAddr::V4(_) => std::net::Ipv4Addr::UNSPECIFIED.into(),
+        SocketAddr::V6(_) => std::net::Ipv6Addr::UNSPECIFIED.into(),
+    };
+    at("bind", s.bind(&SocketAddr::new(unspecified, port).into()))?;
+    at("connect", s.connect_timeout(&target.into(), timeout))?;
+    stream_answer(s.into(), timeout)
 }
 
 /// A connected stream socket's peer and the server's answer, read to EOF.
@@ -707,6 +730,9 @@ fn resolve_target(target: &str, family: Option<Family>) -> Result<SocketAddr> {
 }
 
 fn client(a: ClientArgs) -> Result<()> {
+    if a.source_port.is_some() && !matches!(a.proto, Proto::Tcp) {
+        bail!("--source-port: TCP only");
+    }
     let target = resolve_target(&a.at.target, a.family)?;
     a.at.enter()?;
     if let Some(cpu) = a.cpu {
@@ -727,7 +753,7 @@ fn client(a: ClientArgs) -> Result<()> {
         let start = Instant::now();
         let start_ns = a.timestamps.then(integration_tests::probe::monotonic_ns);
         let r = match a.proto {
-            Proto::Tcp => tcp_once(target, timeout),
+            Proto::Tcp => tcp_once(target, timeout, a.source_port),
             Proto::Udp => udp_once(target, timeout, false),
             Proto::UdpConnected => udp_once(target, timeout, true),
             Proto::Sctp => sctp_once(target, timeout),
