@@ -1909,3 +1909,28 @@ fn monotonic_ns() -> u64 {
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::median_by;
+
+    /// The first-sync figures are judged on this median: a start that
+    /// gave no figure must count as the slowest, never as the fastest
+    /// (`f64` has no order of its own, and `None < Some` in Rust's).
+    #[test]
+    fn median_by_counts_a_start_without_a_figure_as_slowest() {
+        let ms = |x: &Option<f64>| *x;
+        assert_eq!(
+            median_by(&[Some(301.0), Some(349.0), Some(334.0)], ms),
+            Some(Some(334.0))
+        );
+        assert_eq!(
+            median_by(&[None, Some(240.0), Some(250.0)], ms),
+            Some(Some(250.0))
+        );
+        assert_eq!(median_by(&[None, None, Some(240.0)], ms), Some(None));
+        // Even counts take the upper middle: the slower of the two.
+        assert_eq!(median_by(&[Some(2.0), Some(1.0)], ms), Some(Some(2.0)));
+        assert_eq!(median_by::<Option<f64>>(&[], ms), None);
+    }
+}
