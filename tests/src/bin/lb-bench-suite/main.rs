@@ -348,6 +348,11 @@ pub struct Machine {
     pub commit: String,
     pub iptables: String,
     pub nft: String,
+    /// `/sys/devices/system/cpu/vulnerabilities/spec_rstack_overflow`:
+    /// with "Mitigation: Safe RET" every return in the kernel goes through
+    /// a thunk, and each helper and map call of the programs costs more.
+    #[serde(default)]
+    pub srso: String,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -656,6 +661,7 @@ fn machine(root: &Path) -> Machine {
         ])),
         iptables: first_line(Command::new("iptables-legacy").arg("--version")),
         nft: first_line(Command::new("nft").arg("--version")),
+        srso: read_trim("/sys/devices/system/cpu/vulnerabilities/spec_rstack_overflow"),
     }
 }
 
