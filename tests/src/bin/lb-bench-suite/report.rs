@@ -497,7 +497,16 @@ fn goals(r: &Results) -> Vec<Goal> {
         ),
         limit: format!(
             "Each connect() runs connect4 (see the program cost) on top of a ~20–25 µs \
-             connect+close cycle, which alone caps the ratio at ~0.97–0.98.{} The curve is flat: \
+             connect+close cycle, which alone caps the ratio at ~0.97–0.98. It is not the only \
+             program a connection of the lb arm runs: with kernel.bpf_stats_enabled during \
+             lb-bench-suite --quick --points 1 --only-ours (Intel Xeon, SRSO not affected, \
+             at 95f2171), a connection cost connect4 235 ns, cgroup_egress 3.3 runs of 60 ns \
+             (~200 ns: every packet the client's socket sends, to look for the \
+             loadBalancerSourceRanges mark, LB_SOCK_CHECK, which no Service of this benchmark \
+             sets) and sock_release 71 ns: ~500 ns, 2.5 % of a 20 µs cycle, before the cgroup \
+             hooks' own dispatch. Attaching cgroup_egress only while some Service has \
+             source ranges (or a cheaper \"no ranges\" test before its two helper calls) is \
+             the next step.{} The curve is flat: \
              nothing on the socket path depends on the number of Services.",
             aa_limit.unwrap_or_else(|| " The rest is noise: the rr control, where no load \
                  balancer is involved, scatters as much (a shared 2-core VM)."
