@@ -348,6 +348,11 @@ impl Syncer {
         self.set_node_eligible(eligible);
         let read_translate = started.elapsed();
         let applying = Instant::now();
+        // Source ranges before the frontends that carry them: a socket a
+        // connect marks for the check meets its frontend's DENY marker and
+        // a cgroup_egress that looks (fail-closed); ranges taken away go
+        // first as well, which only opens the frontend a moment sooner.
+        self.sync_source_ranges(&net, &ranges);
         let desired = self.translator.state();
         // Before a frontend can send a flow to a local backend, tc_egress
         // must know the backend's port to translate its replies, and
@@ -397,7 +402,7 @@ impl Syncer {
             .iter()
             .filter_map(|(f, b)| Some((self.reconciler.service_id(f)?, *b)))
             .collect();
-        self.sync_tc(&net, &ranges, &stale_flows);
+        self.sync_tc(&net, &stale_flows);
         // kube-proxy's: every address, unless --nodeport-addresses limits
         // them to the node's own within those prefixes.
         let bind = if self.north_south.nodeport_addresses.is_empty() {
@@ -629,24 +634,37 @@ impl Syncer {
         );
     }
 
-    /// The tc path's settings, source ranges, stale UDP flows (by service
-    /// id and backend), and the devices its programs are attached to.
-    fn sync_tc(
+    /// The tc path's settings (`LB_TC_CONFIG`) and the source ranges
+    /// (`LB_SOURCE_RANGES`), which the socket path's `cgroup_egress` reads
+    /// too.
+    fn sync_source_ranges(
         &mut self,
         net: &NodeNet,
         ranges: &std::collections::BTreeMap<Frontend, Vec<Cidr>>,
-        stale_flows: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
     ) {
         let timeouts = self.north_south.timeouts();
+        let Some(tc) = &mut self.tc else {
+            return;
+        };
+        for e in tc.ranges.sync(ranges) {
+            tracing::error!("{e}");
+        }
+        let any = ranges.values().any(|r| !r.is_empty());
+        if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts, any) {
+            tracing::error!("{e:#}");
+        }
+    }
+
+    /// The tc path's stale UDP flows (by service id and backend), and the
+    /// devices its programs are attached to.
+    fn sync_tc(
+        &mut self,
+        net: &NodeNet,
+        stale_flows: &BTreeSet<(u32, crate::semantics::model::BackendAddr)>,
+    ) {
         if let Some(tc) = &mut self.tc {
             if !net.devices.is_empty() && self.tc_attach.is_some() {
                 tc.reserve_snat_ports();
-            }
-            if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts) {
-                tracing::error!("{e:#}");
-            }
-            for e in tc.ranges.sync(ranges) {
-                tracing::error!("{e}");
             }
             if !stale_flows.is_empty() {
                 let n = tc.purge_udp(stale_flows);

@@ -356,6 +356,7 @@ impl Fixture {
             tcp_syn_timeout_s: 60,
             l4_csum_v6_flags: 0,
             tcp_time_wait_timeout_s: 60,
+            source_ranges: 0,
         }
     }
 

@@ -1012,6 +1012,7 @@ impl PortBits {
 /// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow the backend has not answered yet |
 /// | 52     | `l4_csum_v6_flags`  | `BPF_F_IPV6` where the kernel has it, else 0 |
 /// | 56     | `tcp_time_wait_timeout_s` | least lifetime after the close of a flow whose backend closed first |
+/// | 60     | `source_ranges`     | 1 while some frontend has `loadBalancerSourceRanges`, else 0 |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TcConfig {
@@ -1036,6 +1037,14 @@ pub struct TcConfig {
     /// retransmission. netfilter keeps such a tuple for its TIME_WAIT
     /// timeout (120 s).
     pub tcp_time_wait_timeout_s: u32,
+    /// 1 while some frontend of the node has `loadBalancerSourceRanges`
+    /// (`service_flags::SOURCE_RANGES`), else 0. `cgroup_egress` runs on
+    /// every packet of every socket of the cgroup and looks for the mark
+    /// `sock::forward` leaves on a socket to such a frontend (two helper
+    /// calls); with no ranges anywhere it returns at once. The agent sets
+    /// it before it publishes a frontend with ranges, and clears it only
+    /// once none is wanted.
+    pub source_ranges: u32,
 }
 
 /// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
@@ -1306,7 +1315,7 @@ const _: () = {
     assert!(core::mem::size_of::<NextHop>() == 24);
     assert!(core::mem::offset_of!(NextHop, len) == 16);
     assert!(core::mem::offset_of!(NextHop, check) == 20);
-    assert!(core::mem::size_of::<TcConfig>() == 60);
+    assert!(core::mem::size_of::<TcConfig>() == 64);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
     assert!(core::mem::size_of::<FragKey>() == 40);
     assert!(core::mem::size_of::<FragEntry>() == 40);

@@ -7,7 +7,8 @@
 //! program, at the cgroup's egress, checks the source of its packets once
 //! it is known: a source outside the ranges is dropped, as kube-proxy's
 //! `KUBE-FW` / `firewall-check` drop it. Packets of unmarked sockets (all
-//! but those to restricted frontends) cost one failed storage lookup.
+//! but those to restricted frontends) cost one failed storage lookup, and
+//! nothing while no frontend has ranges (`TcConfig::source_ranges`).
 use core::ptr;
 
 use aya_ebpf::{
@@ -19,7 +20,7 @@ use lb_common::{
     ipv4_mapped, proto, source_check, source_range, stat, SockSourceCheck, SourceRangeData,
 };
 
-use crate::maps::{count, LB_SOCK_CHECK, LB_SOURCE_RANGES};
+use crate::maps::{count, LB_SOCK_CHECK, LB_SOURCE_RANGES, LB_TC_CONFIG};
 
 const PASS: i32 = 1;
 const DROP: i32 = 0;
@@ -45,6 +46,13 @@ unsafe fn storage<M, T>(map: &'static M, sk: *mut bpf_sock) -> *mut T {
 }
 
 pub fn egress(ctx: &SkBuffContext) -> i32 {
+    // No frontend has ranges: no socket is checked. One marked while some
+    // had them is let through, as its frontend's ranges are gone. An array
+    // lookup the verifier inlines, where the mark costs two helper calls
+    // on every packet of the cgroup.
+    if !LB_TC_CONFIG.get(0).is_some_and(|c| c.source_ranges != 0) {
+        return PASS;
+    }
     // SAFETY: the context is valid for the run; `sk` may be null.
     let sk = unsafe { (*ctx.skb.skb).__bindgen_anon_2.sk };
     if sk.is_null() {

@@ -155,7 +155,8 @@ pub fn port_marked(ports: &PortMap, proto: u8, port: u16) -> bool {
 }
 
 /// tc path: masquerade addresses and timeouts, written by the agent; the
-/// socket path reads its UDP timeout (`LB_DGRAM_FLOWS`).
+/// socket path reads its UDP timeout (`LB_DGRAM_FLOWS`), and
+/// `cgroup_egress` whether any frontend has source ranges.
 #[btf_map]
 pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
 

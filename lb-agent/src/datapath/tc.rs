@@ -793,6 +793,7 @@ impl Timeouts {
             tcp_syn_timeout_s: secs(self.tcp_syn),
             l4_csum_v6_flags: 0,
             tcp_time_wait_timeout_s: self.tcp_time_wait.as_secs().min(u32::MAX as u64) as u32,
+            source_ranges: 0,
         }
     }
 }
@@ -887,14 +888,18 @@ impl TcMaps {
         }
     }
 
-    /// Writes the masquerade addresses and timeouts when they changed.
+    /// Writes the masquerade addresses, the timeouts and whether any
+    /// frontend has source ranges (`TcConfig::source_ranges`), when they
+    /// changed.
     pub fn write_config(
         &mut self,
         snat_v4: Option<Ipv4Addr>,
         snat_v6: Option<Ipv6Addr>,
         t: &Timeouts,
+        source_ranges: bool,
     ) -> anyhow::Result<()> {
         let mut cfg = t.config();
+        cfg.source_ranges = source_ranges.into();
         cfg.snat_v4 = snat_v4.map_or([0; 16], |a| addr_bytes(IpAddr::V4(a)));
         cfg.snat_v6 = snat_v6.map_or([0; 16], |a| addr_bytes(IpAddr::V6(a)));
         cfg.snat_port_min = self.snat_ports.0;
