@@ -504,10 +504,14 @@ fn goals(r: &Results) -> Vec<Goal> {
              (~200 ns: every packet the client's socket sends, to look for the \
              loadBalancerSourceRanges mark, LB_SOCK_CHECK, which no Service of this benchmark \
              sets) and sock_release 71 ns: ~500 ns, 2.5 % of a 20 µs cycle, before the cgroup \
-             hooks' own dispatch. Since 02269e7 (after this report's run) cgroup_egress \
-             returns at once while no frontend has source ranges: 60 → 47 ns per run in the \
-             same measurement, an empty program being ~43 ns, so ~40 ns a connection; most \
-             of each run is the hook's own cost, not the check.{} The curve is flat: \
+             hooks' own dispatch. Since 02269e7 cgroup_egress returns at once while no \
+             frontend has source ranges: 60 → 47 ns per run in the same measurement, an empty \
+             program being ~43 ns, so ~40 ns a connection; most of each run is the hook's own \
+             cost, not the check. A CPU profile of the client's core (perf record -C 0 -g \
+             during that quick run, samples split by the client's arm) puts everything BPF \
+             (the three programs and the cgroup hooks' dispatch) at ~2 % of ours' samples, \
+             and no other kernel symbol stands out by more than ~0.2 %: the rest of the gap is \
+             spread (the maps' cache lines) or noise.{} The curve is flat: \
              nothing on the socket path depends on the number of Services.",
             aa_limit.unwrap_or_else(|| " The rest is noise: the rr control, where no load \
                  balancer is involved, scatters as much (a shared 2-core VM)."
