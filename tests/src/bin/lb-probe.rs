@@ -680,7 +680,7 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
     let mut peer = None;
     if connected {
         at("connect", s.connect(target))?;
-        peer = Some(at("getpeername", s.peer_addr())?);
+        peer = Some(at("getpeername", peer_connected(&s))?);
         at("send", send_connected(&s, b"ping"))?;
     } else {
         at("send", s.send_to(b"ping", target))?;
@@ -709,6 +709,19 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
 fn send_connected(s: &UdpSocket, b: &[u8]) -> io::Result<usize> {
     match s.send(b) {
         Err(e) if e.raw_os_error() == Some(libc::EDESTADDRREQ) => match s.take_error() {
+            Ok(Some(pending)) => Err(pending),
+            _ => Err(e),
+        },
+        r => r,
+    }
+}
+
+/// `getpeername()` on a connected UDP socket: after SOCK_DESTROY it fails
+/// with ENOTCONN (the socket is disconnected), ECONNABORTED pending, as
+/// in `send_connected`.
+fn peer_connected(s: &UdpSocket) -> io::Result<SocketAddr> {
+    match s.peer_addr() {
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => match s.take_error() {
             Ok(Some(pending)) => Err(pending),
             _ => Err(e),
         },
@@ -845,7 +858,7 @@ fn hold_udp(a: HoldUdpArgs) -> Result<()> {
     let connect = || -> Step<(UdpSocket, SocketAddr)> {
         let s = at("socket", UdpSocket::bind(unspecified(target)))?;
         at("connect", s.connect(target))?;
-        let peer = at("connect", s.peer_addr())?;
+        let peer = at("connect", peer_connected(&s))?;
         Ok((s, peer))
     };
     let mut sock: Option<(UdpSocket, SocketAddr)> = None;
