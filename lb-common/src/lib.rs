@@ -1154,9 +1154,9 @@ pub mod stat {
     /// by open sockets): its `getpeername` shows the backend, not the
     /// frontend.
     pub const SOCK_PEER_LOST: u32 = 22;
-    /// A value copied out of `LB_SERVICES` carried another key's
-    /// `key_check` twice in a row (an element the kernel reused for another
-    /// key while the program read it), or an `LB_SLOTS` or `LB_BACKENDS`
+    /// Every value copied out of `LB_SERVICES` for a key (three in a row)
+    /// failed its `key_check` (torn, or an element the kernel reused for
+    /// another key while the program read it), or an `LB_SLOTS` or `LB_BACKENDS`
     /// element was written for another set or id (by hand: the agent never
     /// publishes a set before its slots): the lookup counts as a miss.
     pub const FOREIGN_VALUE: u32 = 23;
@@ -1165,7 +1165,12 @@ pub mod stat {
     /// frontends of one backend) was given another source port toward the
     /// backend, as netfilter's NAT remaps a clashing connection (not a drop).
     pub const TC_SOURCE_PORT_REMAPPED: u32 = 24;
-    pub const COUNT: u32 = 25;
+    /// A frontend's lookup missed while its VIP's marker was there, and a
+    /// lookup made again found it: the agent was replacing the frontend's
+    /// value (a miss then would have refused a connect or passed a SYN to
+    /// the node; see "Recycled elements" in docs/maps.md).
+    pub const FRONTEND_LOOKED_UP_AGAIN: u32 = 25;
+    pub const COUNT: u32 = 26;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1193,6 +1198,7 @@ pub mod stat {
         "sock_peer_lost",
         "foreign_value",
         "tc_source_port_remapped",
+        "frontend_looked_up_again",
     ];
 }
 

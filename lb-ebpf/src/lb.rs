@@ -11,19 +11,68 @@ use crate::maps::{
     count, LB_AFFINITY, LB_BACKENDS, LB_DGRAM_FLOWS, LB_MAGLEV, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
 };
 
+/// What a destination is to the load balancer (`lookup_frontend`).
+pub enum Frontend {
+    /// A frontend: its value, written whole for its key.
+    Served(ServiceValue),
+    /// A live VIP (its marker is there) on a port it does not serve.
+    PortNotServed,
+    /// No VIP: nothing of ours.
+    NotOurs,
+}
+
+/// How many times a frontend is looked up while its VIP's marker says it
+/// may exist: a value copied torn or another key's (`check_for`), or a
+/// miss while the agent replaces the key's value, is looked up again.
+const FRONTEND_LOOKUPS: usize = 3;
+
+/// The frontend under `key`. A miss is only believed once the VIP's
+/// marker is looked up too (with `vip_check`; else a miss is `NotOurs`):
+/// an update of an existing key of a preallocated hash (`LB_SERVICES`)
+/// links the new element at the head of its bucket and unlinks the old
+/// one, which the next update on that CPU reuses at once, so a lookup
+/// that was passing the old element as it was unlinked or reused can end
+/// its walk without the key (see "Recycled elements" in docs/maps.md).
+/// The agent writes a VIP's marker once and never replaces it, so the
+/// marker's own lookup cannot miss that way; a lookup made again after
+/// a miss starts from the new head.
 #[inline(always)]
-pub fn lookup_service(key: &ServiceKey) -> Option<ServiceValue> {
-    for _ in 0..3 {
-        // SAFETY: the value is copied out at once and kept only if it was
-        // written whole for this key (`check_for`); the agent replaces
-        // values whole.
-        let v = unsafe { core::ptr::read(LB_SERVICES.get_ptr(key)?) };
-        if v.key_check == v.check_for(key) {
-            return Some(v);
+pub fn lookup_frontend(key: &ServiceKey, vip_check: bool) -> Frontend {
+    let mut missed = false;
+    for _ in 0..FRONTEND_LOOKUPS {
+        match LB_SERVICES.get_ptr(key) {
+            Some(v) => {
+                // SAFETY: the value is copied out at once and kept only if
+                // it was written whole for this key (`check_for`); the
+                // agent replaces values whole.
+                let v = unsafe { core::ptr::read(v) };
+                if v.key_check == v.check_for(key) {
+                    if missed {
+                        count(stat::FRONTEND_LOOKED_UP_AGAIN);
+                    }
+                    return Frontend::Served(v);
+                }
+            }
+            None => {
+                if !vip_check
+                    || LB_SERVICES
+                        .get_ptr(&ServiceKey::wildcard(key.addr, key.scope))
+                        .is_none()
+                {
+                    return Frontend::NotOurs;
+                }
+                missed = true;
+            }
         }
     }
-    count(stat::FOREIGN_VALUE);
-    None
+    if !missed {
+        count(stat::FOREIGN_VALUE);
+    }
+    if vip_check {
+        Frontend::PortNotServed
+    } else {
+        Frontend::NotOurs
+    }
 }
 
 /// Backend `id`, if the id is in use: a free id's element is zeros, whose

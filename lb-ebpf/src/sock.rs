@@ -22,10 +22,9 @@ use lb_common::{
 };
 
 use crate::{
-    lb,
+    lb::{self, Frontend},
     maps::{
-        count, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SERVICES, LB_SOCK_CHECK, LB_SOCK_DRAW,
-        LB_SOCK_PEER,
+        count, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SOCK_CHECK, LB_SOCK_DRAW, LB_SOCK_PEER,
     },
 };
 
@@ -232,15 +231,11 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
         proto,
         scope: scope::INTERNAL,
     };
-    let Some(svc) = lb::lookup_service(&key) else {
+    let svc = match lb::lookup_frontend(&key, true) {
+        Frontend::Served(svc) => svc,
         // A live VIP on a port it does not serve: refuse, as kube-proxy does.
-        if LB_SERVICES
-            .get_ptr(&ServiceKey::wildcard(dst.addr, scope::INTERNAL))
-            .is_some()
-        {
-            return R::refuse(ctx);
-        }
-        return PROCEED;
+        Frontend::PortNotServed => return R::refuse(ctx),
+        Frontend::NotOurs => return PROCEED,
     };
     let chosen = if proto == proto::TCP {
         choose(ctx, &svc)

@@ -41,7 +41,7 @@ use lb_common::{
 };
 
 use crate::{
-    lb,
+    lb::{self, Frontend},
     maps::{
         count, port_marked, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_FRONTEND_PORTS,
         LB_LOCAL_PORTS, LB_SOURCE_RANGES, LB_TC_CONFIG,
@@ -799,7 +799,12 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
         proto: p.proto,
         scope: scope::EXTERNAL,
     };
-    let Some(svc) = lb::lookup_service(&skey) else {
+    // Only a SYN's miss is checked against the VIP's marker: passed to
+    // the node it would meet an RST, while another packet without a flow
+    // is not ours anyway (most of them: every packet to the node's own
+    // ports), and a datagram lost so is one of UDP's.
+    let syn = p.proto == proto::TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN;
+    let Frontend::Served(svc) = lb::lookup_frontend(&skey, syn) else {
         return TC_ACT_UNSPEC;
     };
     if svc.flags & service_flags::WILDCARD != 0 {

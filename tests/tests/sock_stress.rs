@@ -429,6 +429,13 @@ fn values_rewritten_in_place_are_never_seen_foreign() {
         t.elapsed(),
         n as f64 / t.elapsed().as_secs_f64()
     );
+    let (code, metrics) = env.agent().metrics().unwrap();
+    assert_eq!(code, 200, "{metrics}");
+    for event in ["foreign_value", "frontend_looked_up_again"] {
+        let line = format!("lb_datapath_events_total{{event=\"{event}\"}} ");
+        let n = metrics.lines().find_map(|l| l.strip_prefix(&line));
+        eprintln!("{event}: {}", n.unwrap_or("(not shown)"));
+    }
     // Nothing changes: the sets are A and B throughout.
     let changes = [Change {
         sets: [A, B],

@@ -1913,6 +1913,9 @@ pub(super) mod tests {
         /// `put_maglev` cannot make a table (as ENOMEM would).
         no_table_memory: bool,
         pub(in crate::datapath) writes: usize,
+        /// Keys of `LB_SERVICES` written while they held a value (updates
+        /// in place), in order.
+        pub(in crate::datapath) services_replaced: Vec<ServiceKey>,
         /// For states that are broken on purpose, and for sizes the check
         /// after every write would make quadratic.
         unchecked: bool,
@@ -2043,6 +2046,9 @@ pub(super) mod tests {
         fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
             let present = self.services.contains_key(&key);
             full(self.services.len(), self.service_capacity, present)?;
+            if present {
+                self.services_replaced.push(key);
+            }
             self.write(|m| m.services.insert(key, value))
         }
         fn del_service(&mut self, key: ServiceKey) -> std::io::Result<()> {
@@ -2182,6 +2188,38 @@ pub(super) mod tests {
         let vip = ServiceKey::wildcard(addr_bytes("10.96.0.10".parse().unwrap()), 0);
         assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
         assert_eq!(m.services.len(), 2);
+    }
+
+    /// The programs trust a VIP marker's miss (`lb::lookup_frontend`
+    /// looks a frontend up again only while its marker is there), which
+    /// holds because a marker is never replaced: written once when its
+    /// address gains a frontend, whatever happens to the frontends after.
+    #[test]
+    fn a_vip_marker_is_written_once_and_never_replaced() {
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let (web, dns) = (fe("10.96.0.10", 80), fe("10.96.0.10", 53));
+        let one = [be("10.244.1.1", 8080)];
+        let two = [be("10.244.1.1", 8080), be("10.244.1.2", 8080)];
+        let steps = [
+            desired(&[(web, state("web", &one))]),
+            desired(&[(web, state("web", &two))]),
+            desired(&[(web, state("web", &two)), (dns, state("web", &one))]),
+            desired(&[(dns, state("web", &two))]),
+            desired(&[(web, state("web", &[])), (dns, state("web", &one))]),
+        ];
+        for d in &steps {
+            sync(&mut r, d, &mut m);
+        }
+        let vip = ServiceKey::wildcard(addr_bytes("10.96.0.10".parse().unwrap()), 0);
+        assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
+        assert!(
+            m.services_replaced.contains(&service_key(&web))
+                && m.services_replaced.contains(&service_key(&dns)),
+            "the frontends were replaced in place: {:?}",
+            m.services_replaced
+        );
+        assert!(!m.services_replaced.contains(&vip));
     }
 
     /// Only the tc path's NodePort frontends are flagged NODE_ADDRESS: the
