@@ -41,6 +41,10 @@ pub struct Attempt {
     /// The step that failed: socket, connect, getpeername, send, recv, read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stage: Option<String>,
+    /// What more is known of the error: for connected UDP, the ICMP error
+    /// behind it (who sent it, for a datagram to where).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
     #[serde(default)]
     pub elapsed_ms: f64,
     /// With `--timestamps`: when the attempt started and ended,

@@ -169,9 +169,10 @@ fn start_load(env: &Env, duration: Duration) -> Vec<Load> {
                             outcome: match (a.ok, a.backend) {
                                 (true, Some(b)) => Ok(b),
                                 _ => Err(format!(
-                                    "{} at {}",
+                                    "{} at {}{}",
                                     a.error.unwrap_or_default(),
-                                    a.stage.unwrap_or_default()
+                                    a.stage.unwrap_or_default(),
+                                    a.detail.map(|d| format!(" ({d})")).unwrap_or_default()
                                 )),
                             },
                         }

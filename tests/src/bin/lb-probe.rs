@@ -30,8 +30,9 @@
 //!   bounded spoofed SYN flood, for the tc path's flow tests (see
 //!   `integration_tests::tcpflow` and `--help` of each).
 use std::{
-    io::{self, BufWriter, Read as _, Write as _},
-    net::{IpAddr, SocketAddr, TcpListener, TcpStream, UdpSocket},
+    cell::Cell,
+    io::{self, BufWriter, IoSliceMut, Read as _, Write as _},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     path::PathBuf,
     time::{Duration, Instant},
@@ -40,6 +41,9 @@ use std::{
 use anyhow::{bail, Context as _, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use integration_tests::probe::Attempt;
+use nix::sys::socket::{
+    recvmsg, setsockopt, sockopt, ControlMessageOwned, MsgFlags, SockaddrStorage,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -679,6 +683,15 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
     at("socket", s.set_read_timeout(Some(timeout)))?;
     let mut peer = None;
     if connected {
+        // The ICMP error behind a failure is then kept on the socket's
+        // error queue (`icmp_error_detail`); a connected socket reports
+        // hard errors (port or host unreachable) either way. An IPv6
+        // socket's IPv4-mapped peer answers through the IPv4 option.
+        let mut recv_err = setsockopt(&s, sockopt::Ipv4RecvErr, &true);
+        if target.is_ipv6() {
+            recv_err = setsockopt(&s, sockopt::Ipv6RecvErr, &true);
+        }
+        at("socket", recv_err.map_err(io::Error::from))?;
         at("connect", s.connect(target))?;
         peer = Some(at("getpeername", peer_connected(&s))?);
         at("send", send_connected(&s, b"ping"))?;
@@ -686,7 +699,15 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
         at("send", s.send_to(b"ping", target))?;
     }
     let mut buf = [0u8; 2048];
-    let (n, src) = at("recv", s.recv_from(&mut buf))?;
+    let (n, src) = match s.recv_from(&mut buf) {
+        Ok(r) => r,
+        Err(e) => {
+            if connected {
+                ERROR_DETAIL.set(icmp_error_detail(&s));
+            }
+            return Err(("recv", e));
+        }
+    };
     let reply = String::from_utf8_lossy(&buf[..n]).into_owned();
     Ok(match peer {
         Some(peer) => Answer {
@@ -714,6 +735,46 @@ fn send_connected(s: &UdpSocket, b: &[u8]) -> io::Result<usize> {
         },
         r => r,
     }
+}
+
+thread_local! {
+    /// What `udp_once` learnt of its failure beyond the errno
+    /// (`Attempt::detail`).
+    static ERROR_DETAIL: Cell<Option<String>> = const { Cell::new(None) };
+}
+
+/// The ICMP error on `s`'s error queue (with `IP_RECVERR`): its type and
+/// code, who sent it, and the destination of the datagram it answers.
+fn icmp_error_detail(s: &UdpSocket) -> Option<String> {
+    let mut payload = [0u8; 64];
+    let mut iov = [IoSliceMut::new(&mut payload)];
+    let mut cmsgs = nix::cmsg_space!(libc::sock_extended_err, libc::sockaddr_in6);
+    let flags = MsgFlags::MSG_ERRQUEUE | MsgFlags::MSG_DONTWAIT;
+    let msg = recvmsg::<SockaddrStorage>(s.as_raw_fd(), &mut iov, Some(&mut cmsgs), flags).ok()?;
+    let to = msg.address.map_or("?".to_string(), |a| a.to_string());
+    let cmsgs = msg.cmsgs().ok()?;
+    for c in cmsgs {
+        let (e, from) = match c {
+            ControlMessageOwned::Ipv4RecvErr(e, from) => (
+                e,
+                from.map(|a| Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr)).to_string()),
+            ),
+            ControlMessageOwned::Ipv6RecvErr(e, from) => (
+                e,
+                from.map(|a| Ipv6Addr::from(a.sin6_addr.s6_addr).to_string()),
+            ),
+            _ => continue,
+        };
+        return Some(format!(
+            "ICMP type {} code {} (origin {}, errno {}) from {} for a datagram to {to}",
+            e.ee_type,
+            e.ee_code,
+            e.ee_origin,
+            e.ee_errno,
+            from.as_deref().unwrap_or("?"),
+        ));
+    }
+    None
 }
 
 /// `getpeername()` on a connected UDP socket: after SOCK_DESTROY it fails
@@ -782,6 +843,7 @@ fn client(a: ClientArgs) -> Result<()> {
                 ok: false,
                 error: Some(errno_name(&e, stage)),
                 stage: Some(stage.to_string()),
+                detail: ERROR_DETAIL.take(),
                 elapsed_ms,
                 ..Default::default()
             },
