@@ -6,8 +6,13 @@
 //! Pods: n1p0, n1p1 on n1; n2p0 on n2; none on n3.
 use std::{
     collections::BTreeSet,
+    mem::offset_of,
     net::IpAddr,
     process::{Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -15,8 +20,10 @@ use integration_tests::{
     cluster::{frontend_backends, ProbeChild},
     netns::in_netns,
     nodes::{node_v4, node_v6, Cluster, POD_PORT},
+    pinned::PinnedMap,
     require_root, wait_until, Attempt,
 };
+use lb_common::{service_flags, ServiceValue, TcConfig};
 use serde_json::{json, Value};
 
 const WEB_NODEPORT: u16 = 30080;
@@ -819,6 +826,101 @@ fn source_ranges_bind_pods_and_host_processes() {
         dropped(&m) >= 8
     });
     assert!(counted, "sock_drop_source_range {}:\n{m}", dropped(&m));
+}
+
+/// The agent writes a sync's source ranges, and the flag that makes
+/// `cgroup_egress` look for them (`TcConfig::source_ranges`), before the
+/// frontends that carry them: a connect that met a restricted frontend
+/// while the flag was still off got a socket whose packets are never
+/// checked (a TCP socket keeps its first verdict). Watched from outside
+/// while a Service gains ranges again and again: no frontend flagged
+/// `SOURCE_RANGES` is ever in `LB_SERVICES` while the flag is off.
+#[test]
+fn source_ranges_are_in_force_before_their_frontend() {
+    require_root!();
+    const CYCLES: usize = 40;
+    let mut c = Cluster::new("srorder", &[1]).expect("topology");
+    c.serve_all().unwrap();
+    let pod = c.pod("n1p0").clone();
+    let write = |c: &Cluster, ranged: bool| {
+        let mut spec = json!({"type": "LoadBalancer", "ports": port(30083, "TCP")});
+        if ranged {
+            spec["loadBalancerSourceRanges"] = json!(["192.168.77.100/32"]);
+        }
+        let mut docs = c.node_objects();
+        docs.push(service(
+            "ranged",
+            &["10.96.0.83"],
+            spec,
+            json!({"loadBalancer": {"ingress": [{"ip": LB_RANGED}]}}),
+        ));
+        docs.push(c.slice("ranged", &[&pod], false, "TCP"));
+        c.manifests.write("cluster.yaml", &docs).unwrap();
+    };
+    write(&c, false);
+    c.start_agents(&["--sync-debounce", "5ms"]).expect("agents");
+    let pins = c.agents[0].pin_dir().to_owned();
+    let open = |name: &str| PinnedMap::open(&pins.join(name)).unwrap();
+    let (services, config) = (open("LB_SERVICES"), open("LB_TC_CONFIG"));
+    let flags_at = offset_of!(ServiceValue, flags);
+    let ranges_at = offset_of!(TcConfig, source_ranges);
+    // (any frontend flagged, the flag on), services read first: with the
+    // flag written first, a flagged frontend seen implies the flag on.
+    let observe = move || {
+        let flagged = services.entries().unwrap().iter().any(|(_, v)| {
+            u16::from_ne_bytes([v[flags_at], v[flags_at + 1]]) & service_flags::SOURCE_RANGES != 0
+        });
+        let on = config
+            .entries()
+            .unwrap()
+            .iter()
+            .any(|(_, v)| v[ranges_at..ranges_at + 4] != [0; 4]);
+        (flagged, on)
+    };
+    let observe = Arc::new(observe);
+    let (checking, stop) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let watcher = {
+        let (observe, checking, stop) = (observe.clone(), checking.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (mut polls, mut violations) = (0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                if checking.load(Ordering::Acquire) {
+                    polls += 1;
+                    violations += u64::from(observe() == (true, false));
+                }
+            }
+            (polls, violations)
+        })
+    };
+    let settle = |want: (bool, bool), when: &str| {
+        let ok = Cluster::eventually(Duration::from_secs(10), || observe() == want);
+        assert!(
+            ok,
+            "{when}: (flagged, flag on) never became {want:?}\n{}",
+            c.agent_logs()
+        );
+    };
+    for cycle in 0..CYCLES {
+        checking.store(true, Ordering::Release);
+        write(&c, true);
+        settle((true, true), &format!("cycle {cycle}, ranges added"));
+        checking.store(false, Ordering::Release);
+        // Taken away, the flag goes first (that only opens the frontend a
+        // moment sooner): not watched.
+        write(&c, false);
+        settle((false, false), &format!("cycle {cycle}, ranges removed"));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let (polls, violations) = watcher.join().unwrap();
+    eprintln!("{CYCLES} cycles, {polls} observations while ranges were added");
+    assert_eq!(
+        violations, 0,
+        "{violations} of {polls} observations saw a frontend flagged SOURCE_RANGES \
+         while LB_TC_CONFIG's source_ranges was 0"
+    );
 }
 
 /// Standalone mode without a Node object: the node addresses come from
