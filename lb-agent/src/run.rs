@@ -653,6 +653,15 @@ impl Syncer {
         if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts, any) {
             tracing::error!("{e:#}");
         }
+        if let Err(e) = self.datapath.set_source_check(any) {
+            // Attaching failed: pods and host processes are not held to
+            // the ranges (the tc path still holds external clients).
+            tracing::error!(
+                wanted = any,
+                "cgroup_egress (loadBalancerSourceRanges for pods and host processes) \
+                 could not be attached or detached, tried again at the next sync: {e:#}"
+            );
+        }
     }
 
     /// The tc path's stale UDP flows (by service id and backend), and the

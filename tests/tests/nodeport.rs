@@ -834,7 +834,9 @@ fn source_ranges_bind_pods_and_host_processes() {
 /// while the flag was still off got a socket whose packets are never
 /// checked (a TCP socket keeps its first verdict). Watched from outside
 /// while a Service gains ranges again and again: no frontend flagged
-/// `SOURCE_RANGES` is ever in `LB_SERVICES` while the flag is off.
+/// `SOURCE_RANGES` is ever in `LB_SERVICES` while the flag is off or
+/// `cgroup_egress` is not attached (its pinned link), and the program is
+/// attached only while some frontend has ranges.
 #[test]
 fn source_ranges_are_in_force_before_their_frontend() {
     require_root!();
@@ -864,8 +866,10 @@ fn source_ranges_are_in_force_before_their_frontend() {
     let (services, config) = (open("LB_SERVICES"), open("LB_TC_CONFIG"));
     let flags_at = offset_of!(ServiceValue, flags);
     let ranges_at = offset_of!(TcConfig, source_ranges);
-    // (any frontend flagged, the flag on), services read first: with the
-    // flag written first, a flagged frontend seen implies the flag on.
+    let egress_link = pins.join("links").join("cgroup_egress");
+    // (any frontend flagged, the flag on, cgroup_egress attached), services
+    // read first: with the flag and the program first, a flagged frontend
+    // seen implies both.
     let observe = move || {
         let flagged = services.entries().unwrap().iter().any(|(_, v)| {
             u16::from_ne_bytes([v[flags_at], v[flags_at + 1]]) & service_flags::SOURCE_RANGES != 0
@@ -875,7 +879,7 @@ fn source_ranges_are_in_force_before_their_frontend() {
             .unwrap()
             .iter()
             .any(|(_, v)| v[ranges_at..ranges_at + 4] != [0; 4]);
-        (flagged, on)
+        (flagged, on, egress_link.exists())
     };
     let observe = Arc::new(observe);
     let (checking, stop) = (
@@ -889,29 +893,32 @@ fn source_ranges_are_in_force_before_their_frontend() {
             while !stop.load(Ordering::Relaxed) {
                 if checking.load(Ordering::Acquire) {
                     polls += 1;
-                    violations += u64::from(observe() == (true, false));
+                    let (flagged, on, attached) = observe();
+                    violations += u64::from(flagged && !(on && attached));
                 }
             }
             (polls, violations)
         })
     };
-    let settle = |want: (bool, bool), when: &str| {
-        let ok = Cluster::eventually(Duration::from_secs(10), || observe() == want);
+    let settle = |want: bool, when: &str| {
+        let ok = Cluster::eventually(Duration::from_secs(10), || observe() == (want, want, want));
         assert!(
             ok,
-            "{when}: (flagged, flag on) never became {want:?}\n{}",
+            "{when}: (flagged, flag on, attached) never all became {want}: {:?}\n{}",
+            observe(),
             c.agent_logs()
         );
     };
+    settle(false, "no ranges yet");
     for cycle in 0..CYCLES {
         checking.store(true, Ordering::Release);
         write(&c, true);
-        settle((true, true), &format!("cycle {cycle}, ranges added"));
+        settle(true, &format!("cycle {cycle}, ranges added"));
         checking.store(false, Ordering::Release);
         // Taken away, the flag goes first (that only opens the frontend a
         // moment sooner): not watched.
         write(&c, false);
-        settle((false, false), &format!("cycle {cycle}, ranges removed"));
+        settle(false, &format!("cycle {cycle}, ranges removed"));
     }
     stop.store(true, Ordering::Relaxed);
     let (polls, violations) = watcher.join().unwrap();
@@ -919,7 +926,7 @@ fn source_ranges_are_in_force_before_their_frontend() {
     assert_eq!(
         violations, 0,
         "{violations} of {polls} observations saw a frontend flagged SOURCE_RANGES \
-         while LB_TC_CONFIG's source_ranges was 0"
+         while LB_TC_CONFIG's source_ranges was 0 or cgroup_egress was not attached"
     );
 }
 

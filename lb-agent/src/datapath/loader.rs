@@ -245,6 +245,12 @@ pub struct Datapath {
     pin_dir: PathBuf,
     maps: PinnedMaps,
     refusal: Refusal,
+    /// The cgroup the socket programs are attached to, once they are.
+    cgroup: Option<PathBuf>,
+    /// `cgroup_egress` wanted: some frontend has source ranges.
+    source_check: bool,
+    /// `cgroup_egress` attached (its link pinned).
+    egress_attached: bool,
 }
 
 /// Typed handles on the pinned maps.
@@ -898,6 +904,9 @@ impl Datapath {
                 pin_dir: pin_dir.to_owned(),
                 maps,
                 refusal,
+                cgroup: None,
+                source_check: false,
+                egress_attached: false,
             },
             adopted,
         ))
@@ -906,6 +915,9 @@ impl Datapath {
     /// Attaches the socket programs to `cgroup` through links pinned in
     /// `pin_dir/links`; an earlier run's link is unpinned (detached) only
     /// once its replacement is attached. Returns how many were replaced.
+    /// `cgroup_egress` only while it is wanted (`set_source_check`), or
+    /// when an earlier run left it attached: the first sync then says
+    /// whether it stays, and the check goes on meanwhile.
     pub fn attach(&mut self, cgroup: &Path) -> anyhow::Result<usize> {
         let links_dir = self.pin_dir.join("links");
         let cgroup_dir = fs::File::open(cgroup)
@@ -937,6 +949,46 @@ impl Datapath {
                 .with_context(|| format!("link of {name}"))?;
             replaced += usize::from(pin_replacing(link, &links_dir, hook, &name)?);
         }
+        self.cgroup = Some(cgroup.to_owned());
+        if self.source_check || links_dir.join(EGRESS_PROGRAM).exists() {
+            replaced += usize::from(self.attach_egress()?);
+        }
+        Ok(replaced)
+    }
+
+    /// Whether `cgroup_egress` is to run: only while some frontend has
+    /// `loadBalancerSourceRanges`. It runs on every packet every socket
+    /// of the cgroup sends, and a cgroup skb hook costs its dispatch even
+    /// for a program that returns at once (`TcConfig::source_ranges`), so
+    /// a node whose Services have no ranges (most) is better without it.
+    /// Called before the frontends of each sync are written, after the
+    /// ranges and `LB_TC_CONFIG`: a socket marked for the check meets the
+    /// program. Before `attach`, only remembered.
+    pub fn set_source_check(&mut self, wanted: bool) -> anyhow::Result<()> {
+        self.source_check = wanted;
+        if self.cgroup.is_none() || wanted == self.egress_attached {
+            return Ok(());
+        }
+        if wanted {
+            self.attach_egress()?;
+        } else {
+            let pin = self.pin_dir.join("links").join(EGRESS_PROGRAM);
+            // The pin holds the link's last reference: unpinned, detached.
+            fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
+            self.egress_attached = false;
+        }
+        Ok(())
+    }
+
+    /// Attaches `cgroup_egress` in place of an earlier link, if any; true
+    /// when it replaced one.
+    fn attach_egress(&mut self) -> anyhow::Result<bool> {
+        let cgroup = self
+            .cgroup
+            .clone()
+            .context("the socket programs are not attached yet")?;
+        let cgroup_dir = fs::File::open(&cgroup)
+            .with_context(|| format!("opening cgroup {}", cgroup.display()))?;
         let egress = egress_program(&mut self._ebpf)?;
         let link_id = egress
             .attach(
@@ -947,12 +999,9 @@ impl Datapath {
             .with_context(|| format!("attaching {EGRESS_PROGRAM} to {}", cgroup.display()))?;
         let link = FdLink::try_from(egress.take_link(link_id)?)
             .with_context(|| format!("link of {EGRESS_PROGRAM}"))?;
-        replaced += usize::from(pin_replacing(
-            link,
-            &links_dir,
-            EGRESS_PROGRAM,
-            EGRESS_PROGRAM,
-        )?);
+        let links_dir = self.pin_dir.join("links");
+        let replaced = pin_replacing(link, &links_dir, EGRESS_PROGRAM, EGRESS_PROGRAM)?;
+        self.egress_attached = true;
         Ok(replaced)
     }
 
@@ -976,6 +1025,7 @@ impl Datapath {
             pin_dir,
             maps,
             refusal: _,
+            ..
         } = self;
         drop(maps);
         drop(_ebpf);
@@ -1571,6 +1621,14 @@ mod tests {
         for name in map_names::ALL {
             assert!(scratch.pins.join(name).exists(), "{name} not pinned");
         }
+        // cgroup_egress only while some frontend has source ranges.
+        let egress_link = scratch.pins.join("links").join(EGRESS_PROGRAM);
+        assert!(!egress_link.exists());
+        dp.set_source_check(true).unwrap();
+        assert!(egress_link.exists());
+        dp.set_source_check(false).unwrap();
+        assert!(!egress_link.exists());
+        dp.set_source_check(true).unwrap();
         let key = ServiceKey::wildcard(lb_common::ipv4_mapped([10, 96, 0, 1]), 0);
         let value = ServiceValue {
             id: 0,
@@ -1649,8 +1707,10 @@ mod tests {
         assert_eq!(adopted.services, vec![(key, value)]);
         assert_eq!(adopted.maglev, vec![7]);
         assert!(adopted.recreated.is_empty(), "{:?}", adopted.recreated);
-        // The socket programs, cgroup_egress and sock_release.
+        // The socket programs, sock_release and cgroup_egress (attached
+        // again as the earlier run left it).
         assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 2);
+        assert!(egress_link.exists());
         assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
         drop(dp);
         // Other capacities: the service maps are recreated, and reported.
