@@ -507,7 +507,11 @@ fn goals(r: &Results) -> Vec<Goal> {
              hooks' own dispatch. Since 02269e7 cgroup_egress returns at once while no \
              frontend has source ranges: 60 → 47 ns per run in the same measurement, an empty \
              program being ~43 ns, so ~40 ns a connection; most of each run is the hook's own \
-             cost, not the check. A CPU profile of the client's core (perf record -C 0 -g \
+             cost, not the check. Since 782f9e5 the program is not attached at all while no \
+             frontend has ranges: a connected UDP send from the cgroup (a Python loop of 1 M \
+             sends, three alternated triples on one CPU) took 802–822 ns with it detached, \
+             803–861 ns with no agent at all and 849–918 ns with the build before (attached, \
+             returning at once): ~50 ns a packet, ~150 ns a connection. A CPU profile of the client's core (perf record -C 0 -g \
              during that quick run, samples split by the client's arm) puts everything BPF \
              (the three programs and the cgroup hooks' dispatch) at ~2 % of ours' samples, \
              and no other kernel symbol stands out by more than ~0.2 %: the rest of the gap is \
