@@ -53,7 +53,8 @@ pub fn lookup_frontend(key: &ServiceKey, vip_check: bool) -> Frontend {
                     return Frontend::Served(v);
                 }
             }
-            None => {
+            // The marker once: it cannot be missed (see above).
+            None if !missed => {
                 if !vip_check
                     || LB_SERVICES
                         .get_ptr(&ServiceKey::wildcard(key.addr, key.scope))
@@ -63,6 +64,7 @@ pub fn lookup_frontend(key: &ServiceKey, vip_check: bool) -> Frontend {
                 }
                 missed = true;
             }
+            None => {}
         }
     }
     if !missed {

@@ -728,8 +728,20 @@ fn udp_once(target: SocketAddr, timeout: Duration, connected: bool) -> Step<Answ
 /// after it, before any recv, fails with EDESTADDRREQ: the pending error is
 /// the cause, and the one an application reads next.
 fn send_connected(s: &UdpSocket, b: &[u8]) -> io::Result<usize> {
-    match s.send(b) {
-        Err(e) if e.raw_os_error() == Some(libc::EDESTADDRREQ) => match s.take_error() {
+    pending_instead_of(s, libc::EDESTADDRREQ, s.send(b))
+}
+
+/// `getpeername()` on a connected UDP socket: after SOCK_DESTROY it fails
+/// with ENOTCONN (the socket is disconnected), ECONNABORTED pending, as
+/// in `send_connected`.
+fn peer_connected(s: &UdpSocket) -> io::Result<SocketAddr> {
+    pending_instead_of(s, libc::ENOTCONN, s.peer_addr())
+}
+
+/// `r`, with `s`'s pending error in place of `errno` when there is one.
+fn pending_instead_of<T>(s: &UdpSocket, errno: i32, r: io::Result<T>) -> io::Result<T> {
+    match r {
+        Err(e) if e.raw_os_error() == Some(errno) => match s.take_error() {
             Ok(Some(pending)) => Err(pending),
             _ => Err(e),
         },
@@ -775,19 +787,6 @@ fn icmp_error_detail(s: &UdpSocket) -> Option<String> {
         ));
     }
     None
-}
-
-/// `getpeername()` on a connected UDP socket: after SOCK_DESTROY it fails
-/// with ENOTCONN (the socket is disconnected), ECONNABORTED pending, as
-/// in `send_connected`.
-fn peer_connected(s: &UdpSocket) -> io::Result<SocketAddr> {
-    match s.peer_addr() {
-        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => match s.take_error() {
-            Ok(Some(pending)) => Err(pending),
-            _ => Err(e),
-        },
-        r => r,
-    }
 }
 
 fn resolve_target(target: &str, family: Option<Family>) -> Result<SocketAddr> {
