@@ -125,6 +125,11 @@ pub enum ArmKind {
     /// `Direct` again, as a second arm of the same rounds: the A/A control
     /// of the connect-rate ratios (only in [`NoiseFloor`]).
     DirectAgain,
+    /// Direct from ours' own client namespace, outside its cgroup (so no
+    /// program of ours runs), to the backend's addresses: the A/A
+    /// control's comparison without a second topology (only in
+    /// [`NoiseFloor`]).
+    DirectBeside,
     Ours,
     IptablesNft,
     IptablesLegacy,
@@ -144,6 +149,7 @@ impl ArmKind {
         match self {
             ArmKind::Direct => "direct",
             ArmKind::DirectAgain => "direct (again)",
+            ArmKind::DirectBeside => "direct (ours' namespaces)",
             ArmKind::Ours => "lb (ours)",
             ArmKind::IptablesNft => "iptables (nft)",
             ArmKind::IptablesLegacy => "iptables (legacy)",
@@ -155,6 +161,7 @@ impl ArmKind {
         match self {
             ArmKind::Direct => "direct",
             ArmKind::DirectAgain => "direct2",
+            ArmKind::DirectBeside => "direct-o",
             ArmKind::Ours => "ours",
             ArmKind::IptablesNft => "iptnft",
             ArmKind::IptablesLegacy => "iptleg",
@@ -1154,6 +1161,7 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(Arm, Setup)> {
         connect4: None,
     };
     match kind {
+        ArmKind::DirectBeside => bail!("direct (ours' namespaces) is a view of ours, not an arm"),
         ArmKind::Direct | ArmKind::DirectAgain => {
             let b = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), BACKEND_PORT);
             arm.tcp = b;
@@ -1284,7 +1292,8 @@ fn datapath_point(
 }
 
 /// The A/A control ([`NoiseFloor`]) with the point's direct and ours arms
-/// (the others torn down first) and a second direct arm.
+/// (the others torn down first), a second direct arm, and direct from
+/// ours' own namespaces ([`ArmKind::DirectBeside`]).
 fn noise_floor(
     opts: &Opts,
     at: &ArmCtx,
@@ -1296,6 +1305,15 @@ fn noise_floor(
     let (again, _) = setup_arm(at, ArmKind::DirectAgain).context("setting up direct (again)")?;
     again.sanity(bench_bin)?;
     arms.push(again);
+    let mut views: Vec<ControlArm> = arms.iter().map(ControlArm::Arm).collect();
+    if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
+        let beside = ControlArm::Beside {
+            ours,
+            targets: at.scenario.backends(),
+        };
+        beside.sanity(bench_bin)?;
+        views.push(beside);
+    }
     let rounds = noise_floor_rounds(opts.quick);
     let cc_ms = durations(opts.quick)
         .into_iter()
@@ -1313,12 +1331,13 @@ fn noise_floor(
             bench_bin,
             services,
             rounds,
-            &mut arms,
+            &mut views,
             seed,
             &mut samples,
             |_, _| Ok(()),
         )
     })?;
+    drop(views);
     say(format!("tearing down the {services}-Service arms"));
     drop(arms);
     Ok(NoiseFloor {
@@ -1327,6 +1346,62 @@ fn noise_floor(
         cc_ms,
         samples,
     })
+}
+
+/// An arm of the A/A control: an arm as set up, or direct from ours'
+/// namespaces.
+enum ControlArm<'a> {
+    Arm(&'a Arm),
+    /// The client in ours' client namespace, not in its cgroup, connecting
+    /// to the backend's addresses as the direct arm does: the same
+    /// namespaces, bridge and server as ours, without our programs. Two
+    /// topologies set up alike still differ by up to ~1 % in the A/A
+    /// control (direct again ÷ direct), as much as the gap being measured.
+    Beside {
+        ours: &'a Arm,
+        targets: Vec<SocketAddrV4>,
+    },
+}
+
+impl Measured for ControlArm<'_> {
+    fn kind(&self) -> ArmKind {
+        match self {
+            ControlArm::Arm(a) => a.kind,
+            ControlArm::Beside { .. } => ArmKind::DirectBeside,
+        }
+    }
+
+    fn measure(&self, bench_bin: &Path, mode: Mode, ms: u64) -> Result<Run> {
+        match self {
+            ControlArm::Arm(a) => a.measure(bench_bin, mode, ms),
+            ControlArm::Beside { ours, targets } => {
+                let targets = match mode {
+                    Mode::Cc | Mode::Crr => &targets[..],
+                    _ => &targets[..1],
+                };
+                run_bench_client(bench_bin, ours.client_ns(), None, targets, mode, ms)
+            }
+        }
+    }
+
+    fn sanity(&self, bench_bin: &Path) -> Result<()> {
+        match self {
+            ControlArm::Arm(a) => a.sanity(bench_bin),
+            ControlArm::Beside { .. } => {
+                for mode in [Mode::Crr, Mode::Udp] {
+                    check_sanity(self.kind(), mode, self.measure(bench_bin, mode, 200)?)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn agent_pids(&self) -> Vec<u32> {
+        match self {
+            ControlArm::Arm(a) => a.agent_pids(),
+            ControlArm::Beside { .. } => Vec::new(),
+        }
+    }
 }
 
 /// An arm as a round runs it.
