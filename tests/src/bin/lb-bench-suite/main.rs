@@ -533,6 +533,7 @@ fn run(opts: &Opts) -> Result<()> {
             setups: Vec::new(),
             samples: Vec::new(),
             costs: Vec::new(),
+            rr_costs: Vec::new(),
             ours_stats: Vec::new(),
             notes: Vec::new(),
         };

@@ -57,6 +57,10 @@ pub struct NodePortResults {
     pub setups: Vec<Setup>,
     pub samples: Vec<Sample>,
     pub costs: Vec<TcCost>,
+    /// The same in a request/response run on one connection: packets of an
+    /// established flow only (`conns` counts its transactions).
+    #[serde(default)]
+    pub rr_costs: Vec<TcCost>,
     /// Ours, per point: `LB_STATS` counters summed over CPUs after the
     /// rounds (and the sanity run): (services, packets translated, new
     /// flows dropped for want of a free SNAT port).
@@ -65,7 +69,8 @@ pub struct NodePortResults {
     pub notes: Vec<String>,
 }
 
-/// One tc program's run-time statistics over one connect+close run.
+/// One tc program's run-time statistics over one run (connect+close, or
+/// request/response in `NodePortResults::rr_costs`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct TcCost {
     pub services: usize,
@@ -433,20 +438,23 @@ fn rounds(
                     .chain(floors.iter().map(|(name, f)| (name.clone(), f.id)))
                     .collect();
                 let ids: Vec<u32> = progs.iter().map(|(_, id)| *id).collect();
-                let (spent, run) = with_bpf_stats(&ids, || {
-                    ours.measure(bench_bin, Mode::Cc, cost_run_ms(opts))
-                })?;
-                drop(floors);
-                for ((name, _), (run_time_ns, run_cnt)) in progs.iter().zip(spent) {
-                    np.costs.push(TcCost {
-                        services,
-                        round,
-                        prog: name.clone(),
-                        run_cnt,
-                        run_time_ns,
-                        conns: run.ops,
-                    });
+                // connect+close (the goal's figure: every packet of short
+                // flows), then request/response (established packets only).
+                for (mode, costs) in [(Mode::Cc, &mut np.costs), (Mode::Rr, &mut np.rr_costs)] {
+                    let (spent, run) =
+                        with_bpf_stats(&ids, || ours.measure(bench_bin, mode, cost_run_ms(opts)))?;
+                    for ((name, _), (run_time_ns, run_cnt)) in progs.iter().zip(spent) {
+                        costs.push(TcCost {
+                            services,
+                            round,
+                            prog: name.clone(),
+                            run_cnt,
+                            run_time_ns,
+                            conns: run.ops,
+                        });
+                    }
                 }
+                drop(floors);
             }
             Ok(())
         },

@@ -561,7 +561,13 @@ fn goals(r: &Results) -> Vec<Goal> {
              BPF_ENABLE_STATS, ~40 ns of it the statistics' own clock reads: see the program \
              cost) and sock_release (65–75 ns, likewise), 250–300 ns together, 1.3–1.6 % of the \
              ~19 µs connect+close cycle of this experiment: by their run time alone a ratio of \
-             ~0.985; the A/A control measures the whole connection. \
+             ~0.985. The A/A control measures the whole connection, and with direct from \
+             ours' own namespaces beside it (since 045cc2f) it puts ours lower, ~0.96–0.975 in \
+             the first run that had it: a connection through our programs costs the connect \
+             path more than their run time, ~0.5–0.7 µs, and where the rest goes was not found \
+             (the profile below shows no other kernel symbol standing out; the programs' map \
+             and context reads take cache lines the rest of the connect then misses, which \
+             run time does not count, is the likeliest). \
              Measured apart from this run (Intel Xeon, SRSO not affected; a client and a server \
              namespace on one veth pair, 25 rounds of 2 s, arms shuffled each round, with an \
              A/A arm: direct again ÷ direct 0.999): the cgroup hooks themselves, empty \
@@ -722,15 +728,16 @@ fn tc_cost_goals(np: &crate::nodeport::NodePortResults) -> Vec<Goal> {
     use crate::nodeport::{FLOOR_EGRESS, FLOOR_INGRESS};
     let span = |s: &Stat| format!("{:.0} ns ({:.0}–{:.0})", s.med, s.min, s.max);
     // Per point: ours, the empty program, ours net of it.
-    let per_point = |prog: &str, floor: &str| -> Vec<(usize, Stat, Option<Stat>, Option<Stat>)> {
+    type PerPoint = Vec<(usize, Stat, Option<Stat>, Option<Stat>)>;
+    let per_point = |costs: &[crate::nodeport::TcCost], prog: &str, floor: &str| -> PerPoint {
         np.points
             .iter()
             .filter_map(|n| {
                 Some((
                     *n,
-                    tc_cost(np, *n, prog)?.0,
-                    tc_cost(np, *n, floor).map(|c| c.0),
-                    tc_net_cost(np, *n, prog, floor),
+                    tc_cost(costs, *n, prog)?.0,
+                    tc_cost(costs, *n, floor).map(|c| c.0),
+                    tc_net_cost(costs, *n, prog, floor),
                 ))
             })
             .collect()
@@ -758,14 +765,27 @@ fn tc_cost_goals(np: &crate::nodeport::NodePortResults) -> Vec<Goal> {
         nets.filter(|n| !n.is_empty())
             .map(|n| n.iter().all(|m| *m <= limit))
     };
-    let ingress = per_point("tc_ingress_eth0", FLOOR_INGRESS);
-    let egress = per_point("tc_egress_eth0", FLOOR_EGRESS);
+    let ingress = per_point(&np.costs, "tc_ingress_eth0", FLOOR_INGRESS);
+    let egress = per_point(&np.costs, "tc_egress_eth0", FLOOR_EGRESS);
+    // Beside the goal's figure: established packets alone, which are most
+    // of a real node's, and the floor of any design that keeps a flow.
+    let established = per_point(&np.rr_costs, "tc_ingress_eth0", FLOOR_INGRESS);
+    let ingress_measured = if established.is_empty() {
+        measured(&ingress)
+    } else {
+        format!(
+            "{}. Established flows only (the rr test's request and response packets on one \
+             connection, in a run of its own each round): {}",
+            measured(&ingress),
+            measured(&established)
+        )
+    };
     vec![
         Goal {
             what: "tc_ingress ≤ 350 ns per packet (issue 13)",
             met: within(&ingress, 350.0),
-            measured: measured(&ingress),
-            limit: "run_time_ns / run_cnt of tc_ingress on n1's eth0 in the NodePort experiment's connect+close runs, all four packets of each connection (SYN, SYN-ACK, ACK, RST), with the route and neighbour work that bpf_redirect_neigh once did after the program now inside it (a resolved next hop's MACs are written by the program, which then calls bpf_redirect); net of an empty program (r0 = TCX_NEXT; exit) linked before ours on the same packets, per round. A connection's first two packets write its flow (two entries into LB_CT_SYN at the SYN, moved to LB_CONNTRACK at the SYN-ACK), which is most of the figure; each packet's conntrack lookup misses the CPU's caches after the rest of the stack ran. Issue 13 took ten helper calls out of an established packet and the clock read out of packets that are not ours (see the NodePort section), and the memset and memmove subprogram calls out of every packet (tc_frames cost_by_packet_kind, best of four alternated runs: SYN 1944 → 1703 ns, SYN-ACK 1603 → 1433, established ACK 801 → 701, not ours 431 → 321); then each flow direction kept its next hop in its conntrack entry (CtEntry::hop, checked against the route epoch the agent moves at every rtnetlink change, and the second), so that its packets after the first skip bpf_fib_lookup (cost tests with resolved neighbours, three alternated pairs: established ACK 540–751 → 371–390 ns, RST 671–921 → 501–541 ns; in connect+close the SYN and SYN-ACK still look up, the ACK and RST do not). Conntrack tables with per-CPU LRU lists (BPF_F_NO_COMMON_LRU) were tried and dropped: three alternated pairs of this experiment at 1 Service (--quick), 1911 / 2159 / 1777 ns with the common lists against 1895 / 1963 / 2096 ns with per-CPU ones, within the noise. On either machine kind the reports ran on, the remaining map operations alone exceed 350 ns: 1679 / 1751 ns net on the AMD EPYC with the SRSO safe-return thunk (BENCHMARKS.md at dc4b6b0), ~1.1 µs on an Intel Xeon without it.".into(),
+            measured: ingress_measured,
+            limit: "run_time_ns / run_cnt of tc_ingress on n1's eth0 in the NodePort experiment's connect+close runs, all four packets of each connection (SYN, SYN-ACK, ACK, RST), with the route and neighbour work that bpf_redirect_neigh once did after the program now inside it (a resolved next hop's MACs are written by the program, which then calls bpf_redirect); net of an empty program (r0 = TCX_NEXT; exit) linked before ours on the same packets, per round. A connection's first two packets write its flow (two entries into LB_CT_SYN at the SYN, moved to LB_CONNTRACK at the SYN-ACK), which is most of the figure; each packet's conntrack lookup misses the CPU's caches after the rest of the stack ran. Issue 13 took ten helper calls out of an established packet and the clock read out of packets that are not ours (see the NodePort section), and the memset and memmove subprogram calls out of every packet (tc_frames cost_by_packet_kind, best of four alternated runs: SYN 1944 → 1703 ns, SYN-ACK 1603 → 1433, established ACK 801 → 701, not ours 431 → 321); then each flow direction kept its next hop in its conntrack entry (CtEntry::hop, checked against the route epoch the agent moves at every rtnetlink change, and the second), so that its packets after the first skip bpf_fib_lookup (cost tests with resolved neighbours, three alternated pairs: established ACK 540–751 → 371–390 ns, RST 671–921 → 501–541 ns; in connect+close the SYN and SYN-ACK still look up, the ACK and RST do not). Conntrack tables with per-CPU LRU lists (BPF_F_NO_COMMON_LRU) were tried and dropped: three alternated pairs of this experiment at 1 Service (--quick), 1911 / 2159 / 1777 ns with the common lists against 1895 / 1963 / 2096 ns with per-CPU ones, within the noise. On either machine kind the reports ran on, the remaining map operations alone exceed 350 ns: 1679 / 1751 ns net on the AMD EPYC with the SRSO safe-return thunk (BENCHMARKS.md at dc4b6b0), ~1.1 µs on an Intel Xeon without it. Established packets alone (the rr figure beside: the steady state of a long flow, most of a node's packets) stay within 350 ns on that Intel Xeon; the connect+close figure is a flow's setup spread over its four packets: by difference (a quick run of this experiment at 1 Service: 1047 ns net per connect+close packet, 309 ns per established one) the SYN and its SYN-ACK cost ~1.7 µs each, the SYN choosing a backend, reserving a SNAT port and writing both entries into LB_CT_SYN, the SYN-ACK moving both into LB_CONNTRACK (two inserts, two deletes: each a cold element of a large table). The move is what keeping embryonic flows apart costs (issue 10: a SYN flood cannot evict established flows); a design without it would still write two entries at the SYN.".into(),
         },
         Goal {
             what: "tc_egress ≤ 40 ns per packet that is not ours (issue 13)",
@@ -902,19 +922,18 @@ fn nodeport_goal(v: &Results, r: &Results) -> Goal {
 /// Ours net of the empty program beside it: per round, `prog`'s ns per run
 /// less `floor`'s on the same packets.
 fn tc_net_cost(
-    np: &crate::nodeport::NodePortResults,
+    costs: &[crate::nodeport::TcCost],
     services: usize,
     prog: &str,
     floor: &str,
 ) -> Option<Stat> {
     let per_run = |name: &str, round: usize| {
-        np.costs
+        costs
             .iter()
             .find(|c| c.services == services && c.round == round && c.prog == name && c.run_cnt > 0)
             .map(|c| c.run_time_ns as f64 / c.run_cnt as f64)
     };
-    let rounds: Vec<usize> = np
-        .costs
+    let rounds: Vec<usize> = costs
         .iter()
         .filter(|c| c.services == services && c.prog == prog)
         .map(|c| c.round)
@@ -927,13 +946,8 @@ fn tc_net_cost(
     )
 }
 
-fn tc_cost(
-    np: &crate::nodeport::NodePortResults,
-    services: usize,
-    prog: &str,
-) -> Option<(Stat, Stat)> {
-    let c: Vec<&crate::nodeport::TcCost> = np
-        .costs
+fn tc_cost(costs: &[crate::nodeport::TcCost], services: usize, prog: &str) -> Option<(Stat, Stat)> {
+    let c: Vec<&crate::nodeport::TcCost> = costs
         .iter()
         .filter(|c| c.services == services && c.prog == prog && c.run_cnt > 0 && c.conns > 0)
         .collect();
@@ -949,6 +963,34 @@ fn tc_cost(
                 .collect(),
         )?,
     ))
+}
+
+/// Rows of the tc programs' cost: per point and program, ns per run and
+/// runs per connection (or transaction).
+fn tc_cost_table(
+    o: &mut String,
+    np: &crate::nodeport::NodePortResults,
+    costs: &[crate::nodeport::TcCost],
+) {
+    let mut progs: Vec<&str> = costs.iter().map(|c| c.prog.as_str()).collect();
+    progs.sort();
+    progs.dedup();
+    for &n in &np.points {
+        for prog in &progs {
+            if let Some((ns, runs)) = tc_cost(costs, n, prog) {
+                let _ = writeln!(
+                    o,
+                    "| {} | `{prog}` | {:.0} | {:.0}–{:.0} | {:.2} | {:.0} |",
+                    thousands(n),
+                    ns.med,
+                    ns.min,
+                    ns.max,
+                    runs.med,
+                    ns.med * runs.med
+                );
+            }
+        }
+    }
 }
 
 fn nodeport_section(o: &mut String, r: &Results) {
@@ -1024,24 +1066,16 @@ fn nodeport_section(o: &mut String, r: &Results) {
          | Services | program | ns per run (median) | min–max | runs per connection | ns per connection |\n\
          |---:|---|---:|---:|---:|---:|\n",
     );
-    let mut progs: Vec<&str> = np.costs.iter().map(|c| c.prog.as_str()).collect();
-    progs.sort();
-    progs.dedup();
-    for &n in &np.points {
-        for prog in &progs {
-            if let Some((ns, runs)) = tc_cost(np, n, prog) {
-                let _ = writeln!(
-                    o,
-                    "| {} | `{prog}` | {:.0} | {:.0}–{:.0} | {:.2} | {:.0} |",
-                    thousands(n),
-                    ns.med,
-                    ns.min,
-                    ns.max,
-                    runs.med,
-                    ns.med * runs.med
-                );
-            }
-        }
+    tc_cost_table(o, np, &np.costs);
+    if !np.rr_costs.is_empty() {
+        o.push_str(
+            "\nThe same programs in a request/response run of their own each round (one \
+             connection, 64 bytes each way): packets of an established flow only, each arriving \
+             on n1's `eth0` and leaving by it again; runs per transaction.\n\n\
+             | Services | program | ns per run (median) | min–max | runs per transaction | ns per transaction |\n\
+             |---:|---|---:|---:|---:|---:|\n",
+        );
+        tc_cost_table(o, np, &np.rr_costs);
     }
     for (n, translated, failed) in &np.ours_stats {
         let _ = writeln!(
@@ -1668,7 +1702,7 @@ mod tests {
     /// any the goal is not judged.
     #[test]
     fn tc_costs_are_judged_net_of_the_empty_program() {
-        use crate::nodeport::{NodePortResults, TcCost, FLOOR_EGRESS};
+        use crate::nodeport::{NodePortResults, TcCost, FLOOR_EGRESS, FLOOR_INGRESS};
         let cost = |round, prog: &str, ns_per_run: u64| TcCost {
             services: 1,
             round,
@@ -1691,10 +1725,11 @@ mod tests {
                 cost(1, FLOOR_EGRESS, 40),
                 cost(2, "tc_egress_eth0", 80),
             ],
+            rr_costs: Vec::new(),
             ours_stats: Vec::new(),
             notes: Vec::new(),
         };
-        let net = tc_net_cost(&np, 1, "tc_egress_eth0", FLOOR_EGRESS).unwrap();
+        let net = tc_net_cost(&np.costs, 1, "tc_egress_eth0", FLOOR_EGRESS).unwrap();
         assert_eq!((net.min, net.med, net.max, net.n), (40.0, 45.0, 50.0, 2));
         let egress = |np: &NodePortResults| tc_cost_goals(np).pop().unwrap();
         assert_eq!(egress(&np).met, Some(false), "a median of 45 ns");
@@ -1702,5 +1737,20 @@ mod tests {
         assert_eq!(egress(&np).met, Some(true));
         np.costs.retain(|c| c.prog != FLOOR_EGRESS);
         assert_eq!(egress(&np).met, None, "not judged without the floor");
+        // tc_ingress is judged on the connect+close runs; the rr runs'
+        // established packets are shown beside, not judged.
+        let ingress = |np: &NodePortResults| tc_cost_goals(np).swap_remove(0);
+        np.costs = vec![cost(0, "tc_ingress_eth0", 1000), cost(0, FLOOR_INGRESS, 50)];
+        assert_eq!(ingress(&np).met, Some(false));
+        assert!(!ingress(&np).measured.contains("Established"));
+        np.rr_costs = vec![cost(0, "tc_ingress_eth0", 300), cost(0, FLOOR_INGRESS, 50)];
+        let g = ingress(&np);
+        assert_eq!(g.met, Some(false), "{}", g.measured);
+        assert!(g.measured.contains("1: net 950 ns"), "{}", g.measured);
+        assert!(
+            g.measured.contains("Established flows only") && g.measured.contains("1: net 250 ns"),
+            "{}",
+            g.measured
+        );
     }
 }
