@@ -974,8 +974,14 @@ impl Datapath {
         } else {
             let pin = self.pin_dir.join("links").join(EGRESS_PROGRAM);
             // The pin holds the link's last reference: unpinned, detached.
-            fs::remove_file(&pin).with_context(|| format!("unpinning {}", pin.display()))?;
-            self.egress_attached = false;
+            // Already gone (removed by hand): detached too, not an error
+            // at every later sync.
+            match fs::remove_file(&pin) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(e).with_context(|| format!("unpinning {}", pin.display()));
+                }
+                _ => self.egress_attached = false,
+            }
         }
         Ok(())
     }
@@ -1628,7 +1634,13 @@ mod tests {
         assert!(egress_link.exists());
         dp.set_source_check(false).unwrap();
         assert!(!egress_link.exists());
+        // A link unpinned by hand is detached: no error, attached again
+        // when wanted.
         dp.set_source_check(true).unwrap();
+        fs::remove_file(&egress_link).unwrap();
+        dp.set_source_check(false).unwrap();
+        dp.set_source_check(true).unwrap();
+        assert!(egress_link.exists());
         let key = ServiceKey::wildcard(lb_common::ipv4_mapped([10, 96, 0, 1]), 0);
         let value = ServiceValue {
             id: 0,

@@ -1198,9 +1198,9 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(Arm, Setup)> {
 }
 
 /// One CRR and one UDP exchange must work before an arm is measured.
-fn sanity(bench_bin: &Path, arm: &Arm) -> Result<()> {
+fn sanity(bench_bin: &Path, arm: &impl Measured) -> Result<()> {
     for mode in [Mode::Crr, Mode::Udp] {
-        check_sanity(arm.kind, mode, run_client(bench_bin, arm, mode, 200)?)?;
+        check_sanity(arm.kind(), mode, arm.measure(bench_bin, mode, 200)?)?;
     }
     Ok(())
 }
@@ -1388,12 +1388,7 @@ impl Measured for ControlArm<'_> {
     fn sanity(&self, bench_bin: &Path) -> Result<()> {
         match self {
             ControlArm::Arm(a) => a.sanity(bench_bin),
-            ControlArm::Beside { .. } => {
-                for mode in [Mode::Crr, Mode::Udp] {
-                    check_sanity(self.kind(), mode, self.measure(bench_bin, mode, 200)?)?;
-                }
-                Ok(())
-            }
+            ControlArm::Beside { .. } => sanity(bench_bin, self),
         }
     }
 
