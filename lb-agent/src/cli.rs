@@ -179,7 +179,7 @@ pub struct NorthSouthArgs {
     /// Idle lifetime of a TCP flow in the tc path's conntrack.
     #[arg(long, default_value = "6h", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_timeout: Duration,
-    /// Lifetime of a TCP flow whose backend has not answered yet (after
+    /// Lifetime of a TCP flow whose handshake is not complete (after
     /// its SYN): what a spoofed SYN costs.
     #[arg(long, default_value = "60s", value_parser = humantime::parse_duration)]
     pub conntrack_tcp_syn_timeout: Duration,

@@ -522,7 +522,8 @@ pub struct CtView {
     pub service_id: u32,
     pub backend_id: u32,
     pub flags: Vec<&'static str>,
-    /// TCP: "syn" (the backend has not answered), "established", "fin"
+    /// TCP: "syn" (the backend has not answered), "syn-recv" (answered, not
+    /// yet acknowledged by the client), "established", "fin"
     /// (this direction sent a FIN, the other has not), "closing" (both did,
     /// or an RST that belongs to the flow). UDP: "-".
     pub state: &'static str,
@@ -558,6 +559,11 @@ fn ct_state_name(proto_number: u8, e: &CtEntry) -> &'static str {
         "fin"
     } else if e.state[ct_state::SEEN_REPLY] != 0 {
         "established"
+    } else if e.ack_seq != 0 {
+        // Either entry of a flow in LB_CT_SYN: the backend's SYN-ACK
+        // wrote both (the ACK it sent, the ACK that completes the
+        // handshake).
+        "syn-recv"
     } else {
         "syn"
     }
@@ -873,5 +879,27 @@ mod tests {
             "{table}"
         );
         assert!(table.contains("frontend       UDP    53"), "{table}");
+    }
+
+    /// A TCP flow's states as `inspect conntrack` names them, through its
+    /// handshake to its close.
+    #[test]
+    fn conntrack_states_follow_the_handshake() {
+        // SAFETY: plain integers and arrays of them (`Pod`): all zeros is
+        // an entry of a SYN just recorded.
+        let mut e: CtEntry = unsafe { std::mem::zeroed() };
+        type Step = (&'static str, fn(&mut CtEntry));
+        let steps: [Step; 5] = [
+            ("syn", |_| {}),
+            ("syn-recv", |e| e.ack_seq = 7001),
+            ("established", |e| e.state[ct_state::SEEN_REPLY] = 1),
+            ("fin", |e| e.state[ct_state::FIN] = 1),
+            ("closing", |e| e.state[ct_state::CLOSING] = 1),
+        ];
+        for (name, step) in steps {
+            step(&mut e);
+            assert_eq!(ct_state_name(proto::TCP, &e), name);
+        }
+        assert_eq!(ct_state_name(proto::UDP, &e), "-");
     }
 }

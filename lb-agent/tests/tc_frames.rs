@@ -96,8 +96,10 @@ impl Frame {
             dport,
             proto: proto::TCP,
             tcp_flags: flags,
+            // A handshake whose SYN-ACK has sequence number 1 completes
+            // with the client's ACK of 2 (the tc path checks it).
             seq: 1,
-            ack: 0,
+            ack: if flags & TCP_ACK != 0 { 2 } else { 0 },
             frag: 0,
             no_udp_csum: false,
             extra: 0,
@@ -493,11 +495,25 @@ impl Fixture {
             .ok()
     }
 
-    /// Whether this tuple's entry is in LB_CT_SYN (the backend has not
-    /// answered yet).
+    /// Whether this tuple's entry is in LB_CT_SYN (the handshake is not
+    /// complete).
     fn in_syn_table(&self, src: &str, sport: u16, dst: &str, dport: u16, proto: u8) -> bool {
         let key = ct_key(src, sport, dst, dport, proto);
         self.conntrack_syn.get(&key, 0).is_ok()
+    }
+
+    /// The client's ACK of its backend's SYN-ACK (sequence number 1, the
+    /// frames' default), which makes the flow established.
+    fn ack(&mut self, client: &str, sport: u16, frontend: &str, dport: u16) {
+        let (rc, _) = self.run(
+            "tc_ingress",
+            &Frame::tcp(client, sport, frontend, dport, TCP_ACK),
+        );
+        assert!(rc == OK || rc == REDIRECT, "handshake ACK: {rc}");
+        assert!(
+            !self.in_syn_table(client, sport, frontend, dport, proto::TCP),
+            "established"
+        );
     }
 
     /// `LB_STATS[index]`, summed over CPUs.
@@ -850,14 +866,44 @@ fn local_backend_dnat_reply_and_conntrack() {
         assert_eq!(rev.flags, ct_flags::LOCAL | ct_flags::REPLY);
         assert!(fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
 
-        // The reply on egress gets the frontend back, and the flow is
-        // established: both entries move to LB_CONNTRACK.
-        let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK);
+        // The reply on egress gets the frontend back; the flow stays in
+        // LB_CT_SYN until the client acknowledges it (SYN_RECV).
+        let reply = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK).seq_ack(7000, 2);
         let (rc, out) = fx.run("tc_egress", &reply);
         assert_eq!(rc, OK);
         let p = parse(&out);
         assert_eq!((p.src, p.sport), (ip(node), 30080));
         assert_eq!((p.dst, p.dport), (ip(client), 40000));
+        assert!(fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
+        assert!(fx.in_syn_table(pod, 8080, client, 40000, proto::TCP));
+        let fwd = fx.entry(client, 40000, node, 30080, proto::TCP).unwrap();
+        assert_eq!(fwd.ack_seq, 7001, "the ACK that completes the handshake");
+        assert_eq!(fwd.state[ct_state::SEEN_REPLY], 0);
+        // Unrelated traffic on egress is not touched.
+        let (rc, _) = fx.run("tc_egress", &Frame::tcp(pod, 8080, client, 999, TCP_ACK));
+        assert_eq!(rc, UNSPEC);
+
+        // The Service now has only the other pod: the flow stays.
+        fx.frontend(node, 30080, proto::TCP, 7, &[2]);
+        // An ACK that does not acknowledge the SYN-ACK (a blind spoofer's)
+        // is dropped, and the flow stays as it was.
+        let invalid = fx.stat(stat::TC_DROP_INVALID);
+        let blind = Frame::tcp(client, 40000, node, 30080, TCP_ACK).seq_ack(2, 0x4000_0000);
+        assert_eq!(fx.run("tc_ingress", &blind).0, SHOT);
+        assert_eq!(fx.stat(stat::TC_DROP_INVALID), invalid + 1);
+        assert!(fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
+        assert_eq!(
+            fx.entry(client, 40000, node, 30080, proto::TCP)
+                .unwrap()
+                .ack_seq,
+            7001,
+            "a dropped ACK changes nothing"
+        );
+        // The client's ACK: established, both entries move to LB_CONNTRACK.
+        let ack = Frame::tcp(client, 40000, node, 30080, TCP_ACK).seq_ack(2, 7001);
+        let (rc, out) = fx.run("tc_ingress", &ack);
+        assert_eq!(rc, OK);
+        assert_eq!(parse(&out).dst, ip(pod), "existing flow keeps its backend");
         assert!(!fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
         assert!(!fx.in_syn_table(pod, 8080, client, 40000, proto::TCP));
         for e in [
@@ -866,16 +912,9 @@ fn local_backend_dnat_reply_and_conntrack() {
         ] {
             assert_eq!(e.state[ct_state::SEEN_REPLY], 1, "established");
         }
-        // Unrelated traffic on egress is not touched.
-        let (rc, _) = fx.run("tc_egress", &Frame::tcp(pod, 8080, client, 999, TCP_ACK));
-        assert_eq!(rc, UNSPEC);
-
-        // The Service now has only the other pod: the flow stays.
-        fx.frontend(node, 30080, proto::TCP, 7, &[2]);
-        let ack = Frame::tcp(client, 40000, node, 30080, TCP_ACK);
         let (rc, out) = fx.run("tc_ingress", &ack);
         assert_eq!(rc, OK);
-        assert_eq!(parse(&out).dst, ip(pod), "existing flow keeps its backend");
+        assert_eq!(parse(&out).dst, ip(pod));
         // A new flow goes to the new backend.
         let (_, out) = fx.run(
             "tc_ingress",
@@ -1079,6 +1118,7 @@ fn one_client_port_through_two_frontends_of_one_local_backend() {
             "tc_egress",
             &Frame::tcp(pod, 8080, client, 40001, TCP_SYN | TCP_ACK),
         );
+        fx.ack(client, 40001, node, 30080);
         let mut e = fx.conntrack.get(&reply_key, 0).unwrap();
         e.last_seen_ns = 1;
         fx.conntrack.insert(reply_key, e, 0).unwrap();
@@ -1368,6 +1408,10 @@ fn a_snat_port_stays_taken_while_the_backend_is_in_time_wait() {
             "tc_ingress",
             &Frame::tcp(pod, 8080, node, 61_000, TCP_SYN | TCP_ACK).seq_ack(500, 2),
         );
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(first, 40000, node, 30080, TCP_ACK).seq_ack(2, 501),
+        );
         let client_fin = Frame::tcp(first, 40000, node, 30080, TCP_FIN | TCP_ACK).seq_ack(2, 501);
         let backend_fin = Frame::tcp(pod, 8080, node, 61_000, TCP_FIN | TCP_ACK).seq_ack(501, 3);
         let order = if backend_first {
@@ -1551,6 +1595,7 @@ fn an_entry_refreshed_on_another_cpu_is_live() {
         "tc_egress",
         &Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK),
     );
+    fx.ack(client, 40000, NODE4, 30080);
     fx.frontend(NODE4, 30080, proto::TCP, 1, &[2]);
     // Stamp both entries ahead of the clock, as another CPU's refresh
     // racing this CPU's read of the clock leaves them.
@@ -1572,7 +1617,10 @@ fn an_entry_refreshed_on_another_cpu_is_live() {
 }
 
 /// A SYN flood fills LB_CT_SYN only: an established flow in LB_CONNTRACK is
-/// never evicted by it, and a new client still connects.
+/// never evicted by it, and a new client still connects. The backend
+/// answers every spoofed SYN, as a real one does: its SYN-ACK alone does
+/// not make a flow established (the spoofed client never acknowledges it),
+/// so the flood's flows stay in LB_CT_SYN under the SYN timeout.
 #[test]
 fn a_syn_flood_evicts_no_established_flow() {
     if skip() {
@@ -1594,14 +1642,35 @@ fn a_syn_flood_evicts_no_established_flow() {
         "tc_ingress",
         &Frame::tcp(pod, 8080, NODE4, snat, TCP_SYN | TCP_ACK),
     );
-    // Ten times the size of either table, from spoofed sources.
+    fx.ack(client, 40000, NODE4, 30080);
+    // Ten times the size of either table, from spoofed sources, each
+    // answered by the backend.
+    let mut answered = 0;
     for i in 0..2560u32 {
         let src = format!("198.18.{}.{}", i / 250, 1 + i % 250);
+        let sport = 1024 + (i % 60_000) as u16;
+        let (rc, out) = fx.run(
+            "tc_ingress",
+            &Frame::tcp(&src, sport, NODE4, 30080, TCP_SYN),
+        );
+        if rc != OK && rc != REDIRECT {
+            continue;
+        }
+        let nat_sport = parse(&out).sport;
+        // Dropped after it is tracked: the spoofed sources have no route.
         fx.run(
             "tc_ingress",
-            &Frame::tcp(&src, 1024 + (i % 60_000) as u16, NODE4, 30080, TCP_SYN),
+            &Frame::tcp(pod, 8080, NODE4, nat_sport, TCP_SYN | TCP_ACK).seq_ack(9000 + i, 1),
         );
+        let fwd = fx.entry(&src, sport, NODE4, 30080, proto::TCP).unwrap();
+        assert_eq!(fwd.ack_seq, 9001 + i, "the SYN-ACK was tracked");
+        assert!(
+            fx.in_syn_table(pod, 8080, NODE4, nat_sport, proto::TCP),
+            "a SYN-ACK alone leaves the flow in LB_CT_SYN"
+        );
+        answered += 1;
     }
+    assert!(answered > 2000, "the backend answered {answered} SYNs");
     assert!(
         fx.conntrack
             .get(&ct_key(client, 40000, NODE4, 30080, proto::TCP), 0)
@@ -2520,6 +2589,7 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
         "tc_ingress",
         &Frame::tcp(pod, 8080, NODE4, 61_000, TCP_SYN | TCP_ACK),
     );
+    fx.ack(old, 40000, NODE4, 30080);
     expire(&mut fx, ct_key(pod, 8080, NODE4, 61_000, proto::TCP));
     expire(&mut fx, ct_key(old, 40000, NODE4, 30080, proto::TCP));
     let (_, out) = fx.run("tc_ingress", &Frame::tcp(new, 40000, NODE4, 30080, TCP_SYN));
@@ -2535,6 +2605,7 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
         (ip(NODE4), ip(new), 40000),
         "to the new client"
     );
+    fx.ack(new, 40000, NODE4, 30080);
     assert!(
         !fx.in_syn_table(pod, 8080, NODE4, 61_000, proto::TCP),
         "established"
@@ -2552,6 +2623,7 @@ fn an_expired_entry_does_not_hide_a_new_flow_of_its_tuple() {
         "tc_egress",
         &Frame::tcp(local_pod, 8080, client, 41000, TCP_SYN | TCP_ACK),
     );
+    fx.ack(client, 41000, NODE4, 30081);
     expire(&mut fx, ct_key(client, 41000, NODE4, 30081, proto::TCP));
     expire(&mut fx, ct_key(local_pod, 8080, client, 41000, proto::TCP));
     let (rc, _) = fx.run(

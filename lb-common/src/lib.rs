@@ -674,7 +674,7 @@ pub mod ct_flags {
 ///
 /// | index | event | set on |
 /// |---|---|---|
-/// | `SEEN_REPLY` | the backend answered: the flow is established | both entries |
+/// | `SEEN_REPLY` | TCP: the client acknowledged the backend's answer, the flow is established (in `LB_CONNTRACK`); UDP: the backend answered | both entries |
 /// | `FIN` | this direction sent a FIN | this entry |
 /// | `CLOSING` | both directions sent a FIN, or a valid RST: the close timeout runs | both entries |
 pub mod ct_state {
@@ -727,13 +727,13 @@ pub struct CtKey {
 /// | 44     | `flags`        | `ct_flags::*`, fixed                        |
 /// | 45     | `state`        | `ct_state::*`, one byte per event           |
 /// | 48     | `last_seen_ns` | `bpf_ktime_get_ns` of the last packet       |
-/// | 56     | `ack_seq`      | TCP: the last ACK number this direction sent (host order) |
+/// | 56     | `ack_seq`      | TCP: the last ACK number this direction sent (host order); a forward entry in `LB_CT_SYN`: the one that completes the handshake, once the backend answered |
 /// | 60     | `backend_time_wait` | TCP: 1 once the backend sent the flow's first FIN |
 /// | 61     | `_pad2`        |                                             |
 /// | 64     | `hop`          | [`NextHop`]: the FIB's answer for this direction's translated packets |
 ///
-/// An entry lives `TcConfig::tcp_syn_timeout_s` until the backend answers,
-/// then `tcp_timeout_s`, and `tcp_close_timeout_s` once `CLOSING`, at
+/// An entry lives `TcConfig::tcp_syn_timeout_s` until the client
+/// acknowledges the backend's answer, then `tcp_timeout_s`, and `tcp_close_timeout_s` once `CLOSING`, at
 /// least `tcp_time_wait_timeout_s` when the backend closed first; UDP
 /// flows `udp_timeout_s` ([`conntrack::timeout_s`]).
 #[repr(C)]
@@ -1009,7 +1009,7 @@ impl PortBits {
 /// | 40     | `udp_timeout_s`     | idle lifetime of a UDP flow (both paths) |
 /// | 44     | `snat_port_min`     | SNAT source ports, inclusive range       |
 /// | 46     | `snat_port_max`     |                                          |
-/// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow the backend has not answered yet |
+/// | 48     | `tcp_syn_timeout_s` | lifetime of a TCP flow whose handshake is not complete |
 /// | 52     | `l4_csum_v6_flags`  | `BPF_F_IPV6` where the kernel has it, else 0 |
 /// | 56     | `tcp_time_wait_timeout_s` | least lifetime after the close of a flow whose backend closed first |
 /// | 60     | `source_ranges`     | 1 while some frontend has `loadBalancerSourceRanges`, else 0 |
@@ -1122,8 +1122,10 @@ pub mod stat {
     pub const TC_DROP_REWRITE: u32 = 11;
     /// tc path, dropped: a new flow's conntrack entries could not be written.
     pub const TC_DROP_CT_FULL: u32 = 12;
-    /// tc path, dropped: a TCP packet without SYN and without a flow
-    /// (netfilter's INVALID, which kube-proxy drops).
+    /// tc path, dropped: a TCP packet without SYN and without a flow, or a
+    /// client's packet during the handshake that is no SYN and does not
+    /// acknowledge the backend's answer (netfilter's INVALID, which
+    /// kube-proxy drops).
     pub const TC_DROP_INVALID: u32 = 13;
     /// tc path, dropped: an RST that does not belong to its flow (outside
     /// the window the other end acknowledged).
@@ -1266,7 +1268,7 @@ pub mod capacity {
     /// Entries (two per flow) of established and UDP flows: at least
     /// Cilium's defaults (512k TCP + 256k other).
     pub const CONNTRACK: u32 = 786_432;
-    /// Entries (two per flow) of TCP flows whose backend has not answered:
+    /// Entries (two per flow) of TCP flows whose handshake is not complete:
     /// what a SYN flood fills, apart from the established flows.
     pub const CONNTRACK_SYN: u32 = 262_144;
     pub const SOURCE_RANGES: u32 = 16_384;

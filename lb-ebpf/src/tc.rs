@@ -522,7 +522,7 @@ fn redirect(ctx: &TcContext, p: &Pkt, e: &CtEntry, ptr: *mut CtEntry, now: u64) 
 enum Table {
     /// `LB_CONNTRACK`: established TCP flows and UDP flows.
     Main,
-    /// `LB_CT_SYN`: TCP flows whose backend has not answered yet.
+    /// `LB_CT_SYN`: TCP flows whose handshake is not complete.
     Syn,
 }
 
@@ -575,39 +575,70 @@ fn mark_partner(table: Table, e: &CtEntry, l4proto: u8, state: usize) {
     }
 }
 
-/// The first answer of the backend: both entries become established, and
-/// a flow still in `LB_CT_SYN` moves to `LB_CONNTRACK` (inserted there
-/// before it is removed here, so a lookup always finds it somewhere).
+/// The backend's SYN-ACK, on a flow still in `LB_CT_SYN` (netfilter's
+/// SYN_RECV): the forward entry learns the acknowledgement that completes
+/// the handshake (the backend's initial sequence number + 1). The flow
+/// stays where it is, under its SYN timeout: a backend answers every SYN,
+/// spoofed ones too, so its answer alone must not make a flow established.
 #[inline(always)]
-fn established(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) {
-    if table == Table::Main {
-        // SAFETY: as in `track`.
-        unsafe { (*ptr).state[ct_state::SEEN_REPLY] = 1 };
-        mark_partner(table, e, p.proto, ct_state::SEEN_REPLY);
-        return;
+fn answered(e: &CtEntry, p: &Pkt) {
+    if let Some(fwd) = LB_CT_SYN.get_ptr_mut(&CtKey::partner(e, p.proto)) {
+        // SAFETY: valid for this run; one whole field written.
+        unsafe { core::ptr::write_volatile(&mut (*fwd).ack_seq, p.seq.wrapping_add(1)) };
     }
+}
+
+/// Whether the client's packet `p`, on forward entry `e` in `LB_CT_SYN`,
+/// acknowledges the backend's answer (its ACK number within [`RST_AHEAD`]
+/// past the backend's initial sequence number + 1: data of a TCP Fast Open
+/// answer may be acknowledged too). A blind spoofer, who never saw the
+/// SYN-ACK, hits it once in a thousand.
+#[inline(always)]
+fn completes_handshake(e: &CtEntry, p: &Pkt) -> bool {
+    p.tcp_flags & TCP_ACK != 0 && e.ack_seq != 0 && p.ack.wrapping_sub(e.ack_seq) < RST_AHEAD
+}
+
+/// The client acknowledged the backend's answer (netfilter's SYN_RECV to
+/// ESTABLISHED): both entries become established and move from
+/// `LB_CT_SYN` to `LB_CONNTRACK` (inserted there before they are removed
+/// here, so a lookup always finds the flow somewhere). `e` is the forward
+/// entry as read before this packet; what the packet changed is applied
+/// to the copy, as the element itself may be reused once removed.
+#[inline(always)]
+fn established(key: &CtKey, e: &CtEntry, p: &Pkt, now: u64) {
     let Some(scratch) = this_cpu(&LB_TC_SCRATCH) else {
         return;
     };
     scratch.reply_key = CtKey::partner(e, p.proto);
-    let Some(fwd) = LB_CT_SYN.get_ptr(&scratch.reply_key) else {
+    let Some(rev) = LB_CT_SYN.get_ptr(&scratch.reply_key) else {
         return;
     };
     // SAFETY: copied out at once.
-    scratch.forward = unsafe { core::ptr::read(fwd) };
-    scratch.reply = *e;
-    scratch.reply.last_seen_ns = now;
-    scratch.reply.ack_seq = p.ack;
+    scratch.reply = unsafe { core::ptr::read(rev) };
+    scratch.forward = *e;
+    scratch.forward.last_seen_ns = now;
+    scratch.forward.ack_seq = p.ack;
+    if p.tcp_flags & TCP_FIN != 0 {
+        scratch.forward.state[ct_state::FIN] = 1;
+    }
+    // What `track` just wrote into both entries if this FIN closed the flow.
+    if scratch.reply.state[ct_state::CLOSING] != 0
+        || scratch.forward.state[ct_state::FIN] & scratch.reply.state[ct_state::FIN] != 0
+    {
+        scratch.forward.state[ct_state::CLOSING] = 1;
+        scratch.reply.state[ct_state::CLOSING] = 1;
+    }
     scratch.forward.state[ct_state::SEEN_REPLY] = 1;
     scratch.reply.state[ct_state::SEEN_REPLY] = 1;
     if LB_CONNTRACK
-        .insert(key, &scratch.reply, BPF_ANY as u64)
+        .insert(key, &scratch.forward, BPF_ANY as u64)
         .is_err()
         || LB_CONNTRACK
-            .insert(&scratch.reply_key, &scratch.forward, BPF_ANY as u64)
+            .insert(&scratch.reply_key, &scratch.reply, BPF_ANY as u64)
             .is_err()
     {
-        // Stays in LB_CT_SYN, where it keeps working until its SYN timeout.
+        // Stays in LB_CT_SYN, where it keeps working until its SYN
+        // timeout; the next packet of the client tries again.
         count(stat::TC_DROP_CT_FULL);
         return;
     }
@@ -616,14 +647,18 @@ fn established(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pk
 }
 
 /// Records what packet `p` tells of its flow (entry `e` at `ptr` under
-/// `key` in `map`) and refreshes it. Returns false for a packet to drop:
-/// an RST that does not belong to the flow.
+/// `key` in `table`) and refreshes it. Returns false for a packet to drop:
+/// an RST that does not belong to the flow, or a client's packet during
+/// the handshake that neither is a SYN nor acknowledges the backend's
+/// answer (netfilter's INVALID).
 ///
-/// TCP states, as netfilter and Cilium keep them: a flow is established
-/// once its backend answers; it closes (close timeout) once both ends sent
-/// a FIN, or at an RST that belongs to it, whose entries stay for the close
-/// timeout so that late packets still translate. A half-closed flow (one
-/// FIN) keeps its established timeout.
+/// TCP states, as netfilter keeps them: a flow is established once the
+/// client acknowledges its backend's answer (SYN_SENT, SYN_RECV, then
+/// ESTABLISHED: until then it lives in `LB_CT_SYN` under the SYN
+/// timeout); it closes (close timeout) once both ends sent a FIN, or at an
+/// RST that belongs to it, whose entries stay for the close timeout so
+/// that late packets still translate. A half-closed flow (one FIN) keeps
+/// its established timeout.
 #[inline(always)]
 fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) -> bool {
     // SAFETY (every write below): the entry stays valid for this run; each
@@ -639,7 +674,14 @@ fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now
             unsafe { (*ptr).state[ct_state::CLOSING] = 1 };
             mark_partner(table, e, p.proto, ct_state::CLOSING);
         } else {
-            if p.tcp_flags & TCP_ACK != 0 {
+            // During the handshake a client's packet is a SYN again or
+            // completes it; its ACK number is the one `answered` set.
+            let handshake = table == Table::Syn && e.flags & ct_flags::REPLY == 0;
+            if handshake && p.tcp_flags & TCP_SYN == 0 && !completes_handshake(e, p) {
+                count(stat::TC_DROP_INVALID);
+                return false;
+            }
+            if p.tcp_flags & TCP_ACK != 0 && !handshake {
                 unsafe { (*ptr).ack_seq = p.ack };
             }
             if p.tcp_flags & TCP_FIN != 0 && e.state[ct_state::FIN] == 0 {
@@ -667,8 +709,27 @@ fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now
         }
     }
     unsafe { (*ptr).last_seen_ns = now };
-    if e.flags & ct_flags::REPLY != 0 && e.state[ct_state::SEEN_REPLY] == 0 {
-        established(table, key, ptr, e, p, now);
+    let reply = e.flags & ct_flags::REPLY != 0;
+    match table {
+        // A UDP flow's first answer (TCP flows arrive here established).
+        Table::Main => {
+            if reply && e.state[ct_state::SEEN_REPLY] == 0 {
+                unsafe { (*ptr).state[ct_state::SEEN_REPLY] = 1 };
+                mark_partner(table, e, p.proto, ct_state::SEEN_REPLY);
+            }
+        }
+        Table::Syn if reply => {
+            if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
+                answered(e, p);
+            }
+        }
+        // A client's packet that is not a SYN completes the handshake
+        // (checked above).
+        Table::Syn => {
+            if p.tcp_flags & (TCP_SYN | TCP_RST) == 0 {
+                established(key, e, p, now);
+            }
+        }
     }
     true
 }
@@ -787,7 +848,7 @@ fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -
 }
 
 /// A packet to an EXTERNAL frontend without a flow yet. Only a TCP SYN
-/// opens a TCP flow, into `LB_CT_SYN` until the backend answers; a UDP
+/// opens a TCP flow, into `LB_CT_SYN` until its handshake completes; a UDP
 /// datagram opens one in `LB_CONNTRACK`. Returns [`FLOW_OPENED`] once both
 /// entries are in, else the packet's verdict; the packet itself is
 /// translated afterwards as one of the flow (see `ingress`).
@@ -1085,9 +1146,8 @@ fn icmp4_error_inner(ctx: &TcContext) -> Option<i32> {
     Some(TC_ACT_OK)
 }
 
-/// The flow of `key`: `LB_CONNTRACK` first; `LB_CT_SYN` only for the
-/// packets a flow can send before its backend answered (a SYN, the
-/// backend's SYN-ACK, an RST), so that other packets pay one lookup.
+/// The flow of `key`: `LB_CONNTRACK` first, then `LB_CT_SYN` for TCP
+/// (a flow is there until the client acknowledged its backend's answer).
 #[inline(always)]
 fn lookup(key: &CtKey, p: &Pkt) -> Option<(Table, *mut CtEntry)> {
     if let Some(ptr) = LB_CONNTRACK.get_ptr_mut(key) {
@@ -1098,7 +1158,7 @@ fn lookup(key: &CtKey, p: &Pkt) -> Option<(Table, *mut CtEntry)> {
 
 #[inline(always)]
 fn lookup_syn(key: &CtKey, p: &Pkt) -> Option<*mut CtEntry> {
-    if p.proto != proto::TCP || p.tcp_flags & (TCP_SYN | TCP_RST) == 0 {
+    if p.proto != proto::TCP {
         return None;
     }
     LB_CT_SYN.get_ptr_mut(key)

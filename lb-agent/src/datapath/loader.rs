@@ -68,7 +68,7 @@ pub struct Capacity {
     /// forward and reply).
     #[arg(long, default_value_t = lb_common::capacity::CONNTRACK)]
     pub max_conntrack: u32,
-    /// TCP flows of the tc path whose backend has not answered yet (two
+    /// TCP flows of the tc path whose handshake is not complete (two
     /// entries each): what a SYN flood can fill, apart from the others.
     #[arg(long, default_value_t = lb_common::capacity::CONNTRACK_SYN)]
     pub max_conntrack_syn: u32,

@@ -50,7 +50,8 @@ const PIN_PREFIX: &str = "tc_";
 pub struct Timeouts {
     /// An established TCP flow, idle.
     pub tcp: Duration,
-    /// A TCP flow from its first SYN until the backend answers.
+    /// A TCP flow from its first SYN until the client acknowledges the
+    /// backend's answer (SYN_SENT and SYN_RECV).
     pub tcp_syn: Duration,
     /// A TCP flow once both ends sent a FIN, or after a valid RST.
     pub tcp_close: Duration,
@@ -617,7 +618,7 @@ pub fn interface_addresses() -> anyhow::Result<BTreeMap<String, Vec<IpAddr>>> {
 pub struct TcMaps {
     /// Established TCP and UDP flows.
     pub conntrack: HashMap<MapData, CtKey, CtEntry>,
-    /// TCP flows whose backend has not answered yet.
+    /// TCP flows whose handshake is not complete.
     pub conntrack_syn: HashMap<MapData, CtKey, CtEntry>,
     pub ranges: SourceRangeWriter,
     config: Array<MapData, TcConfig>,
