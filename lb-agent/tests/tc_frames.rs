@@ -1694,6 +1694,76 @@ fn a_syn_flood_evicts_no_established_flow() {
     assert!(rc == OK || rc == REDIRECT, "a new client connects: {rc}");
 }
 
+/// A new flow that finds every SNAT port it tries taken takes the port of
+/// an unfinished handshake idle for 3 s both ways (a spoofed SYN's, which
+/// its backend answered): never of a handshake that is still moving, nor
+/// of an established flow.
+#[test]
+fn an_idle_unfinished_handshake_gives_up_its_snat_port() {
+    if skip() {
+        return;
+    }
+    let (pod, spoofed, client) = ("10.244.2.10", "198.18.0.1", "192.168.77.100");
+    let mut fx = Fixture::new();
+    // One port, so that every try meets the same holder.
+    fx.snat_ports(61_000, 61_000);
+    fx.backend(1, pod, 8080, proto::TCP, false);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    let syn = |src: &str, sport: u16| Frame::tcp(src, sport, NODE4, 30080, TCP_SYN);
+    let (_, out) = fx.run("tc_ingress", &syn(spoofed, 1000));
+    assert_eq!(parse(&out).sport, 61_000);
+    fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, 61_000, TCP_SYN | TCP_ACK).seq_ack(5000, 1),
+    );
+    let fwd_key = ct_key(spoofed, 1000, NODE4, 30080, proto::TCP);
+    let rev_key = ct_key(pod, 8080, NODE4, 61_000, proto::TCP);
+    let age = |fx: &mut Fixture, key: &CtKey, secs: u64| {
+        let mut e = fx.conntrack_syn.get(key, 0).unwrap();
+        e.last_seen_ns = monotonic_ns_ago(Duration::from_secs(secs));
+        fx.conntrack_syn.insert(*key, e, 0).unwrap();
+    };
+    let exhausted = fx.stat(stat::TC_DROP_SNAT_EXHAUSTED);
+    let reclaimed = fx.stat(stat::TC_SNAT_RECLAIMED);
+
+    // Fresh, then idle on one side only: the port stays taken.
+    for (fwd_ago, rev_ago) in [(0, 0), (10, 0), (0, 10)] {
+        age(&mut fx, &fwd_key, fwd_ago);
+        age(&mut fx, &rev_key, rev_ago);
+        let (rc, _) = fx.run("tc_ingress", &syn(client, 40000));
+        assert_eq!(rc, SHOT, "idle {fwd_ago} s / {rev_ago} s: kept");
+        assert!(fx.in_syn_table(spoofed, 1000, NODE4, 30080, proto::TCP));
+    }
+    assert_eq!(fx.stat(stat::TC_DROP_SNAT_EXHAUSTED), exhausted + 3);
+
+    // Idle both ways: the new flow takes the port, the old entries go.
+    age(&mut fx, &fwd_key, 4);
+    age(&mut fx, &rev_key, 4);
+    let (rc, out) = fx.run("tc_ingress", &syn(client, 40000));
+    assert!(rc == OK || rc == REDIRECT, "{rc}");
+    assert_eq!(parse(&out).sport, 61_000);
+    assert_eq!(fx.stat(stat::TC_SNAT_RECLAIMED), reclaimed + 1);
+    assert!(!fx.in_syn_table(spoofed, 1000, NODE4, 30080, proto::TCP));
+    let rev = fx.conntrack_syn.get(&rev_key, 0).unwrap();
+    assert_eq!(rev.nat_dst, addr_bytes(ip(client)), "the new flow's reply");
+    // Its handshake completes and its replies reach it.
+    let (_, out) = fx.run(
+        "tc_ingress",
+        &Frame::tcp(pod, 8080, NODE4, 61_000, TCP_SYN | TCP_ACK),
+    );
+    assert_eq!((parse(&out).dst, parse(&out).dport), (ip(client), 40000));
+    fx.ack(client, 40000, NODE4, 30080);
+
+    // An established flow keeps its port, however idle.
+    let mut e = fx.conntrack.get(&rev_key, 0).unwrap();
+    e.last_seen_ns = monotonic_ns_ago(Duration::from_secs(10));
+    fx.conntrack.insert(rev_key, e, 0).unwrap();
+    let (rc, _) = fx.run("tc_ingress", &syn(spoofed, 1001));
+    assert_eq!(rc, SHOT);
+    assert_eq!(fx.stat(stat::TC_SNAT_RECLAIMED), reclaimed + 1);
+    assert!(fx.conntrack.get(&rev_key, 0).is_ok());
+}
+
 /// What must not be translated, and what must be dropped.
 #[test]
 fn drops_and_pass_throughs() {

@@ -1172,7 +1172,11 @@ pub mod stat {
     /// value (a miss then would have refused a connect or passed a SYN to
     /// the node; see "Recycled elements" in docs/maps.md).
     pub const FRONTEND_LOOKED_UP_AGAIN: u32 = 25;
-    pub const COUNT: u32 = 26;
+    /// tc path: a new flow that found no free SNAT port in its tries took
+    /// the port of an unfinished handshake idle for a few seconds (mostly
+    /// a spoofed SYN's), whose entries went (not a drop).
+    pub const TC_SNAT_RECLAIMED: u32 = 26;
+    pub const COUNT: u32 = 27;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1201,6 +1205,7 @@ pub mod stat {
         "foreign_value",
         "tc_source_port_remapped",
         "frontend_looked_up_again",
+        "tc_snat_reclaimed",
     ];
 }
 

@@ -35,7 +35,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
+    clock, conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
     source_range, stat, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue,
     SourceRangeData, TcConfig,
 };
@@ -207,6 +207,9 @@ pub struct Scratch {
     forward: CtEntry,
     reply: CtEntry,
     reply_key: CtKey,
+    /// The forward key of an unfinished handshake whose SNAT port a new
+    /// flow takes (`reclaim_snat`).
+    stale_key: CtKey,
     fib: bpf_fib_lookup,
 }
 
@@ -825,6 +828,8 @@ fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -
     // SAFETY: plain helper call.
     let start = unsafe { bpf_get_prandom_u32() } % span;
     let syn_table = table == Table::Syn;
+    // The first port tried that an idle unfinished handshake holds.
+    let mut stale: u16 = 0;
     for i in 0..SNAT_TRIES {
         let port = (min + (start + i) % span) as u16;
         scratch.reply_key.dport = port;
@@ -841,10 +846,96 @@ fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -
                 scratch.forward.nat_sport = port;
                 return true;
             }
+        } else if syn_table
+            && stale == 0
+            && port != 0
+            && idle_handshake(&scratch.reply_key, now, cfg)
+        {
+            stale = port;
         }
         count(stat::TC_SNAT_RETRY);
     }
-    false
+    stale != 0 && reclaim_snat(cfg, scratch, stale, now)
+}
+
+/// How long an unfinished handshake must have sent nothing, either way,
+/// before a new flow that found no free SNAT port takes its port. A
+/// handshake on its way completes within a round trip of the SYN-ACK; one
+/// that waits sends again, its client its SYN at 1, 3, 7 and 15 s, its
+/// backend its SYN-ACK at 1, 3, 7, 15 and 31 s. What is idle both ways
+/// this long is mostly a spoofed SYN's; a real client that loses its port
+/// so gets a new flow and port with its next SYN.
+const HANDSHAKE_IDLE_S: u32 = 3;
+
+/// Whether the reply entry under `reply_key` in `LB_CT_SYN` (a SNAT port
+/// taken) belongs to an unfinished handshake that is over or idle for
+/// [`HANDSHAKE_IDLE_S`] at least, as far as its reply entry tells.
+#[inline(always)]
+fn idle_handshake(reply_key: &CtKey, now: u64, cfg: &TcConfig) -> bool {
+    match LB_CT_SYN.get_ptr(reply_key) {
+        None => false,
+        // SAFETY: read in place for this run.
+        Some(e) => {
+            let e = unsafe { &*e };
+            !conntrack::live(e, reply_key.proto, now, cfg)
+                || !clock::within(now, e.last_seen_ns, HANDSHAKE_IDLE_S)
+        }
+    }
+}
+
+/// Takes SNAT port `port` from the unfinished handshake that holds it in
+/// `LB_CT_SYN` (as netfilter's early drop takes a full table's unassured
+/// entries): both its entries go, the forward one only if it is idle too
+/// and translates to this port, then the port is reserved as in the loop
+/// of `reserve_snat`. Under a SYN flood the crowded ports are mostly
+/// spoofed handshakes that never complete; without this, a legitimate SYN
+/// was dropped until they expired. The handshake's client, if there is
+/// one, starts again with its next SYN.
+#[inline(always)]
+fn reclaim_snat(cfg: &TcConfig, scratch: &mut Scratch, port: u16, now: u64) -> bool {
+    scratch.reply_key.dport = port;
+    let Some(old) = LB_CT_SYN.get_ptr(&scratch.reply_key) else {
+        return false;
+    };
+    // Its forward key (`CtKey::partner`), field by field: a whole key
+    // built on the stack would not fit beside the callers' frames.
+    // SAFETY: read in place for this run.
+    let old = unsafe { &*old };
+    let stale = &mut scratch.stale_key;
+    stale.src = old.nat_dst;
+    stale.dst = old.nat_src;
+    stale.sport = old.nat_dport;
+    stale.dport = old.nat_sport;
+    stale.proto = scratch.reply_key.proto;
+    stale._pad = [0; 3];
+    if !idle_handshake(&scratch.reply_key, now, cfg) {
+        return false;
+    }
+    if let Some(fwd) = LB_CT_SYN.get_ptr(&scratch.stale_key) {
+        // SAFETY: read in place for this run.
+        let fwd = unsafe { &*fwd };
+        let live = conntrack::live(fwd, scratch.reply_key.proto, now, cfg);
+        if live && clock::within(now, fwd.last_seen_ns, HANDSHAKE_IDLE_S) {
+            return false;
+        }
+        if fwd.nat_sport == port {
+            let _ = LB_CT_SYN.remove(&scratch.stale_key);
+        }
+    }
+    let _ = LB_CT_SYN.remove(&scratch.reply_key);
+    if LB_CT_SYN
+        .insert(&scratch.reply_key, &scratch.reply, BPF_NOEXIST as u64)
+        .is_err()
+    {
+        return false;
+    }
+    if taken(&LB_CONNTRACK, &scratch.reply_key, now, cfg) {
+        let _ = LB_CT_SYN.remove(&scratch.reply_key);
+        return false;
+    }
+    scratch.forward.nat_sport = port;
+    count(stat::TC_SNAT_RECLAIMED);
+    true
 }
 
 /// A packet to an EXTERNAL frontend without a flow yet. Only a TCP SYN
