@@ -867,20 +867,21 @@ fn reserve_snat(cfg: &TcConfig, scratch: &mut Scratch, table: Table, now: u64) -
 /// so gets a new flow and port with its next SYN.
 const HANDSHAKE_IDLE_S: u32 = 3;
 
+/// Whether entry `e` of an unfinished handshake (in `LB_CT_SYN`) is over
+/// or idle for [`HANDSHAKE_IDLE_S`] at least.
+#[inline(always)]
+fn idle(e: &CtEntry, l4proto: u8, now: u64, cfg: &TcConfig) -> bool {
+    !conntrack::live(e, l4proto, now, cfg) || !clock::within(now, e.last_seen_ns, HANDSHAKE_IDLE_S)
+}
+
 /// Whether the reply entry under `reply_key` in `LB_CT_SYN` (a SNAT port
-/// taken) belongs to an unfinished handshake that is over or idle for
-/// [`HANDSHAKE_IDLE_S`] at least, as far as its reply entry tells.
+/// taken) is [`idle`]: as far as it tells, its handshake is.
 #[inline(always)]
 fn idle_handshake(reply_key: &CtKey, now: u64, cfg: &TcConfig) -> bool {
-    match LB_CT_SYN.get_ptr(reply_key) {
-        None => false,
-        // SAFETY: read in place for this run.
-        Some(e) => {
-            let e = unsafe { &*e };
-            !conntrack::live(e, reply_key.proto, now, cfg)
-                || !clock::within(now, e.last_seen_ns, HANDSHAKE_IDLE_S)
-        }
-    }
+    // SAFETY: read in place for this run.
+    LB_CT_SYN
+        .get_ptr(reply_key)
+        .is_some_and(|e| idle(unsafe { &*e }, reply_key.proto, now, cfg))
 }
 
 /// Takes SNAT port `port` from the unfinished handshake that holds it in
@@ -908,14 +909,13 @@ fn reclaim_snat(cfg: &TcConfig, scratch: &mut Scratch, port: u16, now: u64) -> b
     stale.dport = old.nat_sport;
     stale.proto = scratch.reply_key.proto;
     stale._pad = [0; 3];
-    if !idle_handshake(&scratch.reply_key, now, cfg) {
+    if !idle(old, stale.proto, now, cfg) {
         return false;
     }
     if let Some(fwd) = LB_CT_SYN.get_ptr(&scratch.stale_key) {
         // SAFETY: read in place for this run.
         let fwd = unsafe { &*fwd };
-        let live = conntrack::live(fwd, scratch.reply_key.proto, now, cfg);
-        if live && clock::within(now, fwd.last_seen_ns, HANDSHAKE_IDLE_S) {
+        if !idle(fwd, scratch.reply_key.proto, now, cfg) {
             return false;
         }
         if fwd.nat_sport == port {
