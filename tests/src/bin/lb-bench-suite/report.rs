@@ -785,7 +785,7 @@ fn tc_cost_goals(np: &crate::nodeport::NodePortResults) -> Vec<Goal> {
             what: "tc_ingress ≤ 350 ns per packet (issue 13)",
             met: within(&ingress, 350.0),
             measured: ingress_measured,
-            limit: "run_time_ns / run_cnt of tc_ingress on n1's eth0 in the NodePort experiment's connect+close runs, all four packets of each connection (SYN, SYN-ACK, ACK, RST), with the route and neighbour work that bpf_redirect_neigh once did after the program now inside it (a resolved next hop's MACs are written by the program, which then calls bpf_redirect); net of an empty program (r0 = TCX_NEXT; exit) linked before ours on the same packets, per round. A connection's first packets write its flow (two entries into LB_CT_SYN at the SYN; both moved to LB_CONNTRACK at the client's ACK of the SYN-ACK since f3bddf9, at the SYN-ACK before), which is most of the figure; each packet's conntrack lookup misses the CPU's caches after the rest of the stack ran. Issue 13 took ten helper calls out of an established packet and the clock read out of packets that are not ours (see the NodePort section), and the memset and memmove subprogram calls out of every packet (tc_frames cost_by_packet_kind, best of four alternated runs: SYN 1944 → 1703 ns, SYN-ACK 1603 → 1433, established ACK 801 → 701, not ours 431 → 321); then each flow direction kept its next hop in its conntrack entry (CtEntry::hop, checked against the route epoch the agent moves at every rtnetlink change, and the second), so that its packets after the first skip bpf_fib_lookup (cost tests with resolved neighbours, three alternated pairs: established ACK 540–751 → 371–390 ns, RST 671–921 → 501–541 ns; in connect+close the SYN and SYN-ACK still look up, the ACK and RST do not). Conntrack tables with per-CPU LRU lists (BPF_F_NO_COMMON_LRU) were tried and dropped: three alternated pairs of this experiment at 1 Service (--quick), 1911 / 2159 / 1777 ns with the common lists against 1895 / 1963 / 2096 ns with per-CPU ones, within the noise. On either machine kind the reports ran on, the remaining map operations alone exceed 350 ns per connect+close packet: 1679 / 1751 ns net on the AMD EPYC with the SRSO safe-return thunk (BENCHMARKS.md at dc4b6b0), ~1.1 µs on an Intel Xeon without it. Established packets alone (the rr figure beside: the steady state of a long flow, most of a node's packets) stay within 350 ns on that Intel Xeon; the connect+close figure is a flow's setup spread over its four packets: by difference (a quick run of this experiment at 1 Service: 1047 ns net per connect+close packet, 309 ns per established one) the SYN and its SYN-ACK cost ~1.7 µs each, the SYN choosing a backend, reserving a SNAT port and writing both entries into LB_CT_SYN, the SYN-ACK moving both into LB_CONNTRACK (two inserts, two deletes: each a cold element of a large table; since f3bddf9 the client's ACK of the SYN-ACK moves them, so that a SYN-ACK alone, which a backend sends to spoofed SYNs too, establishes nothing). The move is what keeping embryonic flows apart costs (issue 10: a SYN flood cannot evict established flows); a design without it would still write two entries at the SYN.".into(),
+            limit: "run_time_ns / run_cnt of tc_ingress on n1's eth0 in the NodePort experiment's connect+close runs, all four packets of each connection (SYN, SYN-ACK, ACK, RST), with the route and neighbour work that bpf_redirect_neigh once did after the program now inside it (a resolved next hop's MACs are written by the program, which then calls bpf_redirect); net of an empty program (r0 = TCX_NEXT; exit) linked before ours on the same packets, per round. A connection's first packets write its flow (two entries into LB_CT_SYN at the SYN; both moved to LB_CONNTRACK at the client's ACK of the SYN-ACK since f3bddf9, at the SYN-ACK before), which is most of the figure; each packet's conntrack lookup misses the CPU's caches after the rest of the stack ran. Issue 13 took ten helper calls out of an established packet and the clock read out of packets that are not ours (see the NodePort section), and the memset and memmove subprogram calls out of every packet (tc_frames cost_by_packet_kind, best of four alternated runs: SYN 1944 → 1703 ns, SYN-ACK 1603 → 1433, established ACK 801 → 701, not ours 431 → 321); then each flow direction kept its next hop in its conntrack entry (CtEntry::hop, checked against the route epoch the agent moves at every rtnetlink change, and the second), so that its packets after the first skip bpf_fib_lookup (cost tests with resolved neighbours, three alternated pairs: established ACK 540–751 → 371–390 ns, RST 671–921 → 501–541 ns; in connect+close the SYN and SYN-ACK still look up, the ACK and RST do not). Conntrack tables with per-CPU LRU lists (BPF_F_NO_COMMON_LRU) were tried twice and dropped: on the SRSO machine, three alternated pairs of this experiment at 1 Service (--quick), 1911 / 2159 / 1777 ns with the common lists against 1895 / 1963 / 2096 ns with per-CPU ones, within the noise; on the Intel Xeon they cost more (both tables per-CPU: 1046 / 1028 / 1065 → 1157 / 1160 / 1136 ns; LB_CONNTRACK alone: 1032 / 1030 / 1052 → 1127 / 1085 / 1093 ns), though they remove the connect latency's p99 tail (see the NodePort section). On either machine kind the reports ran on, the remaining map operations alone exceed 350 ns per connect+close packet: 1679 / 1751 ns net on the AMD EPYC with the SRSO safe-return thunk (BENCHMARKS.md at dc4b6b0), ~1.1 µs on an Intel Xeon without it. Established packets alone (the rr figure beside: the steady state of a long flow, most of a node's packets) stay within 350 ns on that Intel Xeon; the connect+close figure is a flow's setup spread over its four packets: by difference (a quick run of this experiment at 1 Service: 1047 ns net per connect+close packet, 309 ns per established one) the SYN and its SYN-ACK cost ~1.7 µs each, the SYN choosing a backend, reserving a SNAT port and writing both entries into LB_CT_SYN, the SYN-ACK moving both into LB_CONNTRACK (two inserts, two deletes: each a cold element of a large table; since f3bddf9 the client's ACK of the SYN-ACK moves them, so that a SYN-ACK alone, which a backend sends to spoofed SYNs too, establishes nothing). The move is what keeping embryonic flows apart costs (issue 10: a SYN flood cannot evict established flows); a design without it would still write two entries at the SYN.".into(),
         },
         Goal {
             what: "tc_egress ≤ 40 ns per packet that is not ours (issue 13)",
@@ -1151,16 +1151,38 @@ fn nodeport_section(o: &mut String, r: &Results) {
          `cost_by_packet_kind` prints). Later such a packet was decided from its bytes and \
          `LB_FRONTEND_PORTS` (its destination port neither a frontend's nor a SNAT port) \
          before any lookup: 331–340 → 130–140 ns (three alternated runs; issue 13, \
-         docs/maps.md).\n",
+         docs/maps.md).\n\n\
+         Ours' connect p99 in the connect+close table is above the rule-based arms' (about \
+         60 µs against 40 µs in the quick runs cited here) while its p50 is the lowest. By the \
+         kernel's `bpf_lru_list.c`, and the experiment below that removes it: about one \
+         connection in 64 waits ~20 µs more behind a move into `LB_CONNTRACK` (at a \
+         client's ACK, two inserts) that found its CPU's local free list of the map empty, \
+         its SYN queued on that CPU meanwhile. With the common LRU \
+         lists (the kernel's default), that CPU then takes the map's global lock, flushes the \
+         elements it took since the last refill into the LRU lists, rotates them, and moves 128 \
+         free elements to its local list: a few hundred cache misses at once. Each connection \
+         takes two new elements there, held until the close timeout; those of `LB_CT_SYN` \
+         return to the local list when the flow moves and rarely need a refill. Per-CPU lists \
+         (`BPF_F_NO_COMMON_LRU`) do that work a little at every insert instead: `LB_CONNTRACK` \
+         with per-CPU lists, three alternated pairs of quick runs at 1 Service (`--quick \
+         --no-control-plane --no-datapath --nodeport-points 1`, the agent given by \
+         `LB_AGENT_BIN`): connect p99 62 / 55 / 60 → 37 / 38 / 41 µs, p50 24.7 / 24.4 / 24.7 → \
+         24.8 / 25.4 / 25.6 µs, rate 32.9 / 33.7 / 33.5 → 33.4 / 32.5 / 32.5 k, tc_ingress \
+         1032 / 1030 / 1052 → 1127 / 1085 / 1093 ns per run. The common lists stay: the tail \
+         is the price of the lower mean, and per-CPU lists split a table's capacity evenly over \
+         the possible CPUs (`/sys/devices/system/cpu/possible`), which on a VM that declares \
+         more CPUs than it runs would leave established flows a fraction of `--max-conntrack` \
+         and evict them early. The rule-based arms allocate conntrack entries from the slab, \
+         which has no such batch.\n",
     );
     if np.ours_stats.iter().any(|s| s.2 > 0) {
         o.push_str(
             "\nWhy: a masqueraded flow takes a source port per backend address and port from \
              the SNAT range (1024–29999 with the default `ip_local_port_range`), and keeps it \
              until its flow is reset, the client reopens its port, or its `LB_CONNTRACK` entry \
-             expires (`--conntrack-tcp-close-timeout`, 10 s, after a FIN); `snat_port` tries \
-             eight random ports before it drops the SYN, and the client retransmits only after \
-             its 1 s timeout. See docs/maps.md, SNAT ports.\n",
+             expires (`--conntrack-tcp-close-timeout`, 10 s, after a FIN or an RST); `reserve_snat` \
+             tries 16 random ports, then the port of a handshake idle for 3 s, before it drops \
+             the SYN, and the client retransmits only after its 1 s timeout. See docs/maps.md, SNAT ports.\n",
         );
     }
     loading_table(o, "\n### Loading (NodePort)\n\n", &np.setups);
