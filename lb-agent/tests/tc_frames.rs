@@ -833,6 +833,55 @@ mod stack {
     }
 }
 
+/// During the handshake only an ACK of the backend's SYN-ACK completes it:
+/// its ACK number is the backend's initial sequence number + 1, or up to
+/// 64 KiB past it (data a TCP Fast Open backend sent at once). A guess
+/// outside that is dropped, however near, and the flow stays unfinished.
+#[test]
+fn only_an_ack_of_the_backends_answer_completes_a_handshake() {
+    if skip() {
+        return;
+    }
+    let cases = [
+        ("192.168.77.100", NODE4, "10.244.1.10"),
+        ("fd00:77::100", NODE6, "fd00:244:1::10"),
+    ];
+    for (client, node, pod) in cases {
+        let mut fx = Fixture::new();
+        fx.backend(1, pod, 8080, proto::TCP, true);
+        fx.frontend(node, 30080, proto::TCP, 7, &[1]);
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40000, node, 30080, TCP_SYN),
+        );
+        let synack = Frame::tcp(pod, 8080, client, 40000, TCP_SYN | TCP_ACK).seq_ack(7000, 2);
+        assert_eq!(fx.run("tc_egress", &synack).0, OK);
+        let isn1 = 7001u32;
+        for ack in [
+            isn1 + (1 << 16),
+            isn1 + (1 << 20),
+            isn1 + (1 << 22) - 1,
+            isn1 - 1,
+            isn1.wrapping_sub(1 << 16),
+        ] {
+            let invalid = fx.stat(stat::TC_DROP_INVALID);
+            let guess = Frame::tcp(client, 40000, node, 30080, TCP_ACK).seq_ack(2, ack);
+            assert_eq!(fx.run("tc_ingress", &guess).0, SHOT, "{client}: ACK {ack}");
+            assert_eq!(fx.stat(stat::TC_DROP_INVALID), invalid + 1);
+            assert!(
+                fx.in_syn_table(client, 40000, node, 30080, proto::TCP),
+                "{client}: ACK {ack} completed the handshake"
+            );
+        }
+        // The last ACK number allowed: established.
+        let ack = Frame::tcp(client, 40000, node, 30080, TCP_ACK).seq_ack(2, isn1 + (1 << 16) - 1);
+        assert_eq!(fx.run("tc_ingress", &ack).0, OK, "{client}");
+        assert!(!fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
+        let fwd = fx.entry(client, 40000, node, 30080, proto::TCP).unwrap();
+        assert_eq!(fwd.state[ct_state::SEEN_REPLY], 1, "{client}: established");
+    }
+}
+
 /// Local backend, per family: DNAT only, the client address kept; the
 /// reply leaves through egress with the frontend as source; later packets
 /// follow conntrack even after the backend set changed; FIN closes both

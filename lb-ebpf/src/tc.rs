@@ -591,14 +591,24 @@ fn answered(e: &CtEntry, p: &Pkt) {
     }
 }
 
+/// How far past the backend's initial sequence number + 1 the ACK that
+/// completes a handshake may be: it may acknowledge data the backend sent
+/// before the client's ACK (a TCP Fast Open server answers the SYN's
+/// request at once), which its initial window bounds (10 segments, RFC
+/// 6928, ~14.6 KB); netfilter allows 66 000 (`MAXACKWINDOW_CONST`).
+const HANDSHAKE_ACK_AHEAD: u32 = 1 << 16;
+
 /// Whether the client's packet `p`, on forward entry `e` in `LB_CT_SYN`,
-/// acknowledges the backend's answer (its ACK number within [`RST_AHEAD`]
-/// past the backend's initial sequence number + 1: data of a TCP Fast Open
-/// answer may be acknowledged too). A blind spoofer, who never saw the
-/// SYN-ACK, hits it once in a thousand.
+/// acknowledges the backend's answer (its ACK number within
+/// [`HANDSHAKE_ACK_AHEAD`] past the backend's initial sequence number + 1).
+/// A blind spoofer, who never saw the SYN-ACK, hits it once in 65 536
+/// tries; a flow it completed would hold `LB_CONNTRACK` room for the
+/// established timeout.
 #[inline(always)]
 fn completes_handshake(e: &CtEntry, p: &Pkt) -> bool {
-    p.tcp_flags & TCP_ACK != 0 && e.ack_seq != 0 && p.ack.wrapping_sub(e.ack_seq) < RST_AHEAD
+    p.tcp_flags & TCP_ACK != 0
+        && e.ack_seq != 0
+        && p.ack.wrapping_sub(e.ack_seq) < HANDSHAKE_ACK_AHEAD
 }
 
 /// The client acknowledged the backend's answer (netfilter's SYN_RECV to
