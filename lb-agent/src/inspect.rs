@@ -559,10 +559,10 @@ fn ct_state_name(proto_number: u8, e: &CtEntry) -> &'static str {
         "fin"
     } else if e.state[ct_state::SEEN_REPLY] != 0 {
         "established"
-    } else if e.ack_seq != 0 {
+    } else if e.answered != 0 || e.ack_seq != 0 {
         // Either entry of a flow in LB_CT_SYN: the backend's SYN-ACK
-        // wrote both (the ACK it sent, the ACK that completes the
-        // handshake).
+        // wrote both (the ACK it sent; the ACK that completes the
+        // handshake, which may be 0, and `answered`).
         "syn-recv"
     } else {
         "syn"
@@ -901,5 +901,10 @@ mod tests {
             assert_eq!(ct_state_name(proto::TCP, &e), name);
         }
         assert_eq!(ct_state_name(proto::UDP, &e), "-");
+        // A backend whose initial sequence number is 2^32 - 1: the ACK
+        // that completes the handshake is 0.
+        let mut e: CtEntry = unsafe { std::mem::zeroed() };
+        e.answered = 1;
+        assert_eq!(ct_state_name(proto::TCP, &e), "syn-recv");
     }
 }

@@ -835,8 +835,9 @@ mod stack {
 
 /// During the handshake only an ACK of the backend's SYN-ACK completes it:
 /// its ACK number is the backend's initial sequence number + 1, or up to
-/// 64 KiB past it (data a TCP Fast Open backend sent at once). A guess
-/// outside that is dropped, however near, and the flow stays unfinished.
+/// 64 KiB past it (data a TCP Fast Open backend sent at once), 0 included.
+/// A guess outside that is dropped, however near, and the flow stays
+/// unfinished.
 #[test]
 fn only_an_ack_of_the_backends_answer_completes_a_handshake() {
     if skip() {
@@ -879,6 +880,28 @@ fn only_an_ack_of_the_backends_answer_completes_a_handshake() {
         assert!(!fx.in_syn_table(client, 40000, node, 30080, proto::TCP));
         let fwd = fx.entry(client, 40000, node, 30080, proto::TCP).unwrap();
         assert_eq!(fwd.state[ct_state::SEEN_REPLY], 1, "{client}: established");
+
+        // A backend whose initial sequence number is 2^32 - 1 (once in 2^32
+        // flows): the ACK that completes its handshake is 0; before its
+        // SYN-ACK, an ACK of 0 completes nothing.
+        fx.run(
+            "tc_ingress",
+            &Frame::tcp(client, 40001, node, 30080, TCP_SYN),
+        );
+        let early = Frame::tcp(client, 40001, node, 30080, TCP_ACK).seq_ack(2, 0);
+        assert_eq!(
+            fx.run("tc_ingress", &early).0,
+            SHOT,
+            "{client}: not answered yet"
+        );
+        let synack = Frame::tcp(pod, 8080, client, 40001, TCP_SYN | TCP_ACK).seq_ack(u32::MAX, 2);
+        assert_eq!(fx.run("tc_egress", &synack).0, OK);
+        let ack = Frame::tcp(client, 40001, node, 30080, TCP_ACK).seq_ack(2, 0);
+        assert_eq!(fx.run("tc_ingress", &ack).0, OK, "{client}: ACK 0");
+        assert!(
+            !fx.in_syn_table(client, 40001, node, 30080, proto::TCP),
+            "{client}: ACK 0 completed the handshake"
+        );
     }
 }
 

@@ -729,7 +729,8 @@ pub struct CtKey {
 /// | 48     | `last_seen_ns` | `bpf_ktime_get_ns` of the last packet       |
 /// | 56     | `ack_seq`      | TCP: the last ACK number this direction sent (host order); a forward entry in `LB_CT_SYN`: the one that completes the handshake, once the backend answered |
 /// | 60     | `backend_time_wait` | TCP: 1 once the backend sent the flow's first FIN |
-/// | 61     | `_pad2`        |                                             |
+/// | 61     | `answered`     | TCP, a forward entry in `LB_CT_SYN`: 1 once the backend answered (`ack_seq` then holds the ACK number that completes the handshake, which may be 0) |
+/// | 62     | `_pad2`        |                                             |
 /// | 64     | `hop`          | [`NextHop`]: the FIB's answer for this direction's translated packets |
 ///
 /// An entry lives `TcConfig::tcp_syn_timeout_s` until the client
@@ -754,7 +755,13 @@ pub struct CtEntry {
     /// both entries of the flow; was padding (0) before, so entries of an
     /// older agent read as "not known".
     pub backend_time_wait: u8,
-    pub _pad2: [u8; 3],
+    /// The backend answered this flow's SYN (a forward entry in
+    /// `LB_CT_SYN`). A byte of its own because the ACK number it expects,
+    /// the backend's initial sequence number + 1, is 0 once in 2^32 flows;
+    /// was padding (0) before, so an entry an older agent wrote says so by
+    /// a non-zero `ack_seq` alone.
+    pub answered: u8,
+    pub _pad2: [u8; 2],
     pub hop: NextHop,
 }
 

@@ -588,6 +588,7 @@ fn answered(e: &CtEntry, p: &Pkt) {
     if let Some(fwd) = LB_CT_SYN.get_ptr_mut(&CtKey::partner(e, p.proto)) {
         // SAFETY: valid for this run; one whole field written.
         unsafe { core::ptr::write_volatile(&mut (*fwd).ack_seq, p.seq.wrapping_add(1)) };
+        unsafe { core::ptr::write_volatile(&mut (*fwd).answered, 1) };
     }
 }
 
@@ -607,7 +608,7 @@ const HANDSHAKE_ACK_AHEAD: u32 = 1 << 16;
 #[inline(always)]
 fn completes_handshake(e: &CtEntry, p: &Pkt) -> bool {
     p.tcp_flags & TCP_ACK != 0
-        && e.ack_seq != 0
+        && (e.answered != 0 || e.ack_seq != 0)
         && p.ack.wrapping_sub(e.ack_seq) < HANDSHAKE_ACK_AHEAD
 }
 
@@ -1027,7 +1028,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     fwd.last_seen_ns = now;
     fwd.ack_seq = 0;
     fwd.backend_time_wait = 0;
-    fwd._pad2 = [0; 3];
+    fwd.answered = 0;
+    fwd._pad2 = [0; 2];
     // SAFETY: all zeros is "no next hop".
     fwd.hop = unsafe { core::mem::zeroed() };
     if local {
@@ -1061,7 +1063,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.last_seen_ns = now;
     reply.ack_seq = 0;
     reply.backend_time_wait = 0;
-    reply._pad2 = [0; 3];
+    reply.answered = 0;
+    reply._pad2 = [0; 2];
     // SAFETY: as above.
     reply.hop = unsafe { core::mem::zeroed() };
     if local && !reply_key_held(table, &scratch.reply_key, p, now, cfg) {

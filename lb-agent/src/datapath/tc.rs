@@ -1289,7 +1289,8 @@ mod tests {
             last_seen_ns,
             ack_seq: 0,
             backend_time_wait: 0,
-            _pad2: [0; 3],
+            answered: 0,
+            _pad2: [0; 2],
             hop: Default::default(),
         }
     }
