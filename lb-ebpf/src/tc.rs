@@ -586,7 +586,9 @@ fn mark_partner(table: Table, e: &CtEntry, l4proto: u8, state: usize) {
 #[inline(always)]
 fn answered(e: &CtEntry, p: &Pkt) {
     if let Some(fwd) = LB_CT_SYN.get_ptr_mut(&CtKey::partner(e, p.proto)) {
-        // SAFETY: valid for this run; one whole field written.
+        // SAFETY: valid for this run; two whole fields written, `ack_seq`
+        // first (a CPU that saw `answered` before it would drop one ACK,
+        // which the client sends again).
         unsafe { core::ptr::write_volatile(&mut (*fwd).ack_seq, p.seq.wrapping_add(1)) };
         unsafe { core::ptr::write_volatile(&mut (*fwd).answered, 1) };
     }
