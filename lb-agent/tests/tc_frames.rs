@@ -3054,12 +3054,12 @@ fn cost_by_packet_kind() {
         let snat = parse(&out).sport;
         timed(
             &mut fx,
-            "2 SYN-ACK (promoted)",
+            "2 SYN-ACK (answered)",
             &Frame::tcp("10.244.2.10", 8080, NODE4, snat, TCP_SYN | TCP_ACK),
         );
         timed(
             &mut fx,
-            "3 ACK (established)",
+            "3 ACK (completes the handshake: the move)",
             &Frame::tcp(client, cport, NODE4, 30080, TCP_ACK),
         );
         timed(
