@@ -241,17 +241,40 @@ impl NorthSouthArgs {
     }
 }
 
+/// `--algorithm`: the node's default scheduler (kube-proxy's
+/// `--ipvs-scheduler` for the ipvs ones).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum AlgorithmArg {
+    /// Uniformly at random, as kube-proxy's iptables and nftables modes.
     Random,
+    /// Maglev consistent hashing of the flow.
     Maglev,
+    /// Round-robin (ipvs rr).
+    Rr,
+    /// Least connection (ipvs lc).
+    Lc,
+    /// Destination hashing (ipvs dh): one backend per frontend.
+    Dh,
+    /// Source hashing (ipvs sh): one backend per client.
+    Sh,
+    /// Shortest expected delay (ipvs sed).
+    Sed,
+    /// Never queue (ipvs nq).
+    Nq,
 }
 
 impl From<AlgorithmArg> for crate::semantics::model::Algorithm {
     fn from(a: AlgorithmArg) -> Self {
+        use crate::semantics::model::Algorithm;
         match a {
-            AlgorithmArg::Random => crate::semantics::model::Algorithm::Random,
-            AlgorithmArg::Maglev => crate::semantics::model::Algorithm::Maglev,
+            AlgorithmArg::Random => Algorithm::Random,
+            AlgorithmArg::Maglev => Algorithm::Maglev,
+            AlgorithmArg::Rr => Algorithm::Rr,
+            AlgorithmArg::Lc => Algorithm::Lc,
+            AlgorithmArg::Dh => Algorithm::Dh,
+            AlgorithmArg::Sh => Algorithm::Sh,
+            AlgorithmArg::Sed => Algorithm::Sed,
+            AlgorithmArg::Nq => Algorithm::Nq,
         }
     }
 }

@@ -80,6 +80,9 @@ pub struct BackendView {
     /// "active" or "terminating" (used only while no backend is active).
     pub state: &'static str,
     pub local: bool,
+    /// Its open connections from this node (`LB_BACKEND_STATE`), shown
+    /// for the frontends whose scheduler counts them (lc, sed, nq).
+    pub open: Option<u32>,
 }
 
 #[derive(Debug, Serialize)]
@@ -91,7 +94,10 @@ pub struct FrontendView {
     pub scope: Option<Scope>,
     pub service_id: u32,
     pub backend_set: u32,
+    /// Its flags, and its scheduler unless random (`lb_common::algorithm::NAMES`).
     pub flags: Vec<&'static str>,
+    /// Its scheduler (`lb_common::algorithm::NAMES`).
+    pub algorithm: &'static str,
     pub affinity_timeout: Option<u32>,
     /// The sessionAffinity decision this frontend shares with the other
     /// frontends of its Service port and endpoint selection.
@@ -167,16 +173,23 @@ impl Subject for Services {
         let mut out = BTreeMap::new();
         for entry in maps.services.iter() {
             let (key, value) = entry.context("reading LB_SERVICES")?;
-            let flags = flag_names(
+            let mut flags = flag_names(
                 value.flags,
                 &[
                     (service_flags::WILDCARD, "vip"),
                     (service_flags::AFFINITY, "affinity"),
-                    (service_flags::MAGLEV, "maglev"),
                     (service_flags::REJECT, "reject"),
                     (service_flags::NODE_ADDRESS, "node_address"),
                 ],
             );
+            let algorithm = lb_common::algorithm::NAMES
+                .get(value.algorithm() as usize)
+                .copied()
+                .unwrap_or("unknown");
+            if algorithm != "random" && value.flags & service_flags::WILDCARD == 0 {
+                flags.push(algorithm);
+            }
+            let counts = lb_common::algorithm::counts(value.algorithm());
             let mut backends = Vec::new();
             let mut missing_slots = Vec::new();
             for slot in 0..(value.active as u32 + value.terminating as u32) {
@@ -203,6 +216,7 @@ impl Subject for Services {
                         "terminating"
                     },
                     local: b.flags & backend_flags::LOCAL != 0,
+                    open: counts.then(|| maps.open_connections(backend_id)).flatten(),
                 });
             }
             let maglev = (value.flags & service_flags::MAGLEV != 0 && value.maglev_size > 0)
@@ -215,6 +229,7 @@ impl Subject for Services {
                 service_id: value.id,
                 backend_set: value.backend_set,
                 flags,
+                algorithm,
                 affinity_timeout: (value.flags & service_flags::AFFINITY != 0)
                     .then_some(value.affinity_timeout),
                 affinity_id: (value.flags & service_flags::AFFINITY != 0)
@@ -240,6 +255,7 @@ impl Subject for Services {
                 } else {
                     Vec::new()
                 },
+                algorithm: "random",
                 affinity_timeout: None,
                 affinity_id: None,
                 backends: Vec::new(),
@@ -321,7 +337,8 @@ impl Subject for Services {
             for b in &v.backends {
                 let addr = SocketAddr::new(b.addr, b.port);
                 let local = if b.local { " local" } else { "" };
-                let _ = writeln!(s, "{:>66}{addr} ({}{local})", "-> ", b.state);
+                let open = b.open.map(|n| format!(", {n} open")).unwrap_or_default();
+                let _ = writeln!(s, "{:>66}{addr} ({}{local}{open})", "-> ", b.state);
             }
             for slot in &v.missing_slots {
                 let _ = writeln!(s, "{:>66}slot {slot} MISSING", "-> ");

@@ -59,6 +59,35 @@ fn raise_open_file_limit() {
     }
 }
 
+/// Warns once of each Service that dh (destination hashing) serves: it
+/// sends every connection to a frontend to one backend, which is what
+/// the ipvs mode did but rarely what a Service wants; says when one no
+/// longer is.
+fn warn_of_dh(
+    warned: &mut BTreeSet<crate::semantics::model::ServiceName>,
+    desired: &crate::semantics::model::DesiredState,
+) {
+    let now: BTreeSet<_> = desired
+        .frontends
+        .values()
+        .filter(|f| f.algorithm == Algorithm::Dh)
+        .map(|f| f.service.clone())
+        .collect();
+    if now == *warned {
+        return;
+    }
+    for s in now.difference(warned) {
+        tracing::warn!(
+            service = %s,
+            "Service {s} is served with dh (destination hashing): every connection to one of its frontends goes to one backend"
+        );
+    }
+    for s in warned.difference(&now) {
+        tracing::info!(service = %s, "Service {s} is no longer served with dh");
+    }
+    *warned = now;
+}
+
 /// Where a rejection was found: the input (manifest files), translation,
 /// or the north-south inputs (source ranges).
 const ORIGINS: usize = 3;
@@ -197,6 +226,8 @@ struct Syncer {
     /// they look at every Service.
     north_south_cache: Option<NorthSouthInputs>,
     problems: ProblemLog,
+    /// The Services served with dh now, each warned about once.
+    dh_services: BTreeSet<crate::semantics::model::ServiceName>,
     metrics: Metrics,
     north_south: NorthSouthArgs,
     /// The tc maps; `None` when they could not be opened (logged).
@@ -354,6 +385,7 @@ impl Syncer {
         // first as well, which only opens the frontend a moment sooner.
         self.sync_source_ranges(&net, &ranges);
         let desired = self.translator.state();
+        warn_of_dh(&mut self.dh_services, desired);
         // Before a frontend can send a flow to a local backend, tc_egress
         // must know the backend's port to translate its replies, and
         // tc_ingress the frontend's port to look its packets up at all.
@@ -1056,6 +1088,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         translator: Translator::default(),
         north_south_cache: None,
         problems: ProblemLog::default(),
+        dh_services: BTreeSet::new(),
         metrics,
         north_south: args.north_south.clone(),
         tc: match crate::datapath::tc::TcMaps::open(&args.bpffs) {

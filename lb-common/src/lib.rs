@@ -65,6 +65,61 @@ pub mod service_flags {
     /// connect), so it marks the socket for `cgroup_egress` (see
     /// `SockSourceCheck`); the tc path looks the trie up for every new flow.
     pub const SOURCE_RANGES: u16 = 1 << 5;
+    /// Bits 8..12: the frontend's scheduler, one of `algorithm::*`
+    /// (`ServiceValue::algorithm`). 0 is random, what every value an
+    /// earlier agent wrote says (its Maglev frontends carry `MAGLEV`).
+    pub const ALGORITHM: u16 = 0xf << 8;
+}
+
+/// How a frontend chooses a backend for a new flow: the value of
+/// `service_flags::ALGORITHM` (`ServiceValue::algorithm`). `rr`, `lc`,
+/// `dh`, `sh`, `sed` and `nq` are the ipvs mode's schedulers (the
+/// kernel's `net/netfilter/ipvs/ip_vs_*.c`), every weight 1.
+pub mod algorithm {
+    /// Uniformly at random (kube-proxy's iptables and nftables modes).
+    pub const RANDOM: u8 = 0;
+    /// Through the frontend's Maglev table, by the flow's hash.
+    pub const MAGLEV: u8 = 1;
+    /// Round-robin: one cursor per frontend (`FrontendState::rr_cursor`),
+    /// stepped atomically by every CPU.
+    pub const RR: u8 = 2;
+    /// Least connection: the backend with the fewest open connections
+    /// from this node (`BackendState::open`), ties at random.
+    pub const LC: u8 = 3;
+    /// Destination hashing: the frontend's address and port through its
+    /// Maglev table, so one frontend's connections go to one backend.
+    pub const DH: u8 = 4;
+    /// Source hashing: the client through the frontend's Maglev table
+    /// (the pod's network namespace on the socket path, the source
+    /// address on the tc path).
+    pub const SH: u8 = 5;
+    /// Shortest expected delay: fewest `open + 1` (IPVS's
+    /// `ip_vs_sed_dest_overhead`); with every weight 1 it chooses as
+    /// `LC` does.
+    pub const SED: u8 = 6;
+    /// Never queue: an idle backend if any, else as `SED`; with every
+    /// weight 1 it chooses as `LC` does.
+    pub const NQ: u8 = 7;
+    /// Names by value, as `--algorithm` and the annotation spell them.
+    pub const NAMES: [&str; 8] = ["random", "maglev", "rr", "lc", "dh", "sh", "sed", "nq"];
+
+    /// The flags bits of `algorithm`.
+    #[inline(always)]
+    pub const fn flags(algorithm: u8) -> u16 {
+        ((algorithm as u16) << 8) & super::service_flags::ALGORITHM
+    }
+
+    /// Whether `algorithm` selects through a Maglev table.
+    #[inline(always)]
+    pub const fn uses_table(algorithm: u8) -> bool {
+        matches!(algorithm, MAGLEV | DH | SH)
+    }
+
+    /// Whether `algorithm` chooses by the backends' open connections.
+    #[inline(always)]
+    pub const fn counts(algorithm: u8) -> bool {
+        matches!(algorithm, LC | SED | NQ)
+    }
 }
 
 /// `Backend::flags`.
@@ -187,6 +242,18 @@ impl ServiceValue {
         h = mix(h, self.affinity_timeout);
         h = mix(h, self.affinity_id);
         mix(h, self.slot_base)
+    }
+
+    /// The frontend's scheduler (`algorithm::*`). A value an earlier agent
+    /// wrote has no algorithm bits: Maglev if flagged so, else random.
+    #[inline(always)]
+    pub fn algorithm(&self) -> u8 {
+        let a = ((self.flags & service_flags::ALGORITHM) >> 8) as u8;
+        if a == algorithm::RANDOM && self.flags & service_flags::MAGLEV != 0 {
+            algorithm::MAGLEV
+        } else {
+            a
+        }
     }
 }
 
@@ -520,6 +587,80 @@ impl SockPeerEntry {
         (self.cookie == cookie && self.check == Self::digest(cookie, &self.peer))
             .then_some(self.peer)
     }
+}
+
+/// This node's state of one backend, shared by every frontend that has
+/// it and by both paths: element `BackendId` of the array
+/// `LB_BACKEND_STATE`, which the kernel writes with atomic adds (no lock,
+/// no helper call) and the agent resets when it gives a freed id to
+/// another backend.
+///
+/// | offset | field       | meaning                                            |
+/// |--------|-------------|----------------------------------------------------|
+/// | 0      | `open`      | connections open to it from this node (`open()`)   |
+/// | 4      | `_reserved` | zero                                               |
+///
+/// `open` counts, whichever frontend opened them (ClusterIP, NodePort,
+/// LoadBalancer IP, externalIP): every TCP socket of the socket path
+/// sent to it through a frontend whose scheduler counts
+/// (`algorithm::counts`), from the connect that chose it to the socket's
+/// release. A decrement that meets an instant of the agent's reset can
+/// leave it at -1; `open()` reads such a value as 0.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendState {
+    pub open: i32,
+    pub _reserved: [u32; 3],
+}
+
+impl BackendState {
+    /// Open connections, never below zero.
+    #[inline(always)]
+    pub fn open(&self) -> u32 {
+        if self.open < 0 {
+            0
+        } else {
+            self.open as u32
+        }
+    }
+}
+
+/// This node's state of one frontend: element `ServiceId` of the array
+/// `LB_FRONTEND_STATE`.
+///
+/// | offset | field       | meaning                                            |
+/// |--------|-------------|----------------------------------------------------|
+/// | 0      | `rr_cursor` | round-robin: the next turn, stepped by every CPU   |
+/// | 4      | `_reserved` | zero                                               |
+///
+/// The agent starts every cursor at a random value when it creates the
+/// map, so two nodes start their turns at different backends (the ipvs
+/// mode started every node at the first, kubernetes#121591); an id given
+/// to another frontend keeps the cursor it had, which is as good a start.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FrontendState {
+    pub rr_cursor: u32,
+    pub _reserved: u32,
+}
+
+/// One CPU's element of `LB_SOCK_DRAW`: the socket path's random draw and
+/// this node's secret.
+///
+/// | offset | field    | meaning                                               |
+/// |--------|----------|-------------------------------------------------------|
+/// | 0      | `state`  | this CPU's SplitMix64 state (`select::draw`)          |
+/// | 8      | `secret` | this node's secret, the same on every CPU (`select::salted`) |
+///
+/// The agent fills both from the OS's random source when it creates the
+/// map, which is pinned, so a restart keeps them: two nodes draw apart,
+/// and the socket path's hashes of cookies (counters that run alike on
+/// every node) do not correlate across nodes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockDraw {
+    pub state: u64,
+    pub secret: u64,
 }
 
 /// A socket connected or sending to a frontend with
@@ -1237,10 +1378,14 @@ pub mod map_names {
     pub const LOCAL_PORTS: &str = "LB_LOCAL_PORTS";
     pub const FRONTEND_PORTS: &str = "LB_FRONTEND_PORTS";
     pub const ROUTE_EPOCH: &str = "LB_ROUTE_EPOCH";
+    pub const BACKEND_STATE: &str = "LB_BACKEND_STATE";
+    pub const FRONTEND_STATE: &str = "LB_FRONTEND_STATE";
+    pub const SOCK_DRAW: &str = "LB_SOCK_DRAW";
+    pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND";
     /// The name each Maglev table (an inner map of `LB_MAGLEV`) is created
     /// under; not pinned, reached through `LB_MAGLEV`.
     pub const MAGLEV_TABLE: &str = "LB_MAGLEV_TABLE";
-    pub const ALL: [&str; 19] = [
+    pub const ALL: [&str; 23] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -1260,6 +1405,10 @@ pub mod map_names {
         LOCAL_PORTS,
         FRONTEND_PORTS,
         ROUTE_EPOCH,
+        BACKEND_STATE,
+        FRONTEND_STATE,
+        SOCK_DRAW,
+        SOCK_BACKEND,
     ];
 }
 
@@ -1342,6 +1491,9 @@ const _: () = {
     assert!(core::mem::size_of::<Unprogrammed>() == 152);
     assert!(core::mem::size_of::<MaglevEntry>() == 256);
     assert!(MAGLEV_POSITIONS.is_power_of_two());
+    assert!(core::mem::size_of::<BackendState>() == 16);
+    assert!(core::mem::size_of::<FrontendState>() == 8);
+    assert!(core::mem::size_of::<SockDraw>() == 16);
 };
 
 #[cfg(feature = "user")]
@@ -1374,6 +1526,9 @@ mod pod {
     unsafe impl aya::Pod for FragEntry {}
     unsafe impl aya::Pod for Unprogrammed {}
     unsafe impl aya::Pod for MaglevEntry {}
+    unsafe impl aya::Pod for BackendState {}
+    unsafe impl aya::Pod for FrontendState {}
+    unsafe impl aya::Pod for SockDraw {}
 }
 
 /// Backend selection shared by every hook, kept free of helpers so that host
@@ -1410,10 +1565,12 @@ pub mod select {
     }
 
     /// A 32-bit mix of the socket-path flow identity (murmur3's finalizer on
-    /// a combination of the words); cheap and well spread for Maglev.
+    /// a combination of the words, this node's secret among them); cheap
+    /// and well spread for Maglev.
     #[inline(always)]
-    pub fn flow_hash(socket_cookie: u64, netns_cookie: u64, service_id: u32) -> u32 {
-        let mut h = socket_cookie ^ netns_cookie.rotate_left(32) ^ (service_id as u64) << 17;
+    pub fn flow_hash(socket_cookie: u64, netns_cookie: u64, service_id: u32, secret: u64) -> u32 {
+        let mut h =
+            socket_cookie ^ netns_cookie.rotate_left(32) ^ (service_id as u64) << 17 ^ secret;
         h ^= h >> 33;
         h = h.wrapping_mul(0xff51_afd7_ed55_8ccd);
         h ^= h >> 33;
@@ -1466,6 +1623,118 @@ pub mod select {
         h = h.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
         h ^= h >> 33;
         h as u32
+    }
+
+    /// The slots a new flow chooses among, as `(first, count)`: the active
+    /// ones, or the terminating ones while none is active (KEP-1669).
+    /// `None` when there is neither.
+    #[inline(always)]
+    pub fn candidates(svc: &ServiceValue) -> Option<(u32, u32)> {
+        let (base, count) = if svc.active > 0 {
+            (0u32, svc.active as u32)
+        } else {
+            (svc.active as u32, svc.terminating as u32)
+        };
+        (count > 0).then_some((base, count))
+    }
+
+    /// Round-robin: the slot of turn `turn` (a frontend's cursor, stepped
+    /// once per new flow).
+    #[inline(always)]
+    pub fn rr_slot(svc: &ServiceValue, turn: u32) -> Option<u32> {
+        let (base, count) = candidates(svc)?;
+        Some(base + turn % count)
+    }
+
+    /// How many backends lc, sed and nq compare at most per new flow: a
+    /// frontend with more is sampled, `LEAST_SCAN` backends in a row from
+    /// a random one. 64 keeps a connect's scan within the verifier's and
+    /// the latency budget and covers most Services whole.
+    pub const LEAST_SCAN: u32 = 64;
+
+    /// lc (and sed and nq, which choose alike with every weight 1): the
+    /// slot whose backend has the fewest open connections (`open(slot)`,
+    /// `None` for a slot that does not resolve, which is skipped), of at
+    /// most `LEAST_SCAN` candidates from the one `random` names. The scan
+    /// starts there, so that ties go to a random backend, not to the first
+    /// (IPVS takes the first, and every node then sends its next
+    /// connection to one backend, kubernetes#79213). A backend with no
+    /// open connection ends the scan: nothing beats it (nq's idle server).
+    #[inline(always)]
+    pub fn least_loaded(
+        svc: &ServiceValue,
+        random: u32,
+        mut open: impl FnMut(u32) -> Option<u32>,
+    ) -> Option<u32> {
+        let (base, count) = candidates(svc)?;
+        let start = random % count;
+        // Plain integers, not an `Option` of a pair: LLVM leaves a `None`'s
+        // payload undefined and may read it from a register never
+        // written, which the verifier rejects.
+        let (mut best, mut fewest) = (u32::MAX, u32::MAX);
+        let mut i = 0;
+        while i < LEAST_SCAN && i < count {
+            let mut at = start + i;
+            if at >= count {
+                at -= count;
+            }
+            let slot = base + at;
+            if let Some(n) = open(slot) {
+                if n == 0 {
+                    return Some(slot);
+                }
+                if n < fewest {
+                    (best, fewest) = (slot, n);
+                }
+            }
+            i += 1;
+        }
+        (best != u32::MAX).then_some(best)
+    }
+
+    /// A socket-path hash made node-specific: `h` mixed with this node's
+    /// secret (`SockDraw::secret`), so that cookies, which count alike
+    /// on every node, hash apart on each.
+    #[inline(always)]
+    pub fn salted(h: u64, secret: u64) -> u64 {
+        let mut z = h ^ secret;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// sh on the socket path: the client (the socket's network namespace)
+    /// hashed with this node's secret, the same for every socket of a pod.
+    #[inline(always)]
+    pub fn netns_hash(netns_cookie: u64, secret: u64) -> u32 {
+        (salted(netns_cookie, secret) >> 32) as u32
+    }
+
+    /// sh on the tc path: the client's address, unsalted, so that a client
+    /// reaches the same backend through any node (the tables are built
+    /// alike on every node).
+    #[inline(always)]
+    pub fn address_hash(addr: &[u8; 16]) -> u32 {
+        let w = |i: usize| {
+            u64::from_le_bytes([
+                addr[i],
+                addr[i + 1],
+                addr[i + 2],
+                addr[i + 3],
+                addr[i + 4],
+                addr[i + 5],
+                addr[i + 6],
+                addr[i + 7],
+            ])
+        };
+        (salted(w(0) ^ w(8).rotate_left(23), 0x5348_5f63_6c69_656e) >> 32) as u32
+    }
+
+    /// dh: the frontend's address and port, unsalted, so that every node
+    /// sends one frontend's connections to the same backend.
+    #[inline(always)]
+    pub fn destination_hash(addr: &[u8; 16], port: u16) -> u32 {
+        address_hash(addr) ^ (salted(port as u64, 0x4448_5f70_6f72_7400) >> 32) as u32
     }
 
     /// The slot a new flow goes to, given a random number: uniformly among
@@ -1596,10 +1865,91 @@ pub mod select {
         fn flow_hash_spreads_sockets() {
             let mut buckets = [0u32; 8];
             for cookie in 0..8000u64 {
-                buckets[(flow_hash(cookie, 4096, 3) % 8) as usize] += 1;
+                buckets[(flow_hash(cookie, 4096, 3, 0x1234) % 8) as usize] += 1;
             }
             for b in buckets {
                 assert!((800..1200).contains(&b), "{buckets:?}");
+            }
+        }
+
+        #[test]
+        fn rr_takes_the_candidates_in_turn() {
+            let s = svc(3, 2);
+            let order: [u32; 7] = core::array::from_fn(|t| rr_slot(&s, 10 + t as u32).unwrap());
+            assert_eq!(order, [1, 2, 0, 1, 2, 0, 1]);
+            // The cursor wraps at 2^32 onto some slot, never past the set.
+            assert!(rr_slot(&s, u32::MAX).unwrap() < 3);
+            // Only terminating backends: their turns.
+            let t = svc(0, 2);
+            assert_eq!([rr_slot(&t, 0), rr_slot(&t, 1)], [Some(0), Some(1)]);
+            assert_eq!(rr_slot(&svc(0, 0), 5), None);
+        }
+
+        #[test]
+        fn least_loaded_takes_the_fewest_and_breaks_ties_at_random() {
+            let s = svc(4, 0);
+            let open = [3u32, 1, 2, 1];
+            let mut seen = [0u32; 4];
+            for r in 0..400 {
+                let slot = least_loaded(&s, r, |i| Some(open[i as usize])).unwrap();
+                seen[slot as usize] += 1;
+            }
+            // Slots 1 and 3 tie; each is taken, the others never.
+            assert_eq!(seen[0] + seen[2], 0, "{seen:?}");
+            assert!(seen[1] >= 100 && seen[3] >= 100, "{seen:?}");
+            // An idle backend ends the scan; a slot that does not resolve
+            // is skipped.
+            let open = [Some(5), None, Some(0), Some(7)];
+            for r in 0..8 {
+                assert_eq!(least_loaded(&s, r, |i| open[i as usize]), Some(2));
+            }
+            assert_eq!(least_loaded(&s, 0, |_| None), None);
+            assert_eq!(least_loaded(&svc(0, 0), 0, |_| Some(0)), None);
+            // Only terminating backends: chosen among them.
+            assert_eq!(
+                least_loaded(&svc(0, 2), 1, |i| Some([4, 3][i as usize])),
+                Some(1)
+            );
+        }
+
+        #[test]
+        fn least_loaded_samples_large_sets() {
+            let s = svc(1000, 0);
+            let mut looked = 0;
+            let chosen = least_loaded(&s, 990, |i| {
+                looked += 1;
+                Some(if i == 5 { 1 } else { 2 })
+            })
+            .unwrap();
+            assert_eq!(looked, LEAST_SCAN);
+            // 990..999 and 0..53 were compared: slot 5 among them.
+            assert_eq!(chosen, 5);
+        }
+
+        #[test]
+        fn salted_hashes_differ_per_node() {
+            // Two nodes' secrets: their netns hashes of the same cookies
+            // agree no more often than chance would.
+            let same = (1..4001u64)
+                .filter(|c| netns_hash(*c, 0x1111) % 4 == netns_hash(*c, 0x2222) % 4)
+                .count();
+            assert!((800..1200).contains(&same), "{same}");
+            assert_ne!(flow_hash(7, 8, 9, 1), flow_hash(7, 8, 9, 2));
+            // The tc path's client hash is the same everywhere.
+            let a = crate::ipv4_mapped([192, 0, 2, 7]);
+            assert_eq!(address_hash(&a), address_hash(&a));
+            assert_ne!(destination_hash(&a, 80), destination_hash(&a, 81));
+        }
+
+        #[test]
+        fn a_value_of_an_earlier_agent_keeps_its_algorithm() {
+            let mut s = svc(2, 0);
+            assert_eq!(s.algorithm(), crate::algorithm::RANDOM);
+            s.flags = service_flags::MAGLEV;
+            assert_eq!(s.algorithm(), crate::algorithm::MAGLEV);
+            for a in 0..crate::algorithm::NAMES.len() as u8 {
+                s.flags = service_flags::AFFINITY | crate::algorithm::flags(a);
+                assert_eq!(s.algorithm(), a, "{}", crate::algorithm::NAMES[a as usize]);
             }
         }
 

@@ -2,14 +2,70 @@
 //! `lb.h` is: the socket programs and the tc programs differ only in how
 //! they hash a flow and who the client is.
 use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
+use core::intrinsics::{atomic_xadd, AtomicOrdering::Relaxed};
+
 use lb_common::{
-    select, stat, AffinityEntry, AffinityKey, Backend, BackendId, DatagramFlow, DatagramFlowKey,
-    KeyCheck, ServiceKey, ServiceValue,
+    algorithm, select, stat, AffinityEntry, AffinityKey, Backend, BackendId, DatagramFlow,
+    DatagramFlowKey, KeyCheck, ServiceKey, ServiceValue,
 };
 
 use crate::maps::{
-    count, LB_AFFINITY, LB_BACKENDS, LB_DGRAM_FLOWS, LB_MAGLEV, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
+    count, LB_AFFINITY, LB_BACKENDS, LB_BACKEND_STATE, LB_DGRAM_FLOWS, LB_FRONTEND_STATE,
+    LB_MAGLEV, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
 };
+
+/// The round-robin turn of frontend `id` (`None` for an id past
+/// `LB_FRONTEND_STATE`): a read of its cursor, then an atomic add whose
+/// result is unused. The cursor never loses a step, but two CPUs reading
+/// it in the same instant take one turn (and the next is skipped): the
+/// atomic add that returns the old value (`BPF_FETCH`) is Linux 5.12's,
+/// which 5.10's verifier rejects, and LLVM emits it only for the `alu32`
+/// CPU feature, which the object, built for every kernel, does not have.
+#[inline(always)]
+fn rr_turn(id: u32) -> Option<u32> {
+    let state = LB_FRONTEND_STATE.get_ptr_mut(id)?;
+    // SAFETY: a valid element for this run; every writer of the cursor
+    // is atomic (the agent writes it only when it creates the map).
+    unsafe {
+        let cursor = &raw mut (*state).rr_cursor;
+        let turn = core::ptr::read_volatile(cursor);
+        atomic_xadd::<u32, u32, { Relaxed }>(cursor, 1);
+        Some(turn)
+    }
+}
+
+/// Backend `id`'s open connections from this node (0 if unknown).
+#[inline(always)]
+fn open_of(id: u32) -> u32 {
+    match LB_BACKEND_STATE.get_ptr(id) {
+        // SAFETY: a valid element; one word read.
+        Some(state) => unsafe { core::ptr::read_volatile(state) }.open(),
+        None => 0,
+    }
+}
+
+/// Adds `delta` to backend `id`'s open connections.
+#[inline(always)]
+fn add_open(id: u32, delta: i32) {
+    if let Some(state) = LB_BACKEND_STATE.get_ptr_mut(id) {
+        // SAFETY: a valid element, which the kernel writes only with
+        // atomic adds (the agent only resets a free id's).
+        unsafe { atomic_xadd::<i32, i32, { Relaxed }>(&raw mut (*state).open, delta) };
+    }
+}
+
+/// One more open connection to backend `id`, the connection's until it
+/// closes (`close_counted`).
+#[inline(always)]
+pub fn open_counted(id: u32) {
+    add_open(id, 1);
+}
+
+/// A counted connection to backend `id` closed.
+#[inline(always)]
+pub fn close_counted(id: u32) {
+    add_open(id, -1);
+}
 
 /// What a destination is to the load balancer (`lookup_frontend`).
 pub enum Frontend {
@@ -129,38 +185,102 @@ fn table_backend(svc: &ServiceValue, position: u32) -> Option<u32> {
     Some(entry.backend_ids[index])
 }
 
-/// A backend for a new flow: through the Maglev table (with the flow hash
-/// the hook computes, only when it is needed) or uniformly at random (with
-/// the hook's random number, only when it is needed).
+/// What a hook hashes for a scheduler that hashes: the flow (Maglev),
+/// the client (sh) or the destination (dh).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum HashOf {
+    Flow,
+    Client,
+    Destination,
+}
+
+/// A hook's hashes of a new flow, computed only when a scheduler asks.
+/// A trait with an always-inlined method, not a closure: LLVM outlined
+/// the closure into a subprogram of its own, whose frame took the
+/// connect hooks' chain of calls past the 512 bytes of stack.
+pub trait FlowHashes: Copy {
+    fn hash(&self, of: HashOf) -> u32;
+}
+
+/// A backend for a new flow, by the frontend's scheduler
+/// (`ServiceValue::algorithm`; `OUTLINE_IPVS`: whether rr, lc, sed and nq
+/// choose in a function of their own, see `ipvs_slot_outlined`): through its Maglev table with the hash
+/// the hook computes of what the scheduler hashes (only when needed), in
+/// turn, by fewest open connections, or uniformly at random (with the
+/// hook's random number, only when needed).
 #[inline(always)]
-pub fn choose(
+pub fn choose<const OUTLINE_IPVS: bool>(
     svc: &ServiceValue,
-    flow_hash: impl FnOnce() -> u32,
+    hashes: impl FlowHashes,
     random: impl FnOnce() -> u32,
 ) -> Option<(u32, Backend)> {
-    let id = choose_id(svc, flow_hash, random)?;
+    let id = choose_id::<OUTLINE_IPVS>(svc, hashes, random)?;
     Some((id, backend_by_id(id)?))
 }
 
 /// `choose`, the backend's id only (a caller that copies the backend
 /// elsewhere itself).
 #[inline(always)]
-pub fn choose_id(
+pub fn choose_id<const OUTLINE_IPVS: bool>(
     svc: &ServiceValue,
-    flow_hash: impl FnOnce() -> u32,
+    hashes: impl FlowHashes,
     random: impl FnOnce() -> u32,
 ) -> Option<u32> {
-    let from_table = if select::uses_maglev(svc) {
-        table_backend(svc, select::maglev_position(svc, flow_hash()))
-    } else {
-        None
+    let slot = match svc.algorithm() {
+        // Not a table (a frontend programmed by hand, or no active
+        // backend: the terminating fallback is random): at random below.
+        a if algorithm::uses_table(a) && select::uses_maglev(svc) => {
+            let of = match a {
+                algorithm::SH => HashOf::Client,
+                algorithm::DH => HashOf::Destination,
+                _ => HashOf::Flow,
+            };
+            if let Some(id) = table_backend(svc, select::maglev_position(svc, hashes.hash(of))) {
+                return Some(id);
+            }
+            select::slot(svc, random())?
+        }
+        algorithm::RR | algorithm::LC | algorithm::SED | algorithm::NQ => {
+            let slot = if OUTLINE_IPVS {
+                ipvs_slot_outlined(svc, random())
+            } else {
+                ipvs_slot(svc, random())
+            };
+            match slot {
+                NO_SLOT => return None,
+                slot => slot,
+            }
+        }
+        _ => select::slot(svc, random())?,
     };
-    match from_table {
-        Some(id) => Some(id),
-        // Not Maglev, or no table (a frontend programmed by hand): the
-        // active backends are all there to choose from.
-        None => slot_backend(svc, select::slot(svc, random())?),
-    }
+    slot_backend(svc, slot)
+}
+
+/// `ipvs_slot`'s answer when the frontend has no backend to offer.
+const NO_SLOT: u32 = u32::MAX;
+
+/// The slot rr, lc, sed or nq choose (`NO_SLOT` if none). A function of
+/// its own (not inlined) for the socket hooks: its loop and lookups spill
+/// on its own small frame, beside the hooks' deepest chain of calls, which
+/// they would push past 512 bytes of stack inlined into each caller.
+#[inline(never)]
+fn ipvs_slot_outlined(svc: &ServiceValue, random: u32) -> u32 {
+    ipvs_slot(svc, random)
+}
+
+/// `ipvs_slot_outlined`'s body, inlined where that takes less stack (the
+/// tc path's new flow, whose frame holds the values it reads already).
+#[inline(always)]
+fn ipvs_slot(svc: &ServiceValue, random: u32) -> u32 {
+    let slot = if svc.algorithm() == algorithm::RR {
+        match rr_turn(svc.id) {
+            Some(turn) => select::rr_slot(svc, turn),
+            None => select::slot(svc, random),
+        }
+    } else {
+        select::least_loaded(svc, random, |slot| slot_backend(svc, slot).map(open_of))
+    };
+    slot.unwrap_or(NO_SLOT)
 }
 
 /// sessionAffinity ClientIP: the client under `key` keeps its backend while

@@ -15,6 +15,8 @@
 //! The tc programs (`tc_ingress`, `tc_egress`) serve north-south traffic on
 //! the node's external devices: NodePorts, LoadBalancer IPs, externalIPs.
 #![no_std]
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
 #![no_main]
 
 mod egress;

@@ -6,10 +6,10 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, CtEntry, CtKey, DatagramFlow,
-    DatagramFlowKey, FragEntry, FragKey, MaglevEntry, PortBits, ReverseSockKey, ReverseSockValue,
-    ServiceKey, ServiceValue, SockPeerEntry, SockSourceCheck, SourceRangeData, TcConfig,
-    Unprogrammed,
+    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, BackendState, CtEntry, CtKey,
+    DatagramFlow, DatagramFlowKey, FragEntry, FragKey, FrontendState, MaglevEntry, PortBits,
+    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockDraw, SockPeerEntry,
+    SockSourceCheck, SourceRangeData, TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -63,11 +63,37 @@ pub static LB_REV_SOCK: LruHashMap<
 > = LruHashMap::new();
 
 /// Each CPU's state for `select::draw`, the sockets' random backend
-/// choice (not pinned: a restart only starts the sequence afresh). Two
-/// connects preempting each other on one CPU may take one step twice;
-/// their cookies still tell their draws apart.
+/// choice, and this node's secret (`SockDraw`): seeded by the agent from
+/// the OS's random source when it creates the map, pinned, so a restart
+/// keeps both. Two connects preempting each other on one CPU may take one
+/// step twice; their cookies still tell their draws apart.
 #[btf_map]
-pub static LB_SOCK_DRAW: PerCpuArray<u64, 1> = PerCpuArray::new();
+pub static LB_SOCK_DRAW: PerCpuArray<SockDraw, 1> = PerCpuArray::new();
+
+/// This node's state of each backend (`BackendState`: its open
+/// connections), by `BackendId`, for both paths. Mappable: the agent
+/// reads it as memory for `inspect`.
+#[btf_map]
+pub static LB_BACKEND_STATE: Array<
+    BackendState,
+    { capacity::BACKENDS as usize },
+    { BPF_F_MMAPABLE as usize },
+> = Array::new();
+
+/// This node's state of each frontend (`FrontendState`: the round-robin
+/// cursor), by `ServiceId`.
+#[btf_map]
+pub static LB_FRONTEND_STATE: Array<
+    FrontendState,
+    { capacity::SERVICES as usize },
+    { BPF_F_MMAPABLE as usize },
+> = Array::new();
+
+/// Beside `LB_SOCK_PEER`, element for element: the backend id a socket's
+/// open connection is counted for in `LB_BACKEND_STATE` (0: none), so
+/// that `sock_release` takes it back.
+#[btf_map]
+pub static LB_SOCK_BACKEND: Array<u32, { capacity::SOCK_PEERS as usize }> = Array::new();
 
 /// The reverse view of connected TCP sockets: an array of
 /// `SockPeerEntry` by socket cookie (see `sock::PeerSlots`), written at

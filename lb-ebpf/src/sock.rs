@@ -16,15 +16,16 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check, stat,
-    AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue, ServiceKey,
+    algorithm, ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check,
+    stat, AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue, ServiceKey,
     ServiceValue, SockPeer, SockPeerEntry, SOCK_PEER_PROBES,
 };
 
 use crate::{
-    lb::{self, Frontend},
+    lb::{self, Frontend, HashOf},
     maps::{
-        count, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SOCK_CHECK, LB_SOCK_DRAW, LB_SOCK_PEER,
+        count, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SOCK_BACKEND, LB_SOCK_CHECK,
+        LB_SOCK_DRAW, LB_SOCK_PEER,
     },
 };
 
@@ -152,28 +153,52 @@ impl Refusal for Eperm {
     }
 }
 
-/// A backend for a new flow. The socket path's flow is the socket (see
-/// `lb_common::select::flow_hash`); its client is the pod's netns.
-#[inline(always)]
-fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
-    let hash = || {
+/// The socket path's hashes of a new flow (`lb::FlowHashes`): the flow
+/// is the socket (see `lb_common::select::flow_hash`), its client the
+/// pod's netns, its destination the frontend; each salted with this
+/// node's secret but the destination's, which every node hashes alike.
+#[derive(Clone, Copy)]
+struct SockHashes<'a> {
+    ctx: &'a SockAddrContext,
+    service_id: u32,
+    dst: &'a SockAddr,
+}
+
+impl lb::FlowHashes for SockHashes<'_> {
+    #[inline(always)]
+    fn hash(&self, of: HashOf) -> u32 {
+        let secret = this_cpu(&LB_SOCK_DRAW).map_or(0, |d| d.secret);
         // SAFETY: plain helper calls on the program's own context.
-        let (sock, netns) = unsafe {
-            (
-                bpf_get_socket_cookie(ctx.as_ptr()),
-                bpf_get_netns_cookie(ctx.as_ptr()),
-            )
-        };
-        select::flow_hash(sock, netns, svc.id)
+        let netns = unsafe { bpf_get_netns_cookie(self.ctx.as_ptr()) };
+        match of {
+            HashOf::Flow => {
+                // SAFETY: as above.
+                let sock = unsafe { bpf_get_socket_cookie(self.ctx.as_ptr()) };
+                select::flow_hash(sock, netns, self.service_id, secret)
+            }
+            HashOf::Client => select::netns_hash(netns, secret),
+            HashOf::Destination => select::destination_hash(&self.dst.addr, self.dst.port),
+        }
+    }
+}
+
+/// A backend for a new flow, by the frontend's scheduler; the client of
+/// sessionAffinity is the pod's netns.
+#[inline(always)]
+fn choose(ctx: &SockAddrContext, svc: &ServiceValue, dst: &SockAddr) -> Option<(u32, Backend)> {
+    let hashes = SockHashes {
+        ctx,
+        service_id: svc.id,
+        dst,
     };
     if svc.flags & service_flags::AFFINITY == 0 {
-        return lb::choose(svc, hash, random);
+        return lb::choose::<true>(svc, hashes, random);
     }
     // SAFETY: plain helper calls on the program's own context.
     let (netns, now) = unsafe { (bpf_get_netns_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
     let key = AffinityKey::for_netns(netns, svc.affinity_id);
     lb::with_affinity(&key, svc, now, lb::backend_by_id, || {
-        lb::choose(svc, hash, random)
+        lb::choose::<true>(svc, hashes, random)
     })
 }
 
@@ -184,7 +209,7 @@ fn choose(ctx: &SockAddrContext, svc: &ServiceValue) -> Option<(u32, Backend)> {
 fn random() -> u32 {
     match this_cpu(&LB_SOCK_DRAW) {
         // SAFETY: plain helper call (inlined by the verifier).
-        Some(state) => select::draw(state, unsafe { bpf_get_smp_processor_id() }),
+        Some(d) => select::draw(&mut d.state, unsafe { bpf_get_smp_processor_id() }),
         // SAFETY: plain helper call.
         None => unsafe { bpf_get_prandom_u32() },
     }
@@ -203,7 +228,7 @@ fn choose_for_datagram(
     frontend: &SockAddr,
 ) -> Option<(u32, Backend)> {
     if svc.flags & service_flags::AFFINITY != 0 {
-        return choose(ctx, svc);
+        return choose(ctx, svc, frontend);
     }
     // SAFETY: plain helper calls on the program's own context.
     let (cookie, now) = unsafe { (bpf_get_socket_cookie(ctx.as_ptr()), bpf_ktime_get_ns()) };
@@ -214,7 +239,14 @@ fn choose_for_datagram(
         proto: proto::UDP,
         _pad: [0; 5],
     };
-    lb::with_datagram_flow(&key, svc, now, || choose(ctx, svc))
+    // Without affinity (decided above): `choose`'s affinity path is not
+    // in this closure, which keeps the chain of calls through it short.
+    let hashes = SockHashes {
+        ctx,
+        service_id: svc.id,
+        dst: frontend,
+    };
+    lb::with_datagram_flow(&key, svc, now, || lb::choose::<true>(svc, hashes, random))
 }
 
 /// connect and sendmsg: rewrite a frontend to one of its backends.
@@ -238,11 +270,11 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
         Frontend::NotOurs => return PROCEED,
     };
     let chosen = if proto == proto::TCP {
-        choose(ctx, &svc)
+        choose(ctx, &svc, &dst)
     } else {
         choose_for_datagram(ctx, &svc, &dst)
     };
-    let Some((_id, backend)) = chosen else {
+    let Some((id, backend)) = chosen else {
         if svc.active > 0 || svc.terminating > 0 {
             // The agent publishes whole sets, so this means the maps were
             // edited by hand or are full; say so instead of refusing quietly.
@@ -264,7 +296,13 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
     if proto == proto::TCP {
         // SAFETY: plain helper call on the program's own context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-        remember_peer(cookie, &dst, &backend);
+        // Counted while the socket is open, for the schedulers that count.
+        let counted = if algorithm::counts(svc.algorithm()) {
+            id
+        } else {
+            0
+        };
+        remember_peer(cookie, &dst, &backend, counted);
     } else {
         remember_datagram_peer(ctx, &dst, &backend, svc.id);
     }
@@ -292,19 +330,24 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 /// A TCP socket's one peer, until `release` forgets it: in its own slot
 /// of `LB_SOCK_PEER` if it has one (a second connect of the socket
 /// overwrites the first's peer), else in the first free one of its slots.
-/// A socket thus holds at most one slot.
+/// A socket thus holds at most one slot. `counted` (a backend id, or 0)
+/// is the backend whose open connections the socket now counts among
+/// (`LB_SOCK_BACKEND` beside its slot), taken back at release or at the
+/// socket's next connect; a socket whose peer cannot be recorded is not
+/// counted, since nothing would take it back.
 ///
 /// A function of its own (not inlined): its probing and digest spill on
 /// its own stack frame, beside the hook's deepest chain of calls, which
 /// they would push past 512 bytes as the verifiers of 5.10 and 6.1 count.
 #[inline(never)]
-fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend) {
-    let Some(entry) = PeerSlots::of(cookie).and_then(|s| s.own_or_free(cookie)) else {
+fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend, counted: u32) {
+    let Some((index, entry)) = PeerSlots::of(cookie).and_then(|s| s.own_or_free(cookie)) else {
         // Every slot held by an open socket: only the reverse view is
         // lost, never the connection.
         count(stat::SOCK_PEER_LOST);
         return;
     };
+    let own = held_by(entry) == cookie;
     // SAFETY: a valid element; the socket lock keeps this socket's other
     // syscalls out, and another socket only writes a free slot. A write
     // racing another socket's for the same free slot leaves an entry
@@ -319,6 +362,21 @@ fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend) {
         peer.frontend_port = frontend.port;
         (*entry).check = SockPeerEntry::digest(cookie, peer);
         core::ptr::write_volatile(&mut (*entry).cookie, cookie);
+    }
+    if let Some(was) = LB_SOCK_BACKEND.get_ptr_mut(index) {
+        // SAFETY: the element beside the socket's slot, which only the
+        // socket holding the slot writes.
+        unsafe {
+            let earlier = core::ptr::read_volatile(was);
+            if own && earlier != 0 {
+                // This socket's earlier connect (one that failed).
+                lb::close_counted(earlier);
+            }
+            core::ptr::write_volatile(was, counted);
+        }
+        if counted != 0 {
+            lb::open_counted(counted);
+        }
     }
 }
 
@@ -341,29 +399,30 @@ impl PeerSlots {
         Some(Self { first, slots })
     }
 
-    /// The `i`th slot, `None` past the array (a table of fewer slots than
-    /// `SOCK_PEER_PROBES`).
+    /// The `i`th slot and its index, `None` past the array (a table of
+    /// fewer slots than `SOCK_PEER_PROBES`).
     #[inline(always)]
-    fn entry(self, i: u32) -> Option<*mut SockPeerEntry> {
+    fn entry(self, i: u32) -> Option<(u32, *mut SockPeerEntry)> {
         if i >= self.slots {
             return None;
         }
         let at = self.first + i;
-        LB_SOCK_PEER.get_ptr_mut(if at >= self.slots {
+        let at = if at >= self.slots {
             at - self.slots
         } else {
             at
-        })
+        };
+        Some((at, LB_SOCK_PEER.get_ptr_mut(at)?))
     }
 
     /// The slot holding `cookie`.
     #[inline(always)]
-    fn own(self, cookie: u64) -> Option<*mut SockPeerEntry> {
+    fn own(self, cookie: u64) -> Option<(u32, *mut SockPeerEntry)> {
         let mut i = 0;
         while i < SOCK_PEER_PROBES {
-            let entry = self.entry(i)?;
+            let (index, entry) = self.entry(i)?;
             if held_by(entry) == cookie {
-                return Some(entry);
+                return Some((index, entry));
             }
             i += 1;
         }
@@ -372,19 +431,19 @@ impl PeerSlots {
 
     /// The slot holding `cookie`, else the first free one.
     #[inline(always)]
-    fn own_or_free(self, cookie: u64) -> Option<*mut SockPeerEntry> {
+    fn own_or_free(self, cookie: u64) -> Option<(u32, *mut SockPeerEntry)> {
         let mut free = None;
         let mut i = 0;
         while i < SOCK_PEER_PROBES {
-            let Some(entry) = self.entry(i) else {
+            let Some((index, entry)) = self.entry(i) else {
                 break;
             };
             let held = held_by(entry);
             if held == cookie {
-                return Some(entry);
+                return Some((index, entry));
             }
             if held == 0 && free.is_none() {
-                free = Some(entry);
+                free = Some((index, entry));
             }
             i += 1;
         }
@@ -408,13 +467,38 @@ pub fn release(ctx: &SockContext) -> i32 {
     if proto == proto::TCP as u32 {
         // SAFETY: plain helper call on the program's own context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-        if let Some(entry) = PeerSlots::of(cookie).and_then(|s| s.own(cookie)) {
+        if let Some((index, entry)) = PeerSlots::of(cookie).and_then(|s| s.own(cookie)) {
+            uncount(index, entry);
             // SAFETY: a valid element; only this socket writes a slot that
             // holds its cookie.
             unsafe { core::ptr::write_volatile(&mut (*entry).cookie, 0) };
         }
     }
     PROCEED
+}
+
+/// Takes back the open connection the socket holding slot `index`
+/// (`entry`) counted, if any: only while its backend id still names the
+/// backend it connected to (an id the agent gave to another backend since
+/// had its count reset).
+#[inline(always)]
+fn uncount(index: u32, entry: *mut SockPeerEntry) {
+    let Some(counted) = LB_SOCK_BACKEND.get_ptr_mut(index) else {
+        return;
+    };
+    // SAFETY: the element beside the socket's own slot, which only this
+    // socket writes while it holds the slot.
+    let id = unsafe { core::ptr::read_volatile(counted) };
+    if id == 0 {
+        return;
+    }
+    // SAFETY: as above.
+    unsafe { core::ptr::write_volatile(counted, 0) };
+    // SAFETY: a valid element of the socket's own slot, read in place.
+    let (addr, port) = unsafe { ((*entry).peer.backend_addr, (*entry).peer.backend_port) };
+    if lb::backend_by_id(id).is_some_and(|b| b.addr == addr && b.port == port) {
+        lb::close_counted(id);
+    }
 }
 
 /// A UDP socket may address many frontends: one entry per (socket, backend).
@@ -475,7 +559,7 @@ fn tcp_frontend(ctx: &SockAddrContext, src: &SockAddr) -> Option<([u8; 16], u16)
 /// What the TCP socket `cookie` was connected to, from `LB_SOCK_PEER`.
 #[inline(always)]
 pub fn tcp_peer(cookie: u64) -> Option<SockPeer> {
-    let entry = PeerSlots::of(cookie)?.own(cookie)?;
+    let (_, entry) = PeerSlots::of(cookie)?.own(cookie)?;
     // SAFETY: a valid element, copied out; `peer_of` rejects an entry torn
     // by two writers (or taken by another socket since `own`).
     unsafe { core::ptr::read(entry) }.peer_of(cookie)

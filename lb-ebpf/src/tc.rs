@@ -41,7 +41,7 @@ use lb_common::{
 };
 
 use crate::{
-    lb::{self, Frontend},
+    lb::{self, Frontend, HashOf},
     maps::{
         count, port_marked, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_FRONTEND_PORTS,
         LB_LOCAL_PORTS, LB_SOURCE_RANGES, LB_TC_CONFIG,
@@ -769,16 +769,34 @@ fn source_allowed(p: &Pkt) -> bool {
     }
 }
 
+/// The tc path's hashes of a new flow (`lb::FlowHashes`): the 5-tuple,
+/// the client's address, the frontend.
+#[derive(Clone, Copy)]
+struct TcHashes<'a>(&'a Pkt);
+
+impl lb::FlowHashes for TcHashes<'_> {
+    #[inline(always)]
+    fn hash(&self, of: HashOf) -> u32 {
+        let p = self.0;
+        match of {
+            HashOf::Flow => select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto),
+            HashOf::Client => select::address_hash(&p.src),
+            HashOf::Destination => select::destination_hash(&p.dst, p.dport),
+        }
+    }
+}
+
 /// The id of a backend for a new flow: the tc path hashes the 5-tuple,
-/// and its client is the packet's source address. The backend itself is
+/// and its client is the packet's source address (unsalted, so that a
+/// client reaches one backend through any node under sh). The backend itself is
 /// copied out by the caller, straight into map memory (see `parse`).
 #[inline(always)]
 fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
-    let hash = || select::tuple_hash(&p.src, &p.dst, p.sport, p.dport, p.proto);
+    let hash = TcHashes(p);
     // SAFETY: plain helper call.
     let random = || unsafe { bpf_get_prandom_u32() };
     if svc.flags & service_flags::AFFINITY == 0 {
-        return lb::choose_id(svc, hash, random);
+        return lb::choose_id::<false>(svc, hash, random);
     }
     let key = AffinityKey {
         client: p.src,
@@ -787,7 +805,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
         _pad: [0; 3],
     };
     let exists = lb::backend_exists;
-    let fresh = || lb::choose_id(svc, hash, random).map(|id| (id, ()));
+    let fresh = || lb::choose_id::<false>(svc, hash, random).map(|id| (id, ()));
     lb::with_affinity(&key, svc, now, exists, fresh).map(|(id, ())| id)
 }
 

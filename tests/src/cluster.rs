@@ -3,6 +3,7 @@
 //! sessionAffinity, endpoint conditions), `/metrics` parsing, polling with
 //! real connections, and long-running `lb-probe` children.
 use std::{
+    collections::BTreeMap,
     io::{BufRead as _, BufReader, Write as _},
     process::{Child, ChildStdin, Stdio},
     sync::mpsc,
@@ -274,8 +275,88 @@ impl Drop for ProbeChild {
     }
 }
 
+/// `lb-probe hold-tcp --read-name`: connections to a target from the
+/// environment's client host, held until [`HeldTcp::close`] (or drop).
+pub struct HeldTcp {
+    probe: ProbeChild,
+    /// Each connection's `getpeername`, or its error.
+    pub peers: Vec<Result<String, String>>,
+    /// Each connection's backend, by the name it wrote (`None` for a
+    /// connection that failed or wrote nothing).
+    pub backends: Vec<Option<String>>,
+}
+
+impl HeldTcp {
+    /// Opens `sockets` connections to `target`, one after another.
+    pub fn open(env: &Env, target: &str, sockets: usize) -> Result<Self> {
+        let probe = client_probe(
+            env,
+            "hold-tcp",
+            target,
+            &[
+                ("--sockets", sockets.to_string()),
+                ("--read-name", String::new()),
+            ],
+        )?;
+        let line = probe.next_line(Duration::from_secs(60))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("hold-tcp: {line:?}"))?;
+        let sockets = v["sockets"]
+            .as_array()
+            .ok_or_else(|| anyhow!("hold-tcp: {line}"))?;
+        let peers = sockets
+            .iter()
+            .map(|s| match s["peer"].as_str() {
+                Some(p) => Ok(p.to_string()),
+                None => Err(s["error"].to_string()),
+            })
+            .collect();
+        let backends = sockets
+            .iter()
+            .map(|s| s["backend"].as_str().map(str::to_string))
+            .collect();
+        Ok(Self {
+            probe,
+            peers,
+            backends,
+        })
+    }
+
+    /// How many of the connections reached each backend.
+    pub fn per_backend(&self) -> BTreeMap<String, usize> {
+        let mut m = BTreeMap::new();
+        for b in self.backends.iter().flatten() {
+            *m.entry(b.clone()).or_default() += 1;
+        }
+        m
+    }
+
+    /// Closes the connections to backend `name`; how many.
+    pub fn close_to(&mut self, name: &str) -> Result<usize> {
+        self.probe.send_line(&format!("close-to {name}"))?;
+        self.closed()
+    }
+
+    /// Closes every connection; how many.
+    pub fn close(mut self) -> Result<usize> {
+        self.probe.send_line("close")?;
+        self.closed()
+    }
+
+    fn closed(&mut self) -> Result<usize> {
+        let line = self.probe.next_line(Duration::from_secs(30))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&line).with_context(|| format!("hold-tcp: {line:?}"))?;
+        v["closed"]
+            .as_u64()
+            .map(|n| n as usize)
+            .ok_or_else(|| anyhow!("hold-tcp: {line}"))
+    }
+}
+
 /// `lb-probe MODE --cgroup CG --netns CLIENT --target TARGET` from the
-/// environment's client host, then `extra` arguments.
+/// environment's client host, then `extra` arguments (a flag, with an
+/// empty value).
 fn client_probe(
     env: &Env,
     mode: &str,
@@ -291,9 +372,12 @@ fn client_probe(
         "--target".into(),
         target.into(),
     ];
+    // A flag without a value comes with an empty one.
     for (k, v) in extra {
         args.push(k.to_string());
-        args.push(v.clone());
+        if !v.is_empty() {
+            args.push(v.clone());
+        }
     }
     ProbeChild::spawn(&args)
 }

@@ -9,58 +9,8 @@ use std::time::Duration;
 
 use common::*;
 use integration_tests::{
-    cluster::ProbeChild, pinned::PinnedMap, require_root, wait_until, AgentOpts, Env,
+    cluster::HeldTcp, pinned::PinnedMap, require_root, wait_until, AgentOpts, Env,
 };
-use serde_json::Value;
-
-/// `lb-probe hold-tcp`: `sockets` connections to `target` from the
-/// client host, held until [`HeldTcp::close`].
-struct HeldTcp {
-    probe: ProbeChild,
-    /// Each connection's `getpeername`, or its error.
-    peers: Vec<Result<String, String>>,
-}
-
-impl HeldTcp {
-    fn open(env: &Env, target: &str, sockets: usize) -> Self {
-        let args: Vec<String> = [
-            "hold-tcp",
-            "--cgroup",
-            &env.cgroup.path().display().to_string(),
-            "--netns",
-            env.topo.client_netns(),
-            "--target",
-            target,
-            "--sockets",
-            &sockets.to_string(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        let probe = ProbeChild::spawn(&args).expect("hold-tcp");
-        let line = probe.next_line(Duration::from_secs(60)).expect("hold-tcp");
-        let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-        let peers = v["sockets"]
-            .as_array()
-            .unwrap_or_else(|| panic!("{line}"))
-            .iter()
-            .map(|s| match s["peer"].as_str() {
-                Some(p) => Ok(p.to_string()),
-                None => Err(s["error"].to_string()),
-            })
-            .collect();
-        Self { probe, peers }
-    }
-
-    fn close(mut self) {
-        self.probe.send_line("close").expect("stdin");
-        let line = self
-            .probe
-            .next_line(Duration::from_secs(30))
-            .expect("closed");
-        assert!(line.contains("closed"), "{line}");
-    }
-}
 
 /// The pinned `LB_SOCK_PEER`'s held slots: (cookie, frontend port,
 /// backend port), decoded from `lb_common::SockPeerEntry` (a free slot's
@@ -99,7 +49,7 @@ fn open_sockets_are_recorded_and_closed_ones_forgotten() {
     require_root!();
     let env = web_env("sockpeer", 3);
     for round in 0..3 {
-        let held = HeldTcp::open(&env, &format!("{VIP}:80"), 50);
+        let held = HeldTcp::open(&env, &format!("{VIP}:80"), 50).unwrap();
         for p in &held.peers {
             assert_eq!(p.as_deref(), Ok("10.96.0.10:80"), "round {round}");
         }
@@ -109,7 +59,7 @@ fn open_sockets_are_recorded_and_closed_ones_forgotten() {
             peers.iter().all(|&(_, f, b)| f == 80 && b == 8080),
             "{peers:?}"
         );
-        held.close();
+        held.close().unwrap();
         // The sockets are released when their last reference goes, right
         // after close(2) returns; allow the probe's exit a moment.
         let mut left = Vec::new();
@@ -148,7 +98,7 @@ fn past_capacity_connects_work_and_show_the_backend() {
         ..Default::default()
     })
     .unwrap();
-    let held = HeldTcp::open(&env, &format!("{VIP}:80"), 12);
+    let held = HeldTcp::open(&env, &format!("{VIP}:80"), 12).unwrap();
     let vip = held
         .peers
         .iter()
@@ -171,16 +121,16 @@ fn past_capacity_connects_work_and_show_the_backend() {
         lost >= Some(backend as f64)
     });
     assert_eq!(lost, Some(backend as f64));
-    held.close();
+    held.close().unwrap();
     // Room again once they are closed.
     assert!(wait_until(
         Duration::from_secs(5),
         Duration::from_millis(50),
         || sock_peers(&env).is_empty()
     ));
-    let held = HeldTcp::open(&env, &format!("{VIP}:80"), 4);
+    let held = HeldTcp::open(&env, &format!("{VIP}:80"), 4).unwrap();
     for p in &held.peers {
         assert_eq!(p.as_deref(), Ok("10.96.0.10:80"));
     }
-    held.close();
+    held.close().unwrap();
 }

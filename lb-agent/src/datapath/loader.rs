@@ -9,7 +9,10 @@ use std::{
 
 use anyhow::{bail, Context as _};
 use aya::{
-    maps::{Array, HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo},
+    maps::{
+        Array, HashMap, HashOfMaps, IterableMap as _, Map, MapData, MapError, MapInfo, PerCpuArray,
+        PerCpuValues,
+    },
     programs::{
         links::{FdLink, PinnedLink},
         CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
@@ -17,9 +20,9 @@ use aya::{
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, DatagramFlow,
-    DatagramFlowKey, KeyCheck, MaglevEntry, ServiceKey, ServiceValue, Unprogrammed,
-    MAGLEV_POSITIONS,
+    map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendState,
+    DatagramFlow, DatagramFlowKey, FrontendState, KeyCheck, MaglevEntry, ServiceKey, ServiceValue,
+    SockDraw, Unprogrammed, MAGLEV_POSITIONS,
 };
 
 use crate::{
@@ -270,6 +273,9 @@ pub struct PinnedMaps {
     pub affinity: HashMap<MapData, AffinityKey, AffinityEntry>,
     pub rev_sock: HashMap<MapData, lb_common::ReverseSockKey, lb_common::ReverseSockValue>,
     pub datagram_flows: HashMap<MapData, DatagramFlowKey, DatagramFlow>,
+    /// This node's state of each backend (open connections), by
+    /// `BackendId`; `None` in a pin directory of an agent before it.
+    pub backend_state: Option<Array<MapData, BackendState>>,
 }
 
 impl PinnedMaps {
@@ -293,7 +299,16 @@ impl PinnedMaps {
             affinity: HashMap::try_from(open(map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(open(map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(open(map_names::DGRAM_FLOWS)?)?,
+            backend_state: open(map_names::BACKEND_STATE)
+                .ok()
+                .and_then(|m| Array::try_from(m).ok()),
         })
+    }
+
+    /// Backend `id`'s open connections from this node, `None` where the
+    /// maps have no such state.
+    pub fn open_connections(&self, id: u32) -> Option<u32> {
+        Some(self.backend_state.as_ref()?.get(&id, 0).ok()?.open())
     }
 
     /// The Maglev table of backend set `set`, read whole: its `size`
@@ -448,7 +463,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 19] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 23] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeerEntry, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -510,12 +525,17 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 19] {
             lb_common::capacity::FRONTEND_PORTS,
         ),
         layout::<u32, u32>(map_names::ROUTE_EPOCH, ARRAY, 1),
+        layout::<u32, BackendState>(map_names::BACKEND_STATE, ARRAY, c.max_backends),
+        layout::<u32, FrontendState>(map_names::FRONTEND_STATE, ARRAY, c.max_services),
+        layout::<u32, SockDraw>(map_names::SOCK_DRAW, PERCPU_ARRAY, 1),
+        layout::<u32, u32>(map_names::SOCK_BACKEND, ARRAY, c.max_sock_peers),
     ]
 }
 
 /// Removes pinned maps whose layout or size differs from this version's, so
 /// the loader recreates them. The four service maps refer to each other by
-/// id and go together, and `LB_AFFINITY` and `LB_DGRAM_FLOWS` with them:
+/// id and go together, and `LB_AFFINITY`, `LB_DGRAM_FLOWS`,
+/// `LB_BACKEND_STATE` and `LB_SOCK_BACKEND` with them:
 /// their entries name affinity, service and backend ids of the maps being
 /// replaced, which the new ones hand out afresh. Returns what was
 /// recreated, for the log.
@@ -577,10 +597,15 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
         }
     }
     if core_changed {
-        for name in CORE
-            .into_iter()
-            .chain([map_names::AFFINITY, map_names::DGRAM_FLOWS])
-        {
+        // Also the backends' open connections and the sockets' record of
+        // what they counted, which name backend ids too: counts start
+        // afresh with the new ids.
+        for name in CORE.into_iter().chain([
+            map_names::AFFINITY,
+            map_names::DGRAM_FLOWS,
+            map_names::BACKEND_STATE,
+            map_names::SOCK_BACKEND,
+        ]) {
             let path = pin_dir.join(name);
             if path.exists() {
                 fs::remove_file(&path).with_context(|| format!("removing {}", path.display()))?;
@@ -822,6 +847,8 @@ impl Datapath {
             pinned_before(map_names::SLOTS),
             pinned_before(map_names::BACKENDS),
         );
+        let seeded_before = pinned_before(map_names::SOCK_DRAW);
+        let cursors_before = pinned_before(map_names::FRONTEND_STATE);
         let mut loader = sized_loader(capacity);
         for (name, path) in &paths {
             loader.map_pin_path(name, path.as_path());
@@ -829,6 +856,14 @@ impl Datapath {
         let mut ebpf = loader
             .load(EBPF_OBJECT)
             .context("loading the kernel programs")?;
+        // Before any program is attached: the first connect already draws
+        // from this node's own sequence.
+        if !seeded_before {
+            seed_sock_draw(&mut ebpf).context("seeding LB_SOCK_DRAW")?;
+        }
+        if !cursors_before {
+            seed_rr_cursors(&mut ebpf).context("seeding LB_FRONTEND_STATE")?;
+        }
         for name in CARRIED {
             match carry_over(pin_dir, name) {
                 Ok(Some((carried, lost))) => tracing::info!(
@@ -873,6 +908,7 @@ impl Datapath {
             affinity: HashMap::try_from(take(&mut ebpf, map_names::AFFINITY)?)?,
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
+            backend_state: Some(Array::try_from(take(&mut ebpf, map_names::BACKEND_STATE)?)?),
         };
         for (name, mapped) in [
             (map_names::SLOTS, maps.slots.is_mapped()),
@@ -1054,6 +1090,9 @@ fn sized_loader(capacity: &Capacity) -> EbpfLoader<'_> {
         .map_max_entries(map_names::BACKENDS, capacity.max_backends)
         .map_max_entries(map_names::REV_SOCK, capacity.max_reverse_sockets)
         .map_max_entries(map_names::SOCK_PEER, capacity.max_sock_peers)
+        .map_max_entries(map_names::SOCK_BACKEND, capacity.max_sock_peers)
+        .map_max_entries(map_names::BACKEND_STATE, capacity.max_backends)
+        .map_max_entries(map_names::FRONTEND_STATE, capacity.max_services)
         .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
         .map_max_entries(map_names::DGRAM_FLOWS, capacity.max_datagram_flows)
         .map_max_entries(map_names::CONNTRACK, capacity.max_conntrack)
@@ -1070,6 +1109,55 @@ pub struct ProgramCheck {
     pub rejected: Option<String>,
     /// The verifier's whole log of a refusal.
     pub log: String,
+}
+
+/// Fills `LB_SOCK_DRAW` from the OS's random source: each CPU's draw
+/// state its own, and one secret for every CPU (`lb_common::SockDraw`).
+/// Only when the map is created: it is pinned, so a restart keeps both
+/// (a socket-path hash, sh's among them, stays what it was).
+fn seed_sock_draw(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let map = ebpf
+        .map_mut(map_names::SOCK_DRAW)
+        .context("map LB_SOCK_DRAW missing from the object")?;
+    let mut draw: PerCpuArray<_, SockDraw> = PerCpuArray::try_from(map)?;
+    let secret = random_u64()?;
+    let cpus = aya::util::nr_cpus().map_err(|(_, e)| e)?;
+    let values = (0..cpus)
+        .map(|_| {
+            Ok(SockDraw {
+                state: random_u64()?,
+                secret,
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    draw.set(0, PerCpuValues::try_from(values)?, 0)?;
+    Ok(())
+}
+
+/// Starts every round-robin cursor of `LB_FRONTEND_STATE` at a random
+/// turn, so that nodes do not all start their frontends at one backend.
+fn seed_rr_cursors(ebpf: &mut Ebpf) -> anyhow::Result<()> {
+    let map = ebpf
+        .map_mut(map_names::FRONTEND_STATE)
+        .context("map LB_FRONTEND_STATE missing from the object")?;
+    let mut state: Array<_, FrontendState> = Array::try_from(map)?;
+    let mut seed = random_u64()?;
+    for id in 0..state.len() {
+        seed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = seed;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        let value = FrontendState {
+            rr_cursor: (z >> 32) as u32,
+            _reserved: 0,
+        };
+        state.set(id, value, 0)?;
+    }
+    Ok(())
+}
+
+fn random_u64() -> anyhow::Result<u64> {
+    getrandom::u64().map_err(|e| anyhow::anyhow!("the OS's random source: {e}"))
 }
 
 /// Loads the object into this kernel with small unpinned maps and runs
@@ -1358,6 +1446,13 @@ impl PinnedMaps {
 }
 
 impl MapOps for PinnedMaps {
+    fn reset_backend_state(&mut self, id: BackendId) -> std::io::Result<()> {
+        match &mut self.backend_state {
+            Some(state) => state.set(id.id, BackendState::default(), 0).map_err(io),
+            None => Ok(()),
+        }
+    }
+
     fn put_service(&mut self, key: ServiceKey, value: ServiceValue) -> std::io::Result<()> {
         self.services.insert(key, stamp(&key, value), 0).map_err(io)
     }
@@ -1733,9 +1828,10 @@ mod tests {
         let (dp, adopted) =
             Datapath::load(&scratch.pins, &scratch.cgroup, &bigger, refusal).unwrap();
         assert!(adopted.services.is_empty());
-        // The four service maps, and the affinity and datagram flow maps,
-        // whose entries name their ids.
-        assert_eq!(adopted.recreated.len(), 6, "{:?}", adopted.recreated);
+        // The four service maps, the affinity and datagram flow maps, the
+        // backends' state and the sockets' counted backends, whose entries
+        // name their ids; and the frontends' state, sized by the services.
+        assert_eq!(adopted.recreated.len(), 9, "{:?}", adopted.recreated);
         drop(dp);
         // An upgrade from the 20-byte ServiceValue (before `affinity_id`):
         // recreated cleanly, affinity entries of the old ids with it.

@@ -48,8 +48,8 @@ use crate::{
     base::addr::addr_bytes,
     datapath::slot_ranges::SlotRanges,
     semantics::model::{
-        AffinityGroup, Algorithm, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState,
-        Protocol, Scope, ServiceName,
+        AffinityGroup, BackendAddr, DesiredState, Frontend, FrontendKind, FrontendState, Protocol,
+        Scope, ServiceName,
     },
     semantics::stale_udp::{self, StaleUdp},
 };
@@ -83,6 +83,13 @@ pub trait MapOps {
     fn del_slot(&mut self, index: u32) -> std::io::Result<()>;
     fn put_backend(&mut self, id: BackendId, backend: Backend) -> std::io::Result<()>;
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()>;
+    /// Zeroes this node's state of backend `id` (`LB_BACKEND_STATE`: its
+    /// open connections) before a backend takes the free id: what the
+    /// connections of the backend that held it before left counted there
+    /// is not the new one's.
+    fn reset_backend_state(&mut self, _id: BackendId) -> std::io::Result<()> {
+        Ok(())
+    }
     /// Makes a Maglev table holding `table` (position -> backend id) and
     /// puts it in `LB_MAGLEV` under `set`, which nothing names yet: the
     /// frontend's value publishes it afterwards. On failure nothing of the
@@ -783,6 +790,7 @@ fn service_value(
     if maglev_size > 0 {
         flags |= service_flags::MAGLEV;
     }
+    flags |= lb_common::algorithm::flags(state.algorithm.code());
     if state.reject {
         flags |= service_flags::REJECT;
     }
@@ -1171,6 +1179,13 @@ impl Reconciler {
                     break;
                 }
             }
+            for (_, id, _, fresh) in &pending {
+                if *fresh {
+                    // Best effort: a count left over is corrected by the
+                    // connections' own releases, never read below 0.
+                    let _ = ops.reset_backend_state(BackendId { id: *id });
+                }
+            }
             let items: Vec<(BackendId, Backend)> = pending
                 .iter()
                 .map(|(addr, id, flags, _)| (BackendId { id: *id }, backend_value(addr, *flags)))
@@ -1555,7 +1570,7 @@ impl Reconciler {
         }
         // A Maglev frontend's table covers its active backends (see
         // `lb_common::ServiceValue`).
-        let maglev_size = if state.algorithm == Algorithm::Maglev && !state.active.is_empty() {
+        let maglev_size = if state.algorithm.uses_table() && !state.active.is_empty() {
             self.maglev_size
         } else {
             0
@@ -1890,7 +1905,7 @@ pub(super) mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::semantics::model::{BackendRef, FrontendKind, Protocol, ServiceName};
+    use crate::semantics::model::{Algorithm, BackendRef, FrontendKind, Protocol, ServiceName};
 
     /// Maps as plain collections. After every single write it checks what a
     /// concurrent connect could observe: each frontend's slots (their

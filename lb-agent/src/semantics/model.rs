@@ -154,12 +154,70 @@ pub struct BackendRef {
     pub local: bool,
 }
 
-/// The selection algorithm of a frontend.
+/// The selection algorithm of a frontend (`--algorithm`, the annotation
+/// `lb-agent.dev/lb-algorithm`): random and Maglev, and the ipvs mode's
+/// schedulers (`lb_common::algorithm` says what each does).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub enum Algorithm {
     #[default]
     Random,
     Maglev,
+    /// Round-robin.
+    Rr,
+    /// Least connection.
+    Lc,
+    /// Destination hashing.
+    Dh,
+    /// Source hashing.
+    Sh,
+    /// Shortest expected delay.
+    Sed,
+    /// Never queue.
+    Nq,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 8] = [
+        Self::Random,
+        Self::Maglev,
+        Self::Rr,
+        Self::Lc,
+        Self::Dh,
+        Self::Sh,
+        Self::Sed,
+        Self::Nq,
+    ];
+
+    /// Its value in `ServiceValue::flags` (`lb_common::algorithm`).
+    pub fn code(self) -> u8 {
+        use lb_common::algorithm as a;
+        match self {
+            Self::Random => a::RANDOM,
+            Self::Maglev => a::MAGLEV,
+            Self::Rr => a::RR,
+            Self::Lc => a::LC,
+            Self::Dh => a::DH,
+            Self::Sh => a::SH,
+            Self::Sed => a::SED,
+            Self::Nq => a::NQ,
+        }
+    }
+
+    /// The name `--algorithm` and the annotation take.
+    pub fn name(self) -> &'static str {
+        lb_common::algorithm::NAMES[self.code() as usize]
+    }
+
+    /// The algorithm named `name`, as `--algorithm` and the annotation
+    /// spell it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == name)
+    }
+
+    /// Whether it selects through a Maglev table (Maglev, sh, dh).
+    pub fn uses_table(self) -> bool {
+        lb_common::algorithm::uses_table(self.code())
+    }
 }
 
 /// Which endpoints of its Service port a frontend's backends are selected

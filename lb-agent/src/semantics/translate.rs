@@ -25,8 +25,9 @@ use crate::{
     },
 };
 
+// `ANNOTATION_ALGORITHM`: a Service's selection algorithm, one of
+// `lb_common::algorithm::NAMES`.
 pub use crate::input::store::{ANNOTATION_ALGORITHM, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
-/// Per-Service override of the selection algorithm: `maglev` or `random`.
 /// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// The largest timeout the API server accepts.
@@ -1157,17 +1158,20 @@ fn affinity_timeout(spec: &StoredSpec, report: &mut Report) -> Option<u32> {
 fn algorithm(svc: &StoredService, default: Algorithm, report: &mut Report) -> Algorithm {
     match svc.metadata.algorithm.as_deref() {
         None => default,
-        Some("maglev") => Algorithm::Maglev,
-        Some("random") => Algorithm::Random,
-        Some(other) => {
-            report.reject(
-                format!("metadata.annotations[{ANNOTATION_ALGORITHM}]"),
-                format!(
-                    "unknown algorithm {other:?}, expected maglev or random; using {default:?}"
-                ),
-            );
-            default
-        }
+        Some(name) => match Algorithm::from_name(name) {
+            Some(a) => a,
+            None => {
+                report.reject(
+                    format!("metadata.annotations[{ANNOTATION_ALGORITHM}]"),
+                    format!(
+                        "unknown algorithm {name:?}, expected one of {}; using the default, {}",
+                        lb_common::algorithm::NAMES.join(", "),
+                        default.name()
+                    ),
+                );
+                default
+            }
+        },
     }
 }
 

@@ -83,8 +83,10 @@ enum Cmd {
     /// the tc path's conntrack.
     UdpFill(UdpFillArgs),
     /// Open N TCP connections and keep them: one JSON line with each
-    /// one's `getpeername` (or error), then, at a line on stdin (or EOF),
-    /// close them all and print `{"closed": N}`.
+    /// one's `getpeername` (or error) and, with `--read-name`, the name
+    /// its backend wrote; then at `close-to NAME` on stdin close those to
+    /// backend NAME and print `{"closed": N}`, and at any other line (or
+    /// EOF) close them all and print `{"closed": N}`.
     HoldTcp(HoldTcpArgs),
     /// Watch the RSTs a namespace sends on a device (a filtered
     /// `AF_PACKET` socket: SYN, FIN and RST segments only): prints
@@ -108,6 +110,10 @@ struct HoldTcpArgs {
     at: Place,
     #[arg(long, default_value_t = 10)]
     sockets: usize,
+    /// Read each connection's first line (`serve` writes its name) and
+    /// report it as `backend`.
+    #[arg(long)]
+    read_name: bool,
 }
 
 #[derive(Debug, Args)]
@@ -1170,32 +1176,71 @@ fn tcp_flows(a: TcpFlowsArgs) -> Result<()> {
 fn hold_tcp(a: HoldTcpArgs) -> Result<()> {
     let target = resolve_target(&a.at.target, None)?;
     a.at.enter()?;
-    let conns: Vec<io::Result<TcpStream>> = (0..a.sockets.min(10_000))
-        .map(|_| TcpStream::connect_timeout(&target, Duration::from_secs(2)))
+    // Each connection with the backend name it read, if asked to.
+    let mut conns: Vec<(io::Result<TcpStream>, Option<String>)> = (0..a.sockets.min(10_000))
+        .map(|_| {
+            let c = TcpStream::connect_timeout(&target, Duration::from_secs(2));
+            let name = match (&c, a.read_name) {
+                (Ok(s), true) => read_name(s),
+                _ => None,
+            };
+            (c, name)
+        })
         .collect();
     let peers: Vec<serde_json::Value> = conns
         .iter()
-        .map(|c| {
+        .map(|(c, name)| {
             match c
                 .as_ref()
                 .map_err(|e| errno_name(e, "connect"))
                 .and_then(|s| s.peer_addr().map_err(|e| errno_name(&e, "getpeername")))
             {
-                Ok(peer) => {
-                    serde_json::json!({"peer": integration_tests::probe::unmap(peer).to_string()})
-                }
+                Ok(peer) => serde_json::json!({
+                    "peer": integration_tests::probe::unmap(peer).to_string(),
+                    "backend": name,
+                }),
                 Err(e) => serde_json::json!({ "error": e }),
             }
         })
         .collect();
     println!("{}", serde_json::json!({ "sockets": peers }));
     io::stdout().flush()?;
+    // `close-to NAME` closes the connections to backend NAME and goes on;
+    // anything else (or EOF) closes them all.
     let mut line = String::new();
-    let _ = io::stdin().read_line(&mut line);
-    let n = conns.iter().filter(|c| c.is_ok()).count();
+    loop {
+        line.clear();
+        let _ = io::stdin().read_line(&mut line);
+        let Some(name) = line.trim().strip_prefix("close-to ") else {
+            break;
+        };
+        let before = conns.len();
+        conns.retain(|(c, n)| !(c.is_ok() && n.as_deref() == Some(name)));
+        println!("{}", serde_json::json!({ "closed": before - conns.len() }));
+        io::stdout().flush()?;
+    }
+    let n = conns.iter().filter(|(c, _)| c.is_ok()).count();
     drop(conns);
     println!("{}", serde_json::json!({ "closed": n }));
     Ok(())
+}
+
+/// The first line a connection's server wrote, up to a `:` or space (the
+/// name `serve` answers with), within two seconds.
+fn read_name(s: &TcpStream) -> Option<String> {
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut buf = [0u8; 256];
+    let mut got = Vec::new();
+    let mut reader = s;
+    while !got.contains(&b'\n') {
+        match io::Read::read(&mut reader, &mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&got);
+    let name = text.split(['\n', ':', ' ']).next()?.trim();
+    (!name.is_empty()).then(|| name.to_string())
 }
 
 fn rst_watch(a: RstWatchArgs) -> Result<()> {
