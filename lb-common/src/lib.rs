@@ -597,30 +597,41 @@ impl SockPeerEntry {
 ///
 /// | offset | field       | meaning                                            |
 /// |--------|-------------|----------------------------------------------------|
-/// | 0      | `open`      | connections open to it from this node (`open()`)   |
-/// | 4      | `_reserved` | zero                                               |
+/// | 0      | `sockets`   | socket-path TCP connections open to it             |
+/// | 4      | `flows`     | tc-path flows to it that live                      |
+/// | 8      | `_reserved` | zero                                               |
 ///
-/// `open` counts, whichever frontend opened them (ClusterIP, NodePort,
-/// LoadBalancer IP, externalIP): every TCP socket of the socket path
-/// sent to it through a frontend whose scheduler counts
-/// (`algorithm::counts`), from the connect that chose it to the socket's
-/// release. A decrement that meets an instant of the agent's reset can
-/// leave it at -1; `open()` reads such a value as 0.
+/// Both count only connections through a frontend whose scheduler counts
+/// (`algorithm::counts`), whichever frontend of the Service that is
+/// (ClusterIP, NodePort, LoadBalancer IP, externalIP); `open()` is their
+/// sum, the backend's open connections from this node.
+///
+/// - `sockets`: a TCP socket counts from the connect that chose the
+///   backend to the socket's release, added and taken back by the socket
+///   programs. A decrement that meets an instant of the agent's reset can
+///   leave it at -1; `open()` reads the sum as 0 at least.
+/// - `flows`: `tc_ingress` adds one for each new flow it sends to the
+///   backend (marking its forward entry `ct_flags::COUNTED`); each
+///   conntrack sweep of the agent sets it to the counted flows it found
+///   live, with an atomic add of the difference, so a flow that ended, was
+///   evicted or expired stops counting within a sweep.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackendState {
-    pub open: i32,
-    pub _reserved: [u32; 3],
+    pub sockets: i32,
+    pub flows: i32,
+    pub _reserved: [u32; 2],
 }
 
 impl BackendState {
-    /// Open connections, never below zero.
+    /// Open connections from this node, never below zero.
     #[inline(always)]
     pub fn open(&self) -> u32 {
-        if self.open < 0 {
+        let n = self.sockets.saturating_add(self.flows);
+        if n < 0 {
             0
         } else {
-            self.open as u32
+            n as u32
         }
     }
 }
@@ -806,6 +817,10 @@ pub mod ct_flags {
     pub const SNAT: u8 = 1 << 1;
     /// The backend runs on this node.
     pub const LOCAL: u8 = 1 << 2;
+    /// The flow counts among its backend's flows (`BackendState::flows`):
+    /// its frontend's scheduler counts connections. Set in the forward
+    /// entry only.
+    pub const COUNTED: u8 = 1 << 3;
 }
 
 /// `CtEntry::state`: one byte per event of a TCP flow, so that CPUs that

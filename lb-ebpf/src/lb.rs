@@ -44,27 +44,37 @@ fn open_of(id: u32) -> u32 {
     }
 }
 
-/// Adds `delta` to backend `id`'s open connections.
+/// Adds `delta` to backend `id`'s counted sockets (`BackendState::sockets`).
 #[inline(always)]
-fn add_open(id: u32, delta: i32) {
+fn add_sockets(id: u32, delta: i32) {
     if let Some(state) = LB_BACKEND_STATE.get_ptr_mut(id) {
         // SAFETY: a valid element, which the kernel writes only with
         // atomic adds (the agent only resets a free id's).
-        unsafe { atomic_xadd::<i32, i32, { Relaxed }>(&raw mut (*state).open, delta) };
+        unsafe { atomic_xadd::<i32, i32, { Relaxed }>(&raw mut (*state).sockets, delta) };
     }
 }
 
-/// One more open connection to backend `id`, the connection's until it
-/// closes (`close_counted`).
+/// One more open socket to backend `id`, the socket's until its release
+/// (`close_counted`).
 #[inline(always)]
 pub fn open_counted(id: u32) {
-    add_open(id, 1);
+    add_sockets(id, 1);
 }
 
-/// A counted connection to backend `id` closed.
+/// A counted socket to backend `id` was released.
 #[inline(always)]
 pub fn close_counted(id: u32) {
-    add_open(id, -1);
+    add_sockets(id, -1);
+}
+
+/// One more flow of the tc path to backend `id`; the agent's conntrack
+/// sweep takes it back once the flow is gone (`BackendState::flows`).
+#[inline(always)]
+pub fn flow_counted(id: u32) {
+    if let Some(state) = LB_BACKEND_STATE.get_ptr_mut(id) {
+        // SAFETY: as `add_sockets`; the agent's corrections are atomic adds.
+        unsafe { atomic_xadd::<i32, i32, { Relaxed }>(&raw mut (*state).flows, 1) };
+    }
 }
 
 /// What a destination is to the load balancer (`lookup_frontend`).

@@ -35,9 +35,9 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use lb_common::{
-    clock, conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select, service_flags,
-    source_range, stat, AffinityKey, Backend, CtEntry, CtKey, ServiceKey, ServiceValue,
-    SourceRangeData, TcConfig,
+    algorithm, clock, conntrack, ct_flags, ct_state, is_ipv4_mapped, proto, scope, select,
+    service_flags, source_range, stat, AffinityKey, Backend, CtEntry, CtKey, ServiceKey,
+    ServiceValue, SourceRangeData, TcConfig,
 };
 
 use crate::{
@@ -1064,6 +1064,11 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
         }
         fwd.flags = ct_flags::SNAT;
     }
+    let counted = if algorithm::counts(svc.algorithm()) {
+        ct_flags::COUNTED
+    } else {
+        0
+    };
     let rkey = &mut scratch.reply_key;
     rkey.src = b.addr;
     rkey.dst = fwd.nat_src;
@@ -1079,6 +1084,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.backend_id = backend_id;
     reply.service_id = svc.id;
     reply.flags = fwd.flags | ct_flags::REPLY;
+    fwd.flags |= counted;
     reply.state = [0; ct_state::COUNT];
     reply.last_seen_ns = now;
     reply.ack_seq = 0;
@@ -1114,6 +1120,9 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     }
     if local && scratch.forward.nat_sport != p.sport {
         count(stat::TC_SOURCE_PORT_REMAPPED);
+    }
+    if scratch.forward.flags & ct_flags::COUNTED != 0 {
+        lb::flow_counted(backend_id);
     }
     FLOW_OPENED
 }

@@ -287,17 +287,42 @@ pub struct HeldTcp {
 }
 
 impl HeldTcp {
-    /// Opens `sockets` connections to `target`, one after another.
+    /// Opens `sockets` connections to `target`, one after another, from
+    /// the environment's client host (in its cgroup).
     pub fn open(env: &Env, target: &str, sockets: usize) -> Result<Self> {
-        let probe = client_probe(
-            env,
-            "hold-tcp",
+        Self::open_from(
+            Some(env.cgroup.path()),
+            env.topo.client_netns(),
             target,
-            &[
-                ("--sockets", sockets.to_string()),
-                ("--read-name", String::new()),
-            ],
-        )?;
+            sockets,
+        )
+    }
+
+    /// [`open`](Self::open) from network namespace `netns`, in `cgroup`
+    /// if any (an external client: none).
+    pub fn open_from(
+        cgroup: Option<&std::path::Path>,
+        netns: &str,
+        target: &str,
+        sockets: usize,
+    ) -> Result<Self> {
+        let mut args: Vec<String> = vec!["hold-tcp".into()];
+        if let Some(cg) = cgroup {
+            args.extend(["--cgroup".into(), cg.display().to_string()]);
+        }
+        args.extend(
+            [
+                "--netns",
+                netns,
+                "--target",
+                target,
+                "--read-name",
+                "--sockets",
+            ]
+            .map(String::from),
+        );
+        args.push(sockets.to_string());
+        let probe = ProbeChild::spawn(&args)?;
         let line = probe.next_line(Duration::from_secs(60))?;
         let v: serde_json::Value =
             serde_json::from_str(&line).with_context(|| format!("hold-tcp: {line:?}"))?;
@@ -355,8 +380,7 @@ impl HeldTcp {
 }
 
 /// `lb-probe MODE --cgroup CG --netns CLIENT --target TARGET` from the
-/// environment's client host, then `extra` arguments (a flag, with an
-/// empty value).
+/// environment's client host, then `extra` arguments.
 fn client_probe(
     env: &Env,
     mode: &str,
@@ -372,12 +396,9 @@ fn client_probe(
         "--target".into(),
         target.into(),
     ];
-    // A flag without a value comes with an empty one.
     for (k, v) in extra {
         args.push(k.to_string());
-        if !v.is_empty() {
-            args.push(v.clone());
-        }
+        args.push(v.clone());
     }
     ProbeChild::spawn(&args)
 }

@@ -6,9 +6,11 @@
 //! conntrack (`tc`), the ageing of what the kernel records (`sweep`, for
 //! sessionAffinity in `affinity` and unconnected UDP flows in
 //! `datagram_flows`) and destruction of connected UDP sockets whose backend
-//! left (`sockets`), and what the kernel supports (`features`). May use
+//! left (`sockets`), the tc path's flow counts of each backend
+//! (`backend_state`), and what the kernel supports (`features`). May use
 //! `base` and `semantics` (the desired state it programs).
 pub mod affinity;
+pub mod backend_state;
 pub mod batch;
 pub mod datagram_flows;
 pub mod features;

@@ -7,7 +7,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::CStr,
-    fs,
+    fs, io,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Duration,
@@ -35,6 +35,7 @@ use crate::{
     base::addr::addr_bytes,
     base::addr::ip_from_bytes,
     base::clock::monotonic_now_ns,
+    datapath::backend_state::BackendStates,
     datapath::loader::pin_replacing,
     datapath::sweep::Table,
     semantics::model::{BackendAddr, Cidr, DesiredState, Frontend, FrontendState, Scope},
@@ -627,6 +628,9 @@ pub struct TcMaps {
     ports_reserved: bool,
     pub local_ports: PortMarks,
     pub frontend_ports: PortMarks,
+    /// The backends' tc-path flow counts, corrected after each sweep;
+    /// `None` where `LB_BACKEND_STATE` cannot be mapped.
+    backend_state: Option<BackendStates>,
 }
 
 /// `LB_LOCAL_PORTS` or `LB_FRONTEND_PORTS`: the ports local backends
@@ -851,11 +855,26 @@ impl TcMaps {
         for e in errors {
             tracing::error!("{e}");
         }
+        let backend_state = match MapData::from_pin(dir.join(map_names::BACKEND_STATE))
+            .map_err(io::Error::other)
+            .and_then(|m| BackendStates::map(&m))
+        {
+            Ok(Some(s)) => Some(s),
+            Ok(None) => {
+                tracing::warn!("LB_BACKEND_STATE is not mappable: the tc path's flows are not counted for lc, sed and nq");
+                None
+            }
+            Err(e) => {
+                tracing::warn!("mapping LB_BACKEND_STATE: {e}; the tc path's flows are not counted for lc, sed and nq");
+                None
+            }
+        };
         Ok(Self {
             conntrack,
             conntrack_syn,
             local_ports,
             frontend_ports,
+            backend_state,
             ranges: SourceRangeWriter::adopt(LpmTrie::try_from(open(
                 dir,
                 map_names::SOURCE_RANGES,
@@ -915,9 +934,16 @@ impl TcMaps {
 
     /// Deletes expired entries of both tables: (entries left, entries
     /// deleted).
+    /// Then sets each backend's flow count (`BackendState::flows`) to the
+    /// counted flows left.
     pub fn sweep(&mut self, t: &Timeouts) -> (usize, usize) {
-        let (left, deleted) = sweep_table(&mut self.conntrack, t);
-        let (syn_left, syn_deleted) = sweep_table(&mut self.conntrack_syn, t);
+        let before = self.backend_state.as_ref().map(|s| s.flow_counts());
+        let mut live = std::collections::HashMap::new();
+        let (left, deleted) = sweep_table(&mut self.conntrack, t, &mut live);
+        let (syn_left, syn_deleted) = sweep_table(&mut self.conntrack_syn, t, &mut live);
+        if let (Some(state), Some(before)) = (&self.backend_state, before) {
+            state.correct_flows(&before, &live);
+        }
         (left + syn_left, deleted + syn_deleted)
     }
 
@@ -952,12 +978,37 @@ impl TcMaps {
 /// candidate read again, against a clock read after that, so an entry
 /// refreshed since the snapshot is kept); an entry's liveness depends on
 /// its partner too, which is why this is not `sweep::sweep`.
-fn sweep_table(map: &mut HashMap<MapData, CtKey, CtEntry>, t: &Timeouts) -> (usize, usize) {
+///
+/// Adds the live counted flows (`ct_flags::COUNTED`) of each backend to
+/// `counted`: the forward entries not expired at the snapshot.
+fn sweep_table(
+    map: &mut HashMap<MapData, CtKey, CtEntry>,
+    t: &Timeouts,
+    counted: &mut std::collections::HashMap<u32, i32>,
+) -> (usize, usize) {
     let snapshot: BTreeMap<CtKey, CtEntry> = map.entries().into_iter().collect();
     let cfg = t.config();
     let candidates = expired(&snapshot, monotonic_now_ns(), &cfg);
     let deleted = delete_if_still_expired(map, &candidates, monotonic_now_ns, &cfg);
+    count_flows(&snapshot, &candidates, counted);
     (snapshot.len() - deleted, deleted)
+}
+
+/// Adds to `counted` each backend's counted forward entries of
+/// `snapshot`, but for those in `expired` (sorted, as `expired` returns
+/// them).
+fn count_flows(
+    snapshot: &BTreeMap<CtKey, CtEntry>,
+    expired: &[CtKey],
+    counted: &mut std::collections::HashMap<u32, i32>,
+) {
+    for (k, e) in snapshot {
+        if e.flags & (ct_flags::COUNTED | ct_flags::REPLY) == ct_flags::COUNTED
+            && expired.binary_search(k).is_err()
+        {
+            *counted.entry(e.backend_id).or_default() += 1;
+        }
+    }
 }
 
 /// The keys of `snapshot` whose entries are expired at `now`.
