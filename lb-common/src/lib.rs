@@ -1339,7 +1339,11 @@ pub mod stat {
     /// the port of an unfinished handshake idle for a few seconds (mostly
     /// a spoofed SYN's), whose entries went (not a drop).
     pub const TC_SNAT_RECLAIMED: u32 = 26;
-    pub const COUNT: u32 = 27;
+    /// A backend chosen for a new flow by a scheduler (not by
+    /// sessionAffinity or a flow's record): `CHOSEN + algorithm`, one
+    /// counter per `algorithm::NAMES` (`chosen_random` .. `chosen_nq`).
+    pub const CHOSEN: u32 = 27;
+    pub const COUNT: u32 = CHOSEN + super::algorithm::NAMES.len() as u32;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1369,6 +1373,14 @@ pub mod stat {
         "tc_source_port_remapped",
         "frontend_looked_up_again",
         "tc_snat_reclaimed",
+        "chosen_random",
+        "chosen_maglev",
+        "chosen_rr",
+        "chosen_lc",
+        "chosen_dh",
+        "chosen_sh",
+        "chosen_sed",
+        "chosen_nq",
     ];
 }
 

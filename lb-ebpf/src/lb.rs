@@ -160,6 +160,22 @@ pub fn backend_by_id(id: u32) -> Option<Backend> {
     None
 }
 
+/// Whether id `id` is backend `addr:port`, or free (its last backend's,
+/// kept while connections counted for it are open); false if another
+/// backend has it.
+#[inline(always)]
+pub fn backend_is_or_was(id: u32, addr: &[u8; 16], port: u16) -> bool {
+    let Some(b) = LB_BACKENDS.get_ptr(id) else {
+        return false;
+    };
+    // SAFETY: copied out at once.
+    let b = unsafe { core::ptr::read(b) };
+    if b.key_check == 0 {
+        return true;
+    }
+    b.key_check == (BackendId { id }).key_check() && b.addr == *addr && b.port == port
+}
+
 /// Whether backend `id` is in use (`backend_by_id` without the copy).
 #[inline(always)]
 pub fn backend_exists(id: u32) -> Option<()> {
@@ -236,7 +252,9 @@ pub fn choose_id<const OUTLINE_IPVS: bool>(
     hashes: impl FlowHashes,
     random: impl FnOnce() -> u32,
 ) -> Option<u32> {
-    let slot = match svc.algorithm() {
+    let algorithm = svc.algorithm();
+    count(stat::CHOSEN + (algorithm & 7) as u32);
+    let slot = match algorithm {
         // Not a table (a frontend programmed by hand, or no active
         // backend: the terminating fallback is random): at random below.
         a if algorithm::uses_table(a) && select::uses_maglev(svc) => {

@@ -478,9 +478,10 @@ pub fn release(ctx: &SockContext) -> i32 {
 }
 
 /// Takes back the open connection the socket holding slot `index`
-/// (`entry`) counted, if any: only while its backend id still names the
-/// backend it connected to (an id the agent gave to another backend since
-/// had its count reset).
+/// (`entry`) counted, if any, unless its backend's id names another
+/// backend now: the agent keeps a deleted backend's id while connections
+/// counted for it are open (its element is then free), and zeroes an
+/// id's counts before another backend takes it.
 #[inline(always)]
 fn uncount(index: u32, entry: *mut SockPeerEntry) {
     let Some(counted) = LB_SOCK_BACKEND.get_ptr_mut(index) else {
@@ -496,7 +497,7 @@ fn uncount(index: u32, entry: *mut SockPeerEntry) {
     unsafe { core::ptr::write_volatile(counted, 0) };
     // SAFETY: a valid element of the socket's own slot, read in place.
     let (addr, port) = unsafe { ((*entry).peer.backend_addr, (*entry).peer.backend_port) };
-    if lb::backend_by_id(id).is_some_and(|b| b.addr == addr && b.port == port) {
+    if lb::backend_is_or_was(id, &addr, port) {
         lb::close_counted(id);
     }
 }

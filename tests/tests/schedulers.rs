@@ -12,7 +12,7 @@ use std::{
 
 use common::*;
 use integration_tests::{
-    cluster::{with_annotation, HeldTcp},
+    cluster::{ready_slice, with_annotation, HeldTcp},
     netns::{pod_v4, pod_v6},
     probe::{parse_attempts, Attempt},
     require_root, AgentOpts, Env,
@@ -300,4 +300,82 @@ fn two_fresh_agents_draw_different_sequences() {
     }
     eprintln!("random, first 40 connects of two fresh agents: {runs:?}");
     assert_ne!(runs[0], runs[1], "two nodes draw the same sequence");
+}
+
+/// lc's counts under load: clients on both CPUs connect and close as fast
+/// as they can while the backend set changes (b5 joins and leaves) and 30
+/// connections are opened and held meanwhile. Once the clients are done
+/// every backend counts exactly the held connections it has, and nothing
+/// once those close: no count lost or doubled by two CPUs, a socket's
+/// release, or a set replaced under them.
+#[test]
+fn lc_counts_stay_exact_under_churn_from_both_cpus() {
+    require_root!();
+    let mut env = Env::new("lc-stress", 5).unwrap();
+    let all: Vec<String> = (1..=5).map(|i| format!("b{i}")).collect();
+    let write = |env: &Env, hosts: &[String]| {
+        let svc = with_annotation(web_service().to_value(), "lb-agent.dev/lb-algorithm", "lc");
+        env.manifests
+            .write(
+                "web.yaml",
+                &[svc, ready_slice(env, "web", "web-abcde", &WEB_PORTS, hosts)],
+            )
+            .unwrap();
+    };
+    write(&env, &all);
+    env.start_agent().unwrap();
+    let client = env.topo.client_netns().to_string();
+    const EACH: usize = 2000;
+    let (a, b) = (
+        connects(&env, &client, 0, EACH),
+        connects(&env, &client, 1, EACH),
+    );
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (held, changes) = std::thread::scope(|scope| {
+        let churn = scope.spawn(|| {
+            let mut changes = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                write(&env, if changes % 2 == 0 { &all[..4] } else { &all });
+                changes += 1;
+                std::thread::sleep(Duration::from_millis(60));
+            }
+            write(&env, &all);
+            changes
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        let held = HeldTcp::open(&env, TARGET, 30).unwrap();
+        let (a, b) = (backends_of(a, EACH), backends_of(b, EACH));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        eprintln!("churn clients: {:?}", tally(a.iter().chain(&b)));
+        (held, churn.join().unwrap())
+    });
+    let per = held.per_backend();
+    eprintln!("{changes} set changes; 30 held: {per:?}");
+    assert!(changes >= 10, "the set changed {changes} times only");
+    // The last set (all five) is programmed: every backend is shown.
+    let mut open = BTreeMap::new();
+    let want: BTreeMap<String, u64> = (1..=5u8)
+        .map(|i| {
+            let name = format!("b{i}");
+            (
+                pod_v4(i).to_string(),
+                per.get(&name).copied().unwrap_or(0) as u64,
+            )
+        })
+        .collect();
+    assert!(
+        integration_tests::wait_until(Duration::from_secs(10), Duration::from_millis(100), || {
+            open = open_per_backend(&env);
+            open.len() == 5
+        }),
+        "{open:?}"
+    );
+    assert_eq!(
+        open, want,
+        "counts after the churn, against the held connections"
+    );
+    held.close().unwrap();
+    let open = open_per_backend(&env);
+    assert!(open.values().all(|n| *n == 0), "all closed: {open:?}");
+    drop(env.agent.take());
 }

@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 
 const RR_NODEPORT: u16 = 30180;
 const LC_NODEPORT: u16 = 30181;
+const SH_NODEPORT: u16 = 30182;
 
 /// Service `demo/{name}`, NodePort `node_port` (80/TCP to 8080), with the
 /// scheduler `algorithm`.
@@ -30,7 +31,7 @@ fn service(name: &str, cluster_ip: &str, node_port: u16, algorithm: &str) -> Val
 }
 
 /// Pods n1p0 and n1p1 on node 1, n2p0 on node 2, node 3 without any;
-/// an rr and an lc NodePort over all three.
+/// an rr, an lc and an sh NodePort over all three.
 fn cluster(tag: &str) -> Cluster {
     let mut c = Cluster::new(tag, &[2, 1, 0]).expect("topology");
     c.serve_all().expect("servers");
@@ -46,6 +47,8 @@ fn cluster(tag: &str) -> Cluster {
         c.slice("rr", &all, false, "TCP"),
         service("lc", "10.96.0.31", LC_NODEPORT, "lc"),
         c.slice("lc", &all, false, "TCP"),
+        service("sh", "10.96.0.32", SH_NODEPORT, "sh"),
+        c.slice("sh", &all, false, "TCP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
     // Closed flows leave the conntrack (and the counts) within a second
@@ -152,4 +155,49 @@ fn lc_through_a_node_port_balances_held_flows_and_refills_an_emptied_backend() {
     );
     held.close().unwrap();
     next.close().unwrap();
+}
+
+#[test]
+fn sh_through_node_ports_keeps_a_client_on_one_backend_whichever_node() {
+    require_root!();
+    let c = cluster("sh-np");
+    let mut chosen = Vec::new();
+    for (netns, node) in [
+        (&c.client_netns, 1u8),
+        (&c.client_netns, 2),
+        (&c.client_netns, 3),
+    ]
+    .into_iter()
+    .chain([(&c.client2_netns, 1), (&c.client2_netns, 3)])
+    {
+        let target = format!("{}:{SH_NODEPORT}", node_v4(node));
+        let a = c.from_netns(netns, "tcp", &target, 12);
+        let backends: std::collections::BTreeSet<String> = a
+            .iter()
+            .map(|x| {
+                x.backend
+                    .clone()
+                    .unwrap_or_else(|| panic!("{target}: {x:?}"))
+            })
+            .collect();
+        assert_eq!(
+            backends.len(),
+            1,
+            "{netns} through node {node}: {backends:?}"
+        );
+        chosen.push((netns.clone(), node, backends.into_iter().next().unwrap()));
+    }
+    eprintln!("sh: {chosen:?}");
+    for client in [&c.client_netns, &c.client2_netns] {
+        let of: std::collections::BTreeSet<&String> = chosen
+            .iter()
+            .filter(|(n, _, _)| n == client)
+            .map(|(_, _, b)| b)
+            .collect();
+        assert_eq!(
+            of.len(),
+            1,
+            "{client} reaches another backend through another node: {chosen:?}"
+        );
+    }
 }

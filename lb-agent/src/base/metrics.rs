@@ -23,6 +23,12 @@ pub struct EventLabel {
     pub event: String,
 }
 
+/// A scheduler, by its `lb_common::algorithm::NAMES` name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AlgorithmLabel {
+    pub algorithm: String,
+}
+
 /// A kernel feature the agent probed at start (`datapath::features`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FeatureLabel {
@@ -104,6 +110,10 @@ pub struct Metrics {
     pub kernel_features: Family<FeatureLabel, Gauge>,
     pub refusal_errno: Gauge,
     pub datapath_events: Family<EventLabel, Counter>,
+    /// Backends chosen for new flows, by scheduler (`LB_STATS`'s
+    /// `chosen_*`); no per-backend series, which 100 000 Services would
+    /// make millions of.
+    pub scheduler_choices: Family<AlgorithmLabel, Counter>,
     /// The `LB_STATS` totals last added to `datapath_events`.
     datapath_seen: Arc<std::sync::Mutex<Vec<u64>>>,
 }
@@ -145,6 +155,7 @@ impl Metrics {
             conntrack_expired: Counter::default(),
             conntrack_udp_purged: Counter::default(),
             datapath_events: Family::default(),
+            scheduler_choices: Family::default(),
             datapath_seen: Arc::default(),
         };
         registry.register(
@@ -275,6 +286,11 @@ impl Metrics {
             "Kernel program events by kind (LB_STATS): translations, refusals, and every tc drop by its reason",
             m.datapath_events.clone(),
         );
+        registry.register(
+            "scheduler_choices",
+            "Backends chosen for new connections and flows on this node, by scheduler (--algorithm, lb-agent.dev/lb-algorithm); sessionAffinity hits and a flow's later packets are not choices",
+            m.scheduler_choices.clone(),
+        );
         Self {
             registry: Arc::new(registry),
             ..m
@@ -291,6 +307,14 @@ impl Metrics {
             let delta = if now >= *before { now - *before } else { now };
             *before = now;
             let name = lb_common::stat::NAMES.get(i).copied().unwrap_or("unknown");
+            if let Some(algorithm) = name.strip_prefix("chosen_") {
+                self.scheduler_choices
+                    .get_or_create(&AlgorithmLabel {
+                        algorithm: algorithm.to_owned(),
+                    })
+                    .inc_by(delta);
+                continue;
+            }
             self.datapath_events
                 .get_or_create(&EventLabel {
                     event: name.to_owned(),
@@ -336,6 +360,14 @@ mod tests {
             text.contains("lb_datapath_events_total{event=\"tc_drop_invalid\"} 5"),
             "{text}"
         );
+        totals[lb_common::stat::CHOSEN as usize + lb_common::algorithm::LC as usize] = 7;
+        m.record_datapath_events(&totals);
+        let text = m.encode();
+        assert!(
+            text.contains("lb_scheduler_choices_total{algorithm=\"lc\"} 7"),
+            "{text}"
+        );
+        assert!(!text.contains("event=\"chosen_"), "{text}");
         // Recreated maps start from zero again.
         totals[lb_common::stat::TC_DROP_INVALID as usize] = 1;
         m.record_datapath_events(&totals);

@@ -1446,6 +1446,10 @@ impl PinnedMaps {
 }
 
 impl MapOps for PinnedMaps {
+    fn backend_busy(&mut self, id: BackendId) -> bool {
+        self.open_connections(id.id).is_some_and(|n| n > 0)
+    }
+
     fn reset_backend_state(&mut self, id: BackendId) -> std::io::Result<()> {
         match &mut self.backend_state {
             Some(state) => state.set(id.id, BackendState::default(), 0).map_err(io),

@@ -90,6 +90,12 @@ pub trait MapOps {
     fn reset_backend_state(&mut self, _id: BackendId) -> std::io::Result<()> {
         Ok(())
     }
+    /// Whether connections counted for backend `id` are still open
+    /// (`BackendState::open`): its id is not given to another backend
+    /// until they close, and the backend keeps it if it comes back.
+    fn backend_busy(&mut self, _id: BackendId) -> bool {
+        false
+    }
     /// Makes a Maglev table holding `table` (position -> backend id) and
     /// puts it in `LB_MAGLEV` under `set`, which nothing names yet: the
     /// frontend's value publishes it afterwards. On failure nothing of the
@@ -511,6 +517,12 @@ pub struct Reconciler {
     backends: Backends,
     used_service_ids: IdSet,
     used_backend_ids: IdSet,
+    /// Backends deleted while connections counted for them were open
+    /// (`MapOps::backend_busy`), with the id they keep: it stays in use
+    /// until those close, so that their releases take back their own
+    /// counts, and a backend that comes back meanwhile takes it again with
+    /// its counts.
+    draining: BTreeMap<BackendAddr, u32>,
     used_sets: BTreeSet<u32>,
     next_set: u32,
     /// Which `LB_SLOTS` elements the sets of `frontends` and `retiring` hold.
@@ -843,6 +855,7 @@ impl Reconciler {
             backends: Backends::default(),
             used_service_ids: IdSet::default(),
             used_backend_ids: IdSet::default(),
+            draining: BTreeMap::new(),
             used_sets: BTreeSet::new(),
             next_set: 1,
             affinity_ids: BTreeMap::new(),
@@ -1161,6 +1174,8 @@ impl Reconciler {
         // frontends that need it.
         let mut backend_errors: HashMap<BackendAddr, i32> = HashMap::new();
         let mut wanted = wanted.into_iter().peekable();
+        // Ids taken back from `draining`, whose counts stay.
+        let mut kept_counts: BTreeSet<u32> = BTreeSet::new();
         let mut pending: Vec<(BackendAddr, u32, u8, bool)> =
             Vec::with_capacity(BACKEND_CHUNK.min(wanted.len()));
         while wanted.peek().is_some() {
@@ -1169,18 +1184,26 @@ impl Reconciler {
                 match self.backends.programmed(&addr) {
                     Some(b) if b.flags == flags => continue,
                     Some(b) => pending.push((addr, b.id, flags, false)),
-                    None => {
-                        let id = self.used_backend_ids.lowest_free();
-                        self.used_backend_ids.insert(id);
-                        pending.push((addr, id, flags, true));
-                    }
+                    None => match self.draining.remove(&addr) {
+                        // Back while its connections are open: its id, and
+                        // their counts, are still its own.
+                        Some(id) => {
+                            kept_counts.insert(id);
+                            pending.push((addr, id, flags, true));
+                        }
+                        None => {
+                            let id = self.used_backend_ids.lowest_free();
+                            self.used_backend_ids.insert(id);
+                            pending.push((addr, id, flags, true));
+                        }
+                    },
                 }
                 if pending.len() == BACKEND_CHUNK {
                     break;
                 }
             }
             for (_, id, _, fresh) in &pending {
-                if *fresh {
+                if *fresh && !kept_counts.contains(id) {
                     // Best effort: a count left over is corrected by the
                     // connections' own releases, never read below 0.
                     let _ = ops.reset_backend_state(BackendId { id: *id });
@@ -1199,7 +1222,9 @@ impl Reconciler {
                         report.backends_written += 1;
                     }
                     Err(source) => {
-                        if fresh {
+                        if kept_counts.contains(&id) {
+                            self.draining.insert(addr, id);
+                        } else if fresh {
                             self.used_backend_ids.remove(&id);
                         }
                         backend_errors.insert(addr, source.raw_os_error().unwrap_or(libc::EIO));
@@ -1841,6 +1866,16 @@ impl Reconciler {
     /// `schedule_retire`) and backends nothing names any more. Run it a
     /// moment after `schedule_retire`, once no program can still hold a
     /// `ServiceValue` that named them.
+    /// Backend `addr`'s id `id` after its deletion: free, or kept while
+    /// connections counted for it are open (`draining`).
+    fn free_backend_id(&mut self, addr: BackendAddr, id: u32, ops: &mut impl MapOps) {
+        if ops.backend_busy(BackendId { id }) {
+            self.draining.insert(addr, id);
+        } else {
+            self.used_backend_ids.remove(&id);
+        }
+    }
+
     pub fn retire(&mut self, ops: &mut impl MapOps) -> Vec<String> {
         let mut errors = Vec::new();
         let (retiring, waiting): (Vec<Retired>, Vec<Retired>) = std::mem::take(&mut self.retiring)
@@ -1875,15 +1910,27 @@ impl Reconciler {
             .map(|(a, b)| (*a, b.id))
             .collect();
         unused.sort_unstable();
+        // Ids of backends whose counted connections have all closed are
+        // free again.
+        let drained: Vec<(BackendAddr, u32)> = self
+            .draining
+            .iter()
+            .filter(|(_, id)| !ops.backend_busy(BackendId { id: **id }))
+            .map(|(a, id)| (*a, *id))
+            .collect();
+        for (addr, id) in drained {
+            self.draining.remove(&addr);
+            self.used_backend_ids.remove(&id);
+        }
         for (addr, id) in unused {
             match ops.del_backend(BackendId { id }) {
                 Ok(()) => {
                     self.backends.unprogram(&addr);
-                    self.used_backend_ids.remove(&id);
+                    self.free_backend_id(addr, id, ops);
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                     self.backends.unprogram(&addr);
-                    self.used_backend_ids.remove(&id);
+                    self.free_backend_id(addr, id, ops);
                 }
                 Err(source) => errors.push(
                     MapWriteError {
