@@ -59,6 +59,26 @@ fn raise_open_file_limit() {
     }
 }
 
+/// `LB_BACKEND_STATE` mapped, for the flow counts' corrections; `None`
+/// (and a warning) where it cannot be.
+fn open_backend_states(
+    pin_dir: &std::path::Path,
+) -> Option<crate::datapath::backend_state::BackendStates> {
+    let why = match aya::maps::MapData::from_pin(pin_dir.join(lb_common::map_names::BACKEND_STATE))
+    {
+        Ok(map) => match crate::datapath::backend_state::BackendStates::map(&map) {
+            Ok(Some(states)) => return Some(states),
+            Ok(None) => "it was created without BPF_F_MMAPABLE".to_string(),
+            Err(e) => e.to_string(),
+        },
+        Err(e) => e.to_string(),
+    };
+    tracing::warn!(
+        "mapping LB_BACKEND_STATE: {why}; flows (the tc path's, UDP sockets') are not taken back from lc, sed and nq's counts"
+    );
+    None
+}
+
 /// Warns once of each Service that dh (destination hashing) serves: it
 /// sends every connection to a frontend to one backend, which is what
 /// the ipvs mode did but rarely what a Service wants; says when one no
@@ -228,6 +248,9 @@ struct Syncer {
     problems: ProblemLog,
     /// The Services served with dh now, each warned about once.
     dh_services: BTreeSet<crate::semantics::model::ServiceName>,
+    /// The backends' flow counts (`BackendState::flows`), corrected after
+    /// each sweep; `None` where `LB_BACKEND_STATE` cannot be mapped.
+    backend_states: Option<crate::datapath::backend_state::BackendStates>,
     metrics: Metrics,
     north_south: NorthSouthArgs,
     /// The tc maps; `None` when they could not be opened (logged).
@@ -782,10 +805,29 @@ impl Syncer {
         }
     }
 
-    fn sweep_conntrack(&mut self) {
+    /// Sweeps the UDP sockets' flows and the tc path's conntrack, then
+    /// sets each backend's flow count (`BackendState::flows`) to the
+    /// counted flows left in both: a flow that expired, was replaced or
+    /// evicted stops counting for lc, sed and nq.
+    fn sweep_flows(&mut self) {
+        let before = self.backend_states.as_ref().map(|s| s.flow_counts());
+        self.sweep_datagram_flows();
+        let mut counted = std::collections::HashMap::new();
+        let policies = self.reconciler.datagram_flow_policies();
+        let timeout_s = self.north_south.timeouts().config().udp_timeout_s;
+        self.datapath
+            .maps()
+            .count_datagram_flows(&policies, timeout_s, &mut counted);
+        self.sweep_conntrack(&mut counted);
+        if let (Some(states), Some(before)) = (&self.backend_states, before) {
+            states.correct_flows(&before, &counted);
+        }
+    }
+
+    fn sweep_conntrack(&mut self, counted: &mut std::collections::HashMap<u32, i32>) {
         let timeouts = self.north_south.timeouts();
         if let Some(tc) = &mut self.tc {
-            let (left, n) = tc.sweep(&timeouts);
+            let (left, n) = tc.sweep(&timeouts, counted);
             self.metrics.conntrack_entries.set(left as i64);
             self.metrics.conntrack_expired.inc_by(n as u64);
             if n > 0 {
@@ -1089,6 +1131,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         north_south_cache: None,
         problems: ProblemLog::default(),
         dh_services: BTreeSet::new(),
+        backend_states: open_backend_states(&args.bpffs),
         metrics,
         north_south: args.north_south.clone(),
         tc: match crate::datapath::tc::TcMaps::open(&args.bpffs) {
@@ -1159,8 +1202,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = sweep.tick() => {
                 syncer.retry_tc_attach();
                 syncer.sweep_affinity();
-                syncer.sweep_datagram_flows();
-                syncer.sweep_conntrack();
+                syncer.sweep_flows();
                 syncer.record_datapath_events();
                 None
             }

@@ -598,7 +598,7 @@ impl SockPeerEntry {
 /// | offset | field       | meaning                                            |
 /// |--------|-------------|----------------------------------------------------|
 /// | 0      | `sockets`   | socket-path TCP connections open to it             |
-/// | 4      | `flows`     | tc-path flows to it that live                      |
+/// | 4      | `flows`     | tc-path and UDP socket flows to it that live       |
 /// | 8      | `_reserved` | zero                                               |
 ///
 /// Both count only connections through a frontend whose scheduler counts
@@ -611,10 +611,12 @@ impl SockPeerEntry {
 ///   programs. A decrement that meets an instant of the agent's reset can
 ///   leave it at -1; `open()` reads the sum as 0 at least.
 /// - `flows`: `tc_ingress` adds one for each new flow it sends to the
-///   backend (marking its forward entry `ct_flags::COUNTED`); each
-///   conntrack sweep of the agent sets it to the counted flows it found
-///   live, with an atomic add of the difference, so a flow that ended, was
-///   evicted or expired stops counting within a sweep.
+///   backend (marking its forward entry `ct_flags::COUNTED`), and the
+///   socket programs one for each new UDP socket's flow (`LB_DGRAM_FLOWS`,
+///   connected or not); each sweep of the agent sets it to the counted
+///   flows it found live in both, with an atomic add of the difference, so
+///   a flow that ended, was evicted or expired stops counting within a
+///   sweep.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BackendState {

@@ -67,8 +67,9 @@ pub fn close_counted(id: u32) {
     add_sockets(id, -1);
 }
 
-/// One more flow of the tc path to backend `id`; the agent's conntrack
-/// sweep takes it back once the flow is gone (`BackendState::flows`).
+/// One more flow to backend `id`, of the tc path or a UDP socket's
+/// (`LB_DGRAM_FLOWS`); the agent's sweep takes it back once the flow is
+/// gone (`BackendState::flows`).
 #[inline(always)]
 pub fn flow_counted(id: u32) {
     if let Some(state) = LB_BACKEND_STATE.get_ptr_mut(id) {
@@ -406,6 +407,11 @@ pub fn with_datagram_flow(
                 return Some((other.backend_id, b));
             }
         }
+    }
+    // A new flow counts for lc, sed and nq while its record lives (the
+    // agent's sweep takes back what expired, was replaced or evicted).
+    if algorithm::counts(svc.algorithm()) {
+        flow_counted(id);
     }
     Some((id, backend))
 }

@@ -12,7 +12,7 @@ use std::{
 
 use common::*;
 use integration_tests::{
-    cluster::{ready_slice, with_annotation, HeldTcp},
+    cluster::{flows, ready_slice, with_annotation, HeldTcp},
     netns::{pod_v4, pod_v6},
     probe::{parse_attempts, Attempt},
     require_root, AgentOpts, Env,
@@ -378,4 +378,45 @@ fn lc_counts_stay_exact_under_churn_from_both_cpus() {
     let open = open_per_backend(&env);
     assert!(open.values().all(|n| *n == 0), "all closed: {open:?}");
     drop(env.agent.take());
+}
+
+/// lc over UDP: each socket's flow (`LB_DGRAM_FLOWS`) counts for its
+/// backend while it lives, so 30 sockets spread 10/10/10; once they idle
+/// past the UDP timeout the sweep takes the counts back.
+#[test]
+fn lc_counts_udp_flows_while_they_live() {
+    require_root!();
+    let env = env_with(
+        "lc-udp",
+        3,
+        Some("lc"),
+        &["--conntrack-udp-timeout", "2s", "--sweep-interval", "500ms"],
+    );
+    let mut f = flows(&env, "10.96.0.10:53", 30).unwrap();
+    let round = f.round().unwrap();
+    let names: Vec<String> = round.into_iter().map(|b| b.expect("an answer")).collect();
+    let per = tally(&names);
+    eprintln!("lc, 30 UDP sockets: {per:?}");
+    assert_eq!(
+        per.values().copied().collect::<Vec<_>>(),
+        [10, 10, 10],
+        "{per:?}"
+    );
+    let open_udp = |env: &Env| -> Vec<u64> {
+        frontend(env, VIP, 53)["backends"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|b| b["open"].as_u64().unwrap())
+            .collect()
+    };
+    assert_eq!(open_udp(&env), [10, 10, 10]);
+    let mut open = Vec::new();
+    assert!(
+        integration_tests::wait_until(Duration::from_secs(10), Duration::from_millis(200), || {
+            open = open_udp(&env);
+            open.iter().all(|n| *n == 0)
+        }),
+        "idle flows still count: {open:?}"
+    );
 }

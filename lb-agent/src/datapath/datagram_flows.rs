@@ -25,6 +25,9 @@ pub fn frontend_of(key: &DatagramFlowKey) -> FlowFrontend {
 pub struct DatagramPolicy {
     pub service_id: u32,
     pub serving: BTreeSet<u32>,
+    /// The frontend's scheduler counts flows (lc, sed, nq): its live flows
+    /// count for their backends (`BackendState::flows`).
+    pub counts: bool,
 }
 
 /// The backends a flow may stay on, of a frontend whose slots are `slots`
@@ -100,6 +103,7 @@ mod tests {
             DatagramPolicy {
                 service_id: 4,
                 serving: BTreeSet::from([7, 8]),
+                counts: false,
             },
         )]);
         let now = 100 * 1_000_000_000;

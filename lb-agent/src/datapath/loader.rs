@@ -388,6 +388,28 @@ impl PinnedMaps {
 
     /// Deletes datagram flows that can no longer bind (see
     /// `datagram_flows`); `udp_timeout_s` as the kernel reads it.
+    /// Adds to `counted` each backend's live flows of `LB_DGRAM_FLOWS`
+    /// whose frontend's scheduler counts them (`DatagramPolicy::counts`).
+    pub fn count_datagram_flows(
+        &self,
+        policies: &BTreeMap<FlowFrontend, DatagramPolicy>,
+        udp_timeout_s: u32,
+        counted: &mut std::collections::HashMap<u32, i32>,
+    ) {
+        if !policies.values().any(|p| p.counts) {
+            return;
+        }
+        let now = monotonic_now_ns();
+        for (k, f) in self.datagram_flows.iter().filter_map(Result::ok) {
+            let counts = policies
+                .get(&(k.addr, k.port, k.proto))
+                .is_some_and(|p| p.counts && p.service_id == f.service_id);
+            if counts && f.live(now, udp_timeout_s) {
+                *counted.entry(f.backend_id).or_default() += 1;
+            }
+        }
+    }
+
     pub fn sweep_datagram_flows(
         &mut self,
         policies: &BTreeMap<FlowFrontend, DatagramPolicy>,

@@ -1822,6 +1822,7 @@ impl Reconciler {
                         p.value.active,
                         p.value.terminating,
                     ),
+                    counts: lb_common::algorithm::counts(p.value.algorithm()),
                 };
                 ((key.addr, key.port, key.proto), policy)
             })

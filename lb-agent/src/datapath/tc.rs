@@ -7,7 +7,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::CStr,
-    fs, io,
+    fs,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     path::Path,
     time::Duration,
@@ -35,7 +35,6 @@ use crate::{
     base::addr::addr_bytes,
     base::addr::ip_from_bytes,
     base::clock::monotonic_now_ns,
-    datapath::backend_state::BackendStates,
     datapath::loader::pin_replacing,
     datapath::sweep::Table,
     semantics::model::{BackendAddr, Cidr, DesiredState, Frontend, FrontendState, Scope},
@@ -628,9 +627,6 @@ pub struct TcMaps {
     ports_reserved: bool,
     pub local_ports: PortMarks,
     pub frontend_ports: PortMarks,
-    /// The backends' tc-path flow counts, corrected after each sweep;
-    /// `None` where `LB_BACKEND_STATE` cannot be mapped.
-    backend_state: Option<BackendStates>,
 }
 
 /// `LB_LOCAL_PORTS` or `LB_FRONTEND_PORTS`: the ports local backends
@@ -855,26 +851,11 @@ impl TcMaps {
         for e in errors {
             tracing::error!("{e}");
         }
-        let backend_state = match MapData::from_pin(dir.join(map_names::BACKEND_STATE))
-            .map_err(io::Error::other)
-            .and_then(|m| BackendStates::map(&m))
-        {
-            Ok(Some(s)) => Some(s),
-            Ok(None) => {
-                tracing::warn!("LB_BACKEND_STATE is not mappable: the tc path's flows are not counted for lc, sed and nq");
-                None
-            }
-            Err(e) => {
-                tracing::warn!("mapping LB_BACKEND_STATE: {e}; the tc path's flows are not counted for lc, sed and nq");
-                None
-            }
-        };
         Ok(Self {
             conntrack,
             conntrack_syn,
             local_ports,
             frontend_ports,
-            backend_state,
             ranges: SourceRangeWriter::adopt(LpmTrie::try_from(open(
                 dir,
                 map_names::SOURCE_RANGES,
@@ -934,16 +915,15 @@ impl TcMaps {
 
     /// Deletes expired entries of both tables: (entries left, entries
     /// deleted).
-    /// Then sets each backend's flow count (`BackendState::flows`) to the
-    /// counted flows left.
-    pub fn sweep(&mut self, t: &Timeouts) -> (usize, usize) {
-        let before = self.backend_state.as_ref().map(|s| s.flow_counts());
-        let mut live = std::collections::HashMap::new();
-        let (left, deleted) = sweep_table(&mut self.conntrack, t, &mut live);
-        let (syn_left, syn_deleted) = sweep_table(&mut self.conntrack_syn, t, &mut live);
-        if let (Some(state), Some(before)) = (&self.backend_state, before) {
-            state.correct_flows(&before, &live);
-        }
+    /// Adds the counted flows left (`ct_flags::COUNTED`) of each backend
+    /// to `counted`, for `BackendStates::correct_flows`.
+    pub fn sweep(
+        &mut self,
+        t: &Timeouts,
+        counted: &mut std::collections::HashMap<u32, i32>,
+    ) -> (usize, usize) {
+        let (left, deleted) = sweep_table(&mut self.conntrack, t, counted);
+        let (syn_left, syn_deleted) = sweep_table(&mut self.conntrack_syn, t, counted);
         (left + syn_left, deleted + syn_deleted)
     }
 
