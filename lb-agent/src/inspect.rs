@@ -605,7 +605,12 @@ impl Subject for Conntrack {
             .map(|(k, e)| {
                 let flags = flag_names(
                     e.flags,
-                    &[(ct_flags::SNAT, "snat"), (ct_flags::LOCAL, "local")],
+                    &[
+                        (ct_flags::SNAT, "snat"),
+                        (ct_flags::LOCAL, "local"),
+                        // Counts for its backend (lc, sed, nq).
+                        (ct_flags::COUNTED, "counted"),
+                    ],
                 );
                 CtView {
                     direction: if e.flags & ct_flags::REPLY != 0 {

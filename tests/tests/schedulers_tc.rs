@@ -127,6 +127,21 @@ fn lc_through_a_node_port_balances_held_flows_and_refills_an_emptied_backend() {
     let mut held = HeldTcp::open_from(None, &c.client_netns, &target, 30).unwrap();
     let per = held.per_backend();
     eprintln!("lc through node 3, 30 held: {per:?}");
+    // Each forward entry says it counts.
+    let counted = c.agents[2]
+        .inspect_conntrack()
+        .unwrap()
+        .iter()
+        .filter(|e| e["direction"] == "forward")
+        .filter(|e| {
+            e["flags"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f == "counted")
+        })
+        .count();
+    assert_eq!(counted, 30);
     assert_eq!(
         per.values().copied().collect::<Vec<_>>(),
         [10, 10, 10],
