@@ -81,7 +81,7 @@ pub mod algorithm {
     /// Through the frontend's Maglev table, by the flow's hash.
     pub const MAGLEV: u8 = 1;
     /// Round-robin: one cursor per frontend (`FrontendState::rr_cursor`),
-    /// stepped atomically by every CPU.
+    /// stepped under its lock by every CPU, so each turn is taken once.
     pub const RR: u8 = 2;
     /// Least connection: the backend with the fewest open connections
     /// from this node (`BackendState::open`), ties at random.
@@ -644,7 +644,7 @@ impl BackendState {
 /// | offset | field       | meaning                                            |
 /// |--------|-------------|----------------------------------------------------|
 /// | 0      | `rr_cursor` | round-robin: the next turn, stepped by every CPU   |
-/// | 4      | `_reserved` | zero                                               |
+/// | 4      | `lock`      | the kernel's lock of `rr_cursor` (`bpf_spin_lock`) |
 ///
 /// The agent starts every cursor at a random value when it creates the
 /// map, so two nodes start their turns at different backends (the ipvs
@@ -654,7 +654,23 @@ impl BackendState {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FrontendState {
     pub rr_cursor: u32,
-    pub _reserved: u32,
+    pub lock: bpf_spin_lock,
+}
+
+/// The kernel's `struct bpf_spin_lock`, under that name: the verifier
+/// finds the lock of a map value by this type name in the value's BTF.
+/// Only the kernel's `bpf_spin_lock` and `bpf_spin_unlock` helpers touch
+/// it; map reads and writes from user space skip it.
+///
+/// A lock rather than an atomic add that returns the old value: that
+/// instruction (`BPF_FETCH`) is Linux 5.12's, 5.10's verifier rejects it,
+/// and LLVM emits it only for the `alu32` CPU, which an object built for
+/// every kernel cannot assume.
+#[allow(non_camel_case_types)]
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct bpf_spin_lock {
+    pub val: u32,
 }
 
 /// One CPU's element of `LB_SOCK_DRAW`: the socket path's random draw and

@@ -1,7 +1,10 @@
 //! Frontend lookup and backend selection shared by every hook, as Cilium's
 //! `lb.h` is: the socket programs and the tc programs differ only in how
 //! they hash a flow and who the client is.
-use aya_ebpf::bindings::{BPF_ANY, BPF_NOEXIST};
+use aya_ebpf::{
+    bindings::{BPF_ANY, BPF_NOEXIST},
+    helpers::generated::{bpf_spin_lock, bpf_spin_unlock},
+};
 use core::intrinsics::{atomic_xadd, AtomicOrdering::Relaxed};
 
 use lb_common::{
@@ -15,21 +18,20 @@ use crate::maps::{
 };
 
 /// The round-robin turn of frontend `id` (`None` for an id past
-/// `LB_FRONTEND_STATE`): a read of its cursor, then an atomic add whose
-/// result is unused. The cursor never loses a step, but two CPUs reading
-/// it in the same instant take one turn (and the next is skipped): the
-/// atomic add that returns the old value (`BPF_FETCH`) is Linux 5.12's,
-/// which 5.10's verifier rejects, and LLVM emits it only for the `alu32`
-/// CPU feature, which the object, built for every kernel, does not have.
+/// `LB_FRONTEND_STATE`), taken under the frontend's lock so that every
+/// turn goes to exactly one connection, from any CPU (see
+/// `lb_common::bpf_spin_lock` for why not an atomic fetch-and-add).
 #[inline(always)]
 fn rr_turn(id: u32) -> Option<u32> {
     let state = LB_FRONTEND_STATE.get_ptr_mut(id)?;
-    // SAFETY: a valid element for this run; every writer of the cursor
-    // is atomic (the agent writes it only when it creates the map).
+    // SAFETY: a valid element for this run. The verifier allows nothing
+    // but this value's own loads and stores between lock and unlock.
     unsafe {
-        let cursor = &raw mut (*state).rr_cursor;
-        let turn = core::ptr::read_volatile(cursor);
-        atomic_xadd::<u32, u32, { Relaxed }>(cursor, 1);
+        let lock = (&raw mut (*state).lock).cast();
+        bpf_spin_lock(lock);
+        let turn = (*state).rr_cursor;
+        (*state).rr_cursor = turn.wrapping_add(1);
+        bpf_spin_unlock(lock);
         Some(turn)
     }
 }

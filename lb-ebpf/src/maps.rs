@@ -83,11 +83,7 @@ pub static LB_BACKEND_STATE: Array<
 /// This node's state of each frontend (`FrontendState`: the round-robin
 /// cursor), by `ServiceId`.
 #[btf_map]
-pub static LB_FRONTEND_STATE: Array<
-    FrontendState,
-    { capacity::SERVICES as usize },
-    { BPF_F_MMAPABLE as usize },
-> = Array::new();
+pub static LB_FRONTEND_STATE: Array<FrontendState, { capacity::SERVICES as usize }> = Array::new();
 
 /// Beside `LB_SOCK_PEER`, element for element: the backend id a socket's
 /// open connection is counted for in `LB_BACKEND_STATE` (0: none), so

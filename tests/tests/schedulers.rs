@@ -129,20 +129,23 @@ fn rr_takes_the_backends_in_turn_on_one_cpu_and_on_both() {
         assert_eq!(b, &seq[i - 3], "turn {i} is out of order: {seq:?}");
     }
 
-    // Clients on both CPUs at once: the turns of one cursor, shared.
-    let (a, b) = (
-        connects(&env, &client, 0, 300),
-        connects(&env, &client, 1, 300),
-    );
-    let (a, b) = (backends_of(a, 300), backends_of(b, 300));
-    let counts = tally(a.iter().chain(&b));
-    eprintln!("rr from both CPUs, 600 connects: {counts:?}");
+    // Four clients, two on each CPU, at once: the turns of one cursor,
+    // shared. Each turn goes to exactly one connect, so 6000 turns over
+    // three backends are exactly 2000 each; a cursor read and stepped
+    // without its lock gave two CPUs one turn now and then (202/200/198).
+    let clients: Vec<_> = [0, 1, 0, 1]
+        .into_iter()
+        .map(|cpu| connects(&env, &client, cpu, 1500))
+        .collect();
+    let all: Vec<String> = clients
+        .into_iter()
+        .flat_map(|c| backends_of(c, 1500))
+        .collect();
+    let counts = tally(&all);
+    eprintln!("rr from both CPUs, 6000 connects: {counts:?}");
     assert_eq!(counts.len(), 3, "{counts:?}");
     for (backend, n) in &counts {
-        assert!(
-            n.abs_diff(200) <= 1,
-            "{backend}: {n} of 600 turns: {counts:?}"
-        );
+        assert_eq!(*n, 2000, "{backend}: {n} of 6000 turns: {counts:?}");
     }
     let f = frontend(&env, VIP, 80);
     assert_eq!(f["algorithm"], "rr", "{f}");

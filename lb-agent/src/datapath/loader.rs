@@ -1171,7 +1171,7 @@ fn seed_rr_cursors(ebpf: &mut Ebpf) -> anyhow::Result<()> {
         z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
         let value = FrontendState {
             rr_cursor: (z >> 32) as u32,
-            _reserved: 0,
+            lock: Default::default(),
         };
         state.set(id, value, 0)?;
     }
