@@ -105,12 +105,59 @@ pub struct RunArgs {
     /// 251, 509, 1021, 2039, 4093, 8191, 16381, 32749, 65521.
     #[arg(long, default_value_t = crate::semantics::maglev::DEFAULT_TABLE_SIZE, value_parser = maglev_size)]
     pub maglev_table_size: u16,
+    /// Outlier detection: a backend whose TCP connects fail
+    /// (`--outlier-consecutive-failures` in a row) is quarantined. `on`:
+    /// new flows avoid quarantined backends; `dry-run`: detected and
+    /// reported only; `off`: nothing. A Service's
+    /// `lb-agent.dev/outlier-detection` annotation may turn it down, never
+    /// up.
+    #[arg(long, value_enum, default_value_t = OutlierDetectionArg::On)]
+    pub outlier_detection: OutlierDetectionArg,
+    /// Failed TCP connects in a row that quarantine a backend (at least 1).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 3,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub outlier_consecutive_failures: u32,
+    /// How long a backend's first quarantine lasts; the nth in a row (no
+    /// successful connect in between) lasts n times as long, at most
+    /// `--outlier-max-ejection`. At least 1ms.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = ejection_duration)]
+    pub outlier_base_ejection: Duration,
+    /// The longest quarantine. At least 1ms.
+    #[arg(long, value_name = "DURATION", default_value = "300s", value_parser = ejection_duration)]
+    pub outlier_max_ejection: Duration,
+    /// The most of a frontend's backends quarantined at once, in percent
+    /// (0..=100); never its last one.
+    #[arg(
+        long,
+        value_name = "PERCENT",
+        default_value_t = 50,
+        value_parser = clap::value_parser!(u32).range(0..=100)
+    )]
+    pub outlier_max_ejection_percent: u32,
     #[arg(long, value_enum, default_value_t = RefusalArg::Auto, help = REFUSAL_HELP)]
     pub refusal: RefusalArg,
     #[command(flatten)]
     pub capacity: Capacity,
     #[command(flatten)]
     pub north_south: NorthSouthArgs,
+}
+
+impl RunArgs {
+    /// `--outlier-consecutive-failures`, `--outlier-base-ejection`,
+    /// `--outlier-max-ejection` and `--outlier-max-ejection-percent`, as
+    /// `LB_TC_CONFIG` carries them.
+    pub fn outlier_settings(&self) -> crate::datapath::tc::OutlierSettings {
+        crate::datapath::tc::OutlierSettings {
+            consecutive_failures: self.outlier_consecutive_failures,
+            base_ejection: self.outlier_base_ejection,
+            max_ejection: self.outlier_max_ejection,
+            max_ejection_percent: self.outlier_max_ejection_percent,
+        }
+    }
 }
 
 const REFUSAL_HELP: &str = "How a connect or datagram to a Service without endpoints fails: \
@@ -279,6 +326,39 @@ impl From<AlgorithmArg> for crate::semantics::model::Algorithm {
     }
 }
 
+/// `--outlier-detection`: the node's outlier detection, the most a
+/// Service's annotation can ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutlierDetectionArg {
+    /// Detect, and avoid quarantined backends.
+    On,
+    /// Detect and report only.
+    DryRun,
+    /// Nothing.
+    Off,
+}
+
+impl From<OutlierDetectionArg> for crate::semantics::model::OutlierMode {
+    fn from(a: OutlierDetectionArg) -> Self {
+        use crate::semantics::model::OutlierMode;
+        match a {
+            OutlierDetectionArg::On => OutlierMode::On,
+            OutlierDetectionArg::DryRun => OutlierMode::DryRun,
+            OutlierDetectionArg::Off => OutlierMode::Off,
+        }
+    }
+}
+
+/// A quarantine's length: a duration of at least a millisecond (the
+/// kernel counts in ms).
+fn ejection_duration(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    if d < Duration::from_millis(1) {
+        return Err(format!("{s:?} is shorter than 1ms"));
+    }
+    Ok(d)
+}
+
 fn maglev_size(s: &str) -> Result<u16, String> {
     let n: u16 = s.parse().map_err(|e| format!("{s:?}: {e}"))?;
     if crate::semantics::maglev::TABLE_SIZES.contains(&n) {
@@ -351,6 +431,73 @@ mod tests {
         assert_eq!(a.health_addr.port(), 1);
         assert_eq!(a.metrics_bind_address.port(), 2);
         assert_eq!(a.healthz_timeout, Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn outlier_detection_options() {
+        use crate::semantics::model::OutlierMode;
+        let a = run_args(&[]);
+        assert_eq!(a.outlier_detection, OutlierDetectionArg::On);
+        assert_eq!(OutlierMode::from(a.outlier_detection), OutlierMode::On);
+        assert_eq!(
+            a.outlier_settings(),
+            crate::datapath::tc::OutlierSettings {
+                consecutive_failures: 3,
+                base_ejection: Duration::from_secs(10),
+                max_ejection: Duration::from_secs(300),
+                max_ejection_percent: 50,
+            }
+        );
+        let a = run_args(&[
+            "--outlier-detection=dry-run",
+            "--outlier-consecutive-failures=1",
+            "--outlier-base-ejection=1500ms",
+            "--outlier-max-ejection=1h",
+            "--outlier-max-ejection-percent=0",
+        ]);
+        assert_eq!(OutlierMode::from(a.outlier_detection), OutlierMode::DryRun);
+        assert_eq!(a.outlier_consecutive_failures, 1);
+        assert_eq!(a.outlier_base_ejection, Duration::from_millis(1500));
+        assert_eq!(a.outlier_max_ejection, Duration::from_secs(3600));
+        assert_eq!(a.outlier_max_ejection_percent, 0);
+        let a = run_args(&[
+            "--outlier-detection",
+            "off",
+            "--outlier-max-ejection-percent",
+            "100",
+        ]);
+        assert_eq!(OutlierMode::from(a.outlier_detection), OutlierMode::Off);
+        assert_eq!(a.outlier_max_ejection_percent, 100);
+        for (bad, flag) in [
+            ("--outlier-detection=maybe", "--outlier-detection"),
+            ("--outlier-detection=dry_run", "--outlier-detection"),
+            (
+                "--outlier-consecutive-failures=0",
+                "--outlier-consecutive-failures",
+            ),
+            (
+                "--outlier-consecutive-failures=-1",
+                "--outlier-consecutive-failures",
+            ),
+            ("--outlier-base-ejection=0s", "--outlier-base-ejection"),
+            ("--outlier-base-ejection=soon", "--outlier-base-ejection"),
+            ("--outlier-max-ejection=0ms", "--outlier-max-ejection"),
+            (
+                "--outlier-max-ejection-percent=101",
+                "--outlier-max-ejection-percent",
+            ),
+        ] {
+            let err = Cli::try_parse_from(["lb-agent", "run", bad]).unwrap_err();
+            use clap::error::ErrorKind;
+            assert!(
+                matches!(
+                    err.kind(),
+                    ErrorKind::ValueValidation | ErrorKind::InvalidValue
+                ),
+                "{bad}: {err}"
+            );
+            assert!(err.to_string().contains(flag), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -83,6 +83,45 @@ pub struct BackendView {
     /// Its open connections from this node (`LB_BACKEND_STATE`), shown
     /// for the frontends whose scheduler counts them (lc, sed, nq).
     pub open: Option<u32>,
+    /// Outlier detection's quarantine of the backend on this node, while
+    /// it lasts (`LB_BACKEND_HEALTH`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub quarantine: Option<QuarantineView>,
+    /// Failed connects in a row from this node, not yet a quarantine.
+    #[serde(skip_serializing_if = "is_zero")]
+    pub failures: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+#[derive(Debug, Serialize)]
+pub struct QuarantineView {
+    /// Milliseconds until new flows may choose the backend again.
+    pub left_ms: u64,
+    /// `lb_common::outlier::NAMES`: "refused" or "timeout".
+    pub reason: &'static str,
+    /// Quarantines in a row (this one included).
+    pub ejections: u32,
+    /// Whether new flows avoid it: false under `--outlier-detection
+    /// dry-run` (or a Service's annotation saying so), which only reports.
+    pub avoided: bool,
+}
+
+impl QuarantineView {
+    /// The quarantine `health` records at `now` (monotonic ns), if any.
+    pub fn of(health: &lb_common::BackendHealth, now: u64, avoided: bool) -> Option<Self> {
+        health.quarantined(now).then(|| Self {
+            left_ms: (health.until_ns - now) / 1_000_000,
+            reason: lb_common::outlier::NAMES
+                .get(health.reason as usize)
+                .copied()
+                .unwrap_or("unknown"),
+            ejections: health.ejections,
+            avoided,
+        })
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -98,6 +137,9 @@ pub struct FrontendView {
     pub flags: Vec<&'static str>,
     /// Its scheduler (`lb_common::algorithm::NAMES`).
     pub algorithm: &'static str,
+    /// Outlier detection for its connects: "on", "dry-run" or "off"
+    /// (`service_flags::OUTLIER_DETECT` and `OUTLIER_AVOID`).
+    pub outlier_detection: &'static str,
     pub affinity_timeout: Option<u32>,
     /// The sessionAffinity decision this frontend shares with the other
     /// frontends of its Service port and endpoint selection.
@@ -190,6 +232,9 @@ impl Subject for Services {
                 flags.push(algorithm);
             }
             let counts = lb_common::algorithm::counts(value.algorithm());
+            let detects = value.flags & service_flags::OUTLIER_DETECT != 0;
+            let avoids = value.flags & service_flags::OUTLIER_AVOID != 0;
+            let now = crate::base::clock::monotonic_now_ns();
             let mut backends = Vec::new();
             let mut missing_slots = Vec::new();
             for slot in 0..(value.active as u32 + value.terminating as u32) {
@@ -206,6 +251,7 @@ impl Subject for Services {
                     missing_slots.push(slot);
                     continue;
                 };
+                let health = maps.backend_health(backend_id);
                 backends.push(BackendView {
                     id: backend_id,
                     addr: ip_from_bytes(&b.addr),
@@ -217,6 +263,11 @@ impl Subject for Services {
                     },
                     local: b.flags & backend_flags::LOCAL != 0,
                     open: counts.then(|| maps.open_connections(backend_id)).flatten(),
+                    quarantine: health
+                        .as_ref()
+                        .filter(|_| detects)
+                        .and_then(|h| QuarantineView::of(h, now, avoids)),
+                    failures: health.filter(|_| detects).map_or(0, |h| h.failures),
                 });
             }
             let maglev = (value.flags & service_flags::MAGLEV != 0 && value.maglev_size > 0)
@@ -230,6 +281,11 @@ impl Subject for Services {
                 backend_set: value.backend_set,
                 flags,
                 algorithm,
+                outlier_detection: match (detects, avoids) {
+                    (true, true) => "on",
+                    (true, false) => "dry-run",
+                    _ => "off",
+                },
                 affinity_timeout: (value.flags & service_flags::AFFINITY != 0)
                     .then_some(value.affinity_timeout),
                 affinity_id: (value.flags & service_flags::AFFINITY != 0)
@@ -256,6 +312,7 @@ impl Subject for Services {
                     Vec::new()
                 },
                 algorithm: "random",
+                outlier_detection: "off",
                 affinity_timeout: None,
                 affinity_id: None,
                 backends: Vec::new(),
@@ -338,7 +395,29 @@ impl Subject for Services {
                 let addr = SocketAddr::new(b.addr, b.port);
                 let local = if b.local { " local" } else { "" };
                 let open = b.open.map(|n| format!(", {n} open")).unwrap_or_default();
-                let _ = writeln!(s, "{:>66}{addr} ({}{local}{open})", "-> ", b.state);
+                let failures = match b.failures {
+                    0 => String::new(),
+                    n => format!(", {n} failed connects"),
+                };
+                let quarantine = match &b.quarantine {
+                    Some(q) => format!(
+                        ", QUARANTINED{} {:.1}s more ({}, {} in a row)",
+                        if q.avoided {
+                            ""
+                        } else {
+                            " (dry-run: still chosen)"
+                        },
+                        q.left_ms as f64 / 1000.0,
+                        q.reason,
+                        q.ejections
+                    ),
+                    None => String::new(),
+                };
+                let _ = writeln!(
+                    s,
+                    "{:>66}{addr} ({}{local}{open}{failures}{quarantine})",
+                    "-> ", b.state
+                );
             }
             for slot in &v.missing_slots {
                 let _ = writeln!(s, "{:>66}slot {slot} MISSING", "-> ");

@@ -236,6 +236,10 @@ struct Syncer {
     cgroup: PathBuf,
     node_name: String,
     algorithm: Algorithm,
+    /// `--outlier-detection`: the most a Service's annotation may ask for.
+    outlier_mode: crate::semantics::model::OutlierMode,
+    /// The other `--outlier-*` options, written to `LB_TC_CONFIG`.
+    outlier: crate::datapath::tc::OutlierSettings,
     capacity: Capacity,
     datapath: Datapath,
     reconciler: Reconciler,
@@ -251,6 +255,8 @@ struct Syncer {
     /// The backends' flow counts (`BackendState::flows`), corrected after
     /// each sweep; `None` where `LB_BACKEND_STATE` cannot be mapped.
     backend_states: Option<crate::datapath::backend_state::BackendStates>,
+    /// Outlier detection's quarantines, as last reported.
+    quarantines: crate::datapath::outlier::QuarantineWatch,
     metrics: Metrics,
     north_south: NorthSouthArgs,
     /// The tc maps; `None` when they could not be opened (logged).
@@ -356,6 +362,7 @@ impl Syncer {
         });
         let ns = self.north_south.clone();
         let algorithm = self.algorithm;
+        let outlier_mode = self.outlier_mode;
         let translator = &mut self.translator;
         let cache = &mut self.north_south_cache;
         let (update, net, ranges, checks, eligible) = self.source.with_store(|store, changes| {
@@ -366,6 +373,7 @@ impl Syncer {
             let net = node_net(store, &node_name, &interfaces, &ns);
             let opts = TranslateOptions {
                 default_algorithm: algorithm,
+                default_outlier: outlier_mode,
                 node_addresses: net.node_addresses.clone(),
                 allowed_external_ips: ns.allowed_external_ip_cidrs.clone(),
                 external_cluster_ip: ns.external_clusterip,
@@ -705,7 +713,7 @@ impl Syncer {
             tracing::error!("{e}");
         }
         let any = ranges.values().any(|r| !r.is_empty());
-        if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts, any) {
+        if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts, &self.outlier, any) {
             tracing::error!("{e:#}");
         }
         if let Err(e) = self.datapath.set_source_check(any) {
@@ -796,6 +804,36 @@ impl Syncer {
                 .map(|c| c.net.node_addresses.clone());
             self.attach_tc(&devices, &addresses.unwrap_or_default());
         }
+    }
+
+    /// Reports outlier detection's new quarantines and releases (log) and
+    /// how many backends are quarantined (`lb_backends_quarantined`).
+    fn watch_quarantines(&mut self) {
+        let totals = match loader::read_stats(self.datapath.pin_dir()) {
+            Ok(t) => t,
+            Err(e) => return tracing::debug!("reading LB_STATS: {e:#}"),
+        };
+        let ejections = [
+            lb_common::stat::EJECTED_REFUSED,
+            lb_common::stat::EJECTED_TIMEOUT,
+            lb_common::stat::EJECTED_UNREACHABLE,
+        ]
+        .iter()
+        .map(|&i| totals.get(i as usize).copied().unwrap_or(0))
+        .sum();
+        // The kernel's counters too: ejections show in /metrics as soon.
+        self.metrics.record_datapath_events(&totals);
+        let now = crate::base::clock::monotonic_now_ns();
+        let (reconciler, maps) = (&self.reconciler, self.datapath.maps());
+        let changes = self.quarantines.check(
+            ejections,
+            now,
+            || reconciler.outlier_backends(),
+            |id| maps.backend_health(id),
+        );
+        self.metrics
+            .backends_quarantined
+            .set(changes.in_quarantine as i64);
     }
 
     fn record_datapath_events(&mut self) {
@@ -1016,6 +1054,24 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ),
         None => tracing::info!("--no-tc: the tc programs are attached to no device"),
     }
+    let outlier = args.outlier_settings();
+    tracing::info!(
+        mode = crate::semantics::model::OutlierMode::from(args.outlier_detection).name(),
+        consecutive_failures = outlier.consecutive_failures,
+        base_ejection = ?outlier.base_ejection,
+        max_ejection = ?outlier.max_ejection,
+        max_ejection_percent = outlier.max_ejection_percent,
+        "outlier detection"
+    );
+    if outlier.max_ejection < outlier.base_ejection {
+        tracing::warn!(
+            "--outlier-max-ejection ({:?}) is shorter than --outlier-base-ejection ({:?}): \
+             every quarantine lasts {:?}",
+            outlier.max_ejection,
+            outlier.base_ejection,
+            outlier.max_ejection
+        );
+    }
     let metrics = Metrics::new();
     let ready = Readiness::default();
     let proxy_health = ProxyHealthHandle::new(args.healthz_timeout);
@@ -1124,6 +1180,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         cgroup: cgroup.clone(),
         node_name,
         algorithm: args.algorithm.into(),
+        outlier_mode: args.outlier_detection.into(),
+        outlier: args.outlier_settings(),
         capacity: args.capacity.clone(),
         datapath,
         reconciler,
@@ -1132,6 +1190,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         problems: ProblemLog::default(),
         dh_services: BTreeSet::new(),
         backend_states: open_backend_states(&args.bpffs),
+        quarantines: Default::default(),
         metrics,
         north_south: args.north_south.clone(),
         tc: match crate::datapath::tc::TcMaps::open(&args.bpffs) {
@@ -1170,6 +1229,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             .max(Duration::from_millis(100)),
     );
     sweep.tick().await;
+    // Outlier detection's quarantines are reported within this.
+    let mut quarantine_watch = tokio::time::interval(Duration::from_millis(250));
+    quarantine_watch.tick().await;
     loop {
         if retire_at.is_none() && syncer.reconciler.has_retiring() {
             // That retire takes only what is queued now: a set replaced in
@@ -1198,6 +1260,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             _ = resync.tick() => {
                 proxy_health.queued_update();
                 Some(true)
+            }
+            _ = quarantine_watch.tick() => {
+                syncer.watch_quarantines();
+                None
             }
             _ = sweep.tick() => {
                 syncer.retry_tc_attach();

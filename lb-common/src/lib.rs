@@ -65,6 +65,15 @@ pub mod service_flags {
     /// connect), so it marks the socket for `cgroup_egress` (see
     /// `SockSourceCheck`); the tc path looks the trie up for every new flow.
     pub const SOURCE_RANGES: u16 = 1 << 5;
+    /// Outlier detection watches this frontend's TCP connects from the
+    /// socket path (`sock_ops`) and its forwarded SYNs on the tc path:
+    /// their failures count toward quarantining the backend
+    /// (`BackendHealth`). Set under `--outlier-detection on` and
+    /// `dry-run`, unless the Service's annotation turns it off.
+    pub const OUTLIER_DETECT: u16 = 1 << 6;
+    /// New flows to this frontend avoid quarantined backends. Set under
+    /// `--outlier-detection on` only (dry-run detects and reports).
+    pub const OUTLIER_AVOID: u16 = 1 << 7;
     /// Bits 8..12: the frontend's scheduler, one of `algorithm::*`
     /// (`ServiceValue::algorithm`). 0 is random, what every value an
     /// earlier agent wrote says (its Maglev frontends carry `MAGLEV`).
@@ -673,6 +682,164 @@ pub struct bpf_spin_lock {
     pub val: u32,
 }
 
+/// Outlier detection's state of one backend on this node: element
+/// `BackendId` of `LB_BACKEND_HEALTH`, shared by the socket and tc paths.
+///
+/// | offset | field        | meaning                                                 |
+/// |--------|--------------|---------------------------------------------------------|
+/// | 0      | `lock`       | the kernel's lock of the rest (`bpf_spin_lock`)          |
+/// | 4      | `failures`   | failed connects in a row since a success or an ejection |
+/// | 8      | `ejections`  | quarantines in a row (the series a success ends)        |
+/// | 12     | `reason`     | the last quarantine's cause, `outlier::REFUSED` or `TIMEOUT` |
+/// | 16     | `until_ns`   | end of the quarantine (`bpf_ktime_get_ns`), 0: never quarantined |
+///
+/// Every change happens under `lock` (the kernel) or whole with
+/// `BPF_F_LOCK` (the agent resets an id it frees or hands out); selection
+/// reads `until_ns` alone, one aligned word. A map of its own rather than
+/// more fields of `BackendState`: that array is mapped into the agent's
+/// memory, which the kernel refuses for a value with a lock.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendHealth {
+    pub lock: bpf_spin_lock,
+    pub failures: u32,
+    pub ejections: u32,
+    pub reason: u32,
+    pub until_ns: u64,
+}
+
+impl BackendHealth {
+    /// Whether new flows avoid the backend at `now`.
+    #[inline(always)]
+    pub fn quarantined(&self, now: u64) -> bool {
+        self.until_ns > now
+    }
+
+    /// A connect to the backend failed at `now`: whether the backend is
+    /// now due for quarantine. `threshold` failures in a row make it due;
+    /// once quarantined in this series, the first failure after release
+    /// does. A failure while quarantined is a connect chosen before it,
+    /// and is not counted.
+    #[inline(always)]
+    pub fn count_failure(&mut self, now: u64, threshold: u32) -> bool {
+        if self.quarantined(now) {
+            return false;
+        }
+        self.failures = self.failures.saturating_add(1);
+        // Once quarantined in this series (or a threshold of 0): one.
+        let needed = if self.ejections > 0 || threshold == 0 {
+            1
+        } else {
+            threshold
+        };
+        self.failures >= needed
+    }
+
+    /// Quarantines the backend from `now` for `base_ns` times its
+    /// quarantines in a row, at most `max_ns`; false if it is quarantined
+    /// already (another CPU decided first).
+    #[inline(always)]
+    pub fn eject(&mut self, now: u64, reason: u32, base_ns: u64, max_ns: u64) -> bool {
+        if self.quarantined(now) {
+            return false;
+        }
+        self.ejections = self.ejections.saturating_add(1);
+        // base × ejections, at most max, without a 128-bit product (which
+        // BPF has no instruction for): a multiple past max / base is max.
+        let n = self.ejections as u64;
+        let span = if base_ns == 0 {
+            0
+        } else if n > max_ns / base_ns {
+            max_ns
+        } else {
+            let span = base_ns * n;
+            if span > max_ns {
+                max_ns
+            } else {
+                span
+            }
+        };
+        self.until_ns = now.wrapping_add(span);
+        self.failures = 0;
+        self.reason = reason;
+        true
+    }
+
+    /// A connect to the backend succeeded: the series ends (a quarantine
+    /// under way runs its time).
+    #[inline(always)]
+    pub fn succeeded(&mut self) {
+        self.failures = 0;
+        self.ejections = 0;
+    }
+
+    /// Whether `succeeded` would change anything (read without the lock,
+    /// so that a healthy backend's connects take no lock).
+    #[inline(always)]
+    pub fn in_series(&self) -> bool {
+        self.failures != 0 || self.ejections != 0
+    }
+}
+
+/// Outlier detection: why a backend was quarantined
+/// (`BackendHealth::reason`), and the policy's pure parts.
+pub mod outlier {
+    /// Connects answered with an RST (nothing listens: the pod's process
+    /// died, its namespace lives).
+    pub const REFUSED: u32 = 1;
+    /// Connects not answered within a second (the SYN retransmitted: the
+    /// node or the pod's link is gone).
+    pub const TIMEOUT: u32 = 2;
+    /// Connects failed by an ICMP error before any answer (the local
+    /// stack's own: the backend's address does not resolve on its link).
+    pub const UNREACHABLE: u32 = 3;
+    /// Names by value (index 0: none), as logs and `/metrics` show them.
+    pub const NAMES: [&str; 4] = ["none", "refused", "timeout", "unreachable"];
+
+    /// How many slots of a frontend the cap looks at (`ejection_allowed`):
+    /// a frontend with more is judged by its first `CAP_SCAN`. 32 keeps
+    /// `sock_ops` within the verifier's budget of a million instructions
+    /// (64 passed it: the count's range grows with each slot).
+    pub const CAP_SCAN: u32 = 32;
+
+    /// Whether one more of a frontend's backends may be quarantined when
+    /// `quarantined` of the `scanned` first of its `count` selectable
+    /// backends are: never the last, and never more than `max_percent`.
+    #[inline(always)]
+    pub fn ejection_allowed(quarantined: u32, scanned: u32, count: u32, max_percent: u32) -> bool {
+        let after = quarantined + 1;
+        after < count && (after as u64) * 100 <= (max_percent as u64) * (scanned as u64)
+    }
+
+    /// Another draw of the pick `draw` (attempt `i` > 0) for a new flow
+    /// whose first pick is quarantined: a hash's table position or a
+    /// random slot, spread anew (murmur3's finalizer of the pair).
+    #[inline(always)]
+    pub fn redraw(draw: u32, i: u32) -> u32 {
+        let mut h = draw ^ i.wrapping_mul(0x9e37_79b9);
+        h ^= h >> 16;
+        h = h.wrapping_mul(0x85eb_ca6b);
+        h ^= h >> 13;
+        h = h.wrapping_mul(0xc2b2_ae35);
+        h ^ (h >> 16)
+    }
+
+    /// Redraws before a linear scan for an unquarantined backend.
+    pub const REDRAWS: u32 = 3;
+}
+
+/// `LB_SOCK_BACKEND`'s element beside a TCP socket's `LB_SOCK_PEER` slot:
+/// the backend id its connect chose and what to do with it.
+pub mod sock_backend {
+    /// The socket counts as an open connection of the backend (lc, sed,
+    /// nq) until `sock_release` or its next connect.
+    pub const COUNTED: u32 = 1 << 31;
+    /// Outlier detection watches the socket's connect (`sock_ops`).
+    pub const WATCHED: u32 = 1 << 30;
+    /// The backend id's bits.
+    pub const ID: u32 = !(COUNTED | WATCHED);
+}
+
 /// One CPU's element of `LB_SOCK_DRAW`: the socket path's random draw and
 /// this node's secret.
 ///
@@ -1194,6 +1361,10 @@ impl PortBits {
 /// | 52     | `l4_csum_v6_flags`  | `BPF_F_IPV6` where the kernel has it, else 0 |
 /// | 56     | `tcp_time_wait_timeout_s` | least lifetime after the close of a flow whose backend closed first |
 /// | 60     | `source_ranges`     | 1 while some frontend has `loadBalancerSourceRanges`, else 0 |
+/// | 64     | `outlier_failures`  | failed connects in a row that quarantine a backend |
+/// | 68     | `outlier_base_ms`   | first quarantine's length; the nth in a row is n times it |
+/// | 72     | `outlier_max_ms`    | longest quarantine                       |
+/// | 76     | `outlier_max_percent` | most of a frontend's backends quarantined at once |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TcConfig {
@@ -1226,6 +1397,17 @@ pub struct TcConfig {
     /// it before it publishes a frontend with ranges, and clears it only
     /// once none is wanted.
     pub source_ranges: u32,
+    /// Outlier detection: failed connects in a row that quarantine a
+    /// backend (`--outlier-consecutive-failures`).
+    pub outlier_failures: u32,
+    /// The first quarantine's length, in ms; the nth in a row lasts n
+    /// times as long (`--outlier-base-ejection`).
+    pub outlier_base_ms: u32,
+    /// The longest quarantine, in ms (`--outlier-max-ejection`).
+    pub outlier_max_ms: u32,
+    /// The most of a frontend's backends quarantined at once, in percent
+    /// (`--outlier-max-ejection-percent`); never the last one.
+    pub outlier_max_percent: u32,
 }
 
 /// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
@@ -1361,7 +1543,26 @@ pub mod stat {
     /// sessionAffinity or a flow's record): `CHOSEN + algorithm`, one
     /// counter per `algorithm::NAMES` (`chosen_random` .. `chosen_nq`).
     pub const CHOSEN: u32 = 27;
-    pub const COUNT: u32 = CHOSEN + super::algorithm::NAMES.len() as u32;
+    /// Outlier detection: a watched TCP connect answered with an RST.
+    pub const CONNECT_REFUSED: u32 = 35;
+    /// Outlier detection: a watched TCP connect's SYN retransmitted
+    /// (unanswered for a second).
+    pub const CONNECT_TIMED_OUT: u32 = 36;
+    /// A backend quarantined after refused connects.
+    pub const EJECTED_REFUSED: u32 = 37;
+    /// A backend quarantined after connects that timed out.
+    pub const EJECTED_TIMEOUT: u32 = 38;
+    /// A quarantine due but not made: it would have passed
+    /// `--outlier-max-ejection-percent` or left the frontend no backend.
+    pub const EJECTION_CAPPED: u32 = 39;
+    /// A new flow whose first pick was quarantined, sent to another.
+    pub const QUARANTINE_AVOIDED: u32 = 40;
+    /// Outlier detection: a watched TCP connect failed by an ICMP error
+    /// (host or network unreachable) before any answer.
+    pub const CONNECT_UNREACHABLE: u32 = 41;
+    /// A backend quarantined after connects failed unreachable.
+    pub const EJECTED_UNREACHABLE: u32 = 42;
+    pub const COUNT: u32 = 43;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1399,6 +1600,14 @@ pub mod stat {
         "chosen_sh",
         "chosen_sed",
         "chosen_nq",
+        "connect_refused",
+        "connect_timed_out",
+        "ejected_refused",
+        "ejected_timeout",
+        "ejection_capped",
+        "quarantine_avoided",
+        "connect_unreachable",
+        "ejected_unreachable",
     ];
 }
 
@@ -1427,10 +1636,11 @@ pub mod map_names {
     pub const FRONTEND_STATE: &str = "LB_FRONTEND_STATE";
     pub const SOCK_DRAW: &str = "LB_SOCK_DRAW";
     pub const SOCK_BACKEND: &str = "LB_SOCK_BACKEND";
+    pub const BACKEND_HEALTH: &str = "LB_BACKEND_HEALTH";
     /// The name each Maglev table (an inner map of `LB_MAGLEV`) is created
     /// under; not pinned, reached through `LB_MAGLEV`.
     pub const MAGLEV_TABLE: &str = "LB_MAGLEV_TABLE";
-    pub const ALL: [&str; 23] = [
+    pub const ALL: [&str; 24] = [
         SERVICES,
         SLOTS,
         BACKENDS,
@@ -1454,6 +1664,7 @@ pub mod map_names {
         FRONTEND_STATE,
         SOCK_DRAW,
         SOCK_BACKEND,
+        BACKEND_HEALTH,
     ];
 }
 
@@ -1529,7 +1740,7 @@ const _: () = {
     assert!(core::mem::size_of::<NextHop>() == 24);
     assert!(core::mem::offset_of!(NextHop, len) == 16);
     assert!(core::mem::offset_of!(NextHop, check) == 20);
-    assert!(core::mem::size_of::<TcConfig>() == 64);
+    assert!(core::mem::size_of::<TcConfig>() == 80);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
     assert!(core::mem::size_of::<FragKey>() == 40);
     assert!(core::mem::size_of::<FragEntry>() == 40);
@@ -1539,6 +1750,8 @@ const _: () = {
     assert!(core::mem::size_of::<BackendState>() == 16);
     assert!(core::mem::size_of::<FrontendState>() == 8);
     assert!(core::mem::size_of::<SockDraw>() == 16);
+    assert!(core::mem::size_of::<BackendHealth>() == 24);
+    assert!(core::mem::offset_of!(BackendHealth, until_ns) == 16);
 };
 
 #[cfg(feature = "user")]
@@ -1547,6 +1760,7 @@ mod pod {
     // SAFETY: every type is #[repr(C)], Copy, made only of integers and byte
     // arrays with explicit padding fields, so any bit pattern is valid.
     unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for BackendHealth {}
     unsafe impl aya::Pod for ServiceValue {}
     unsafe impl aya::Pod for BackendSlotKey {}
     unsafe impl aya::Pod for BackendSlot {}
@@ -1592,7 +1806,9 @@ pub mod select {
     /// `uses_maglev`).
     #[inline(always)]
     pub fn maglev_position(svc: &ServiceValue, flow_hash: u32) -> u32 {
-        flow_hash % svc.maglev_size as u32
+        // No panic path for a size of 0 (the verifier rejects a program
+        // that ends in one); `uses_maglev` is checked first anyway.
+        flow_hash.checked_rem(svc.maglev_size as u32).unwrap_or(0)
     }
 
     /// Where a table position lives: its `MaglevEntry` and the index in it.

@@ -3,18 +3,18 @@
 //! they hash a flow and who the client is.
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    helpers::generated::{bpf_spin_lock, bpf_spin_unlock},
+    helpers::generated::{bpf_get_prandom_u32, bpf_ktime_get_ns, bpf_spin_lock, bpf_spin_unlock},
 };
 use core::intrinsics::{atomic_xadd, AtomicOrdering::Relaxed};
 
 use lb_common::{
-    algorithm, select, stat, AffinityEntry, AffinityKey, Backend, BackendId, DatagramFlow,
-    DatagramFlowKey, KeyCheck, ServiceKey, ServiceValue,
+    algorithm, outlier, select, service_flags, stat, AffinityEntry, AffinityKey, Backend,
+    BackendId, DatagramFlow, DatagramFlowKey, KeyCheck, ServiceKey, ServiceValue,
 };
 
 use crate::maps::{
-    count, LB_AFFINITY, LB_BACKENDS, LB_BACKEND_STATE, LB_DGRAM_FLOWS, LB_FRONTEND_STATE,
-    LB_MAGLEV, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
+    count, LB_AFFINITY, LB_BACKENDS, LB_BACKEND_HEALTH, LB_BACKEND_STATE, LB_DGRAM_FLOWS,
+    LB_FRONTEND_STATE, LB_MAGLEV, LB_SERVICES, LB_SLOTS, LB_TC_CONFIG,
 };
 
 /// The round-robin turn of frontend `id` (`None` for an id past
@@ -248,7 +248,10 @@ pub fn choose<const OUTLINE_IPVS: bool>(
 }
 
 /// `choose`, the backend's id only (a caller that copies the backend
-/// elsewhere itself).
+/// elsewhere itself). A frontend that avoids quarantined backends
+/// (`service_flags::OUTLIER_AVOID`) draws again when its scheduler's pick
+/// is quarantined (`avoid_quarantined`); lc, sed and nq leave quarantined
+/// backends out of their scan.
 #[inline(always)]
 pub fn choose_id<const OUTLINE_IPVS: bool>(
     svc: &ServiceValue,
@@ -257,7 +260,9 @@ pub fn choose_id<const OUTLINE_IPVS: bool>(
 ) -> Option<u32> {
     let algorithm = svc.algorithm();
     count(stat::CHOSEN + (algorithm & 7) as u32);
-    let slot = match algorithm {
+    // The pick, and the hash a table scheduler draws again from (0: the
+    // others draw at random).
+    let (id, hash) = match algorithm {
         // Not a table (a frontend programmed by hand, or no active
         // backend: the terminating fallback is random): at random below.
         a if algorithm::uses_table(a) && select::uses_maglev(svc) => {
@@ -266,25 +271,150 @@ pub fn choose_id<const OUTLINE_IPVS: bool>(
                 algorithm::DH => HashOf::Destination,
                 _ => HashOf::Flow,
             };
-            if let Some(id) = table_backend(svc, select::maglev_position(svc, hashes.hash(of))) {
-                return Some(id);
+            let hash = hashes.hash(of);
+            match table_backend(svc, select::maglev_position(svc, hash)) {
+                Some(id) => (id, hash | 1),
+                None => (slot_backend(svc, select::slot(svc, random())?)?, 0),
             }
-            select::slot(svc, random())?
         }
         algorithm::RR | algorithm::LC | algorithm::SED | algorithm::NQ => {
+            let r = random();
             let slot = if OUTLINE_IPVS {
-                ipvs_slot_outlined(svc, random())
+                ipvs_slot_outlined(svc, r)
             } else {
-                ipvs_slot(svc, random())
+                ipvs_slot(svc, r)
             };
-            match slot {
+            let slot = match slot {
+                // Every candidate quarantined (lc's scan): any of them.
+                NO_SLOT if avoids(svc) => select::slot(svc, r)?,
                 NO_SLOT => return None,
                 slot => slot,
+            };
+            (slot_backend(svc, slot)?, 0)
+        }
+        _ => (slot_backend(svc, select::slot(svc, random())?)?, 0),
+    };
+    if avoids(svc) && quarantined(id) {
+        return Some(avoid_quarantined(svc, id, hash));
+    }
+    Some(id)
+}
+
+/// Whether new flows to `svc` avoid quarantined backends (read where
+/// needed rather than kept: the tc path's frame has no room to spare).
+#[inline(always)]
+fn avoids(svc: &ServiceValue) -> bool {
+    svc.flags & service_flags::OUTLIER_AVOID != 0
+}
+
+/// Whether new flows avoid backend `id` now (`BackendHealth::until_ns`
+/// ahead of the clock). The clock is read only for a backend that was
+/// ever quarantined.
+#[inline(always)]
+pub fn quarantined(id: u32) -> bool {
+    let Some(health) = LB_BACKEND_HEALTH.get_ptr(id) else {
+        return false;
+    };
+    // SAFETY: a valid element; one aligned word, written whole under the
+    // element's lock.
+    let until = unsafe { core::ptr::read_volatile(&(*health).until_ns) };
+    // SAFETY: plain helper call.
+    until != 0 && until > unsafe { bpf_ktime_get_ns() }
+}
+
+/// Another backend for `first`, the scheduler's pick, which is quarantined:
+/// `outlier::REDRAWS` draws (table schedulers: positions of the flow's
+/// `hash` drawn again, so that a client keeps its substitute; the others:
+/// random slots), then the first unquarantined of up to `CAP_SCAN` slots
+/// in a row; `first` if all are quarantined (never none). A function of
+/// its own: the hooks' frames have no room for its loops.
+#[inline(never)]
+fn avoid_quarantined(svc: &ServiceValue, first: u32, hash: u32) -> u32 {
+    let by_table = hash != 0;
+    let mut i = 1;
+    while i <= outlier::REDRAWS {
+        let id = if by_table {
+            table_backend(svc, select::maglev_position(svc, outlier::redraw(hash, i)))
+        } else {
+            // SAFETY: plain helper call.
+            select::slot(svc, unsafe { bpf_get_prandom_u32() }).and_then(|s| slot_backend(svc, s))
+        };
+        if let Some(id) = id {
+            if !quarantined(id) {
+                count(stat::QUARANTINE_AVOIDED);
+                return id;
             }
         }
-        _ => select::slot(svc, random())?,
+        i += 1;
+    }
+    let Some((base, n)) = select::candidates(svc) else {
+        return first;
     };
-    slot_backend(svc, slot)
+    let draw = if by_table {
+        outlier::redraw(hash, 0)
+    } else {
+        // SAFETY: plain helper call.
+        unsafe { bpf_get_prandom_u32() }
+    };
+    // `candidates` has n > 0; `checked_rem` keeps a panic path out of the
+    // program (the verifier rejects a function that ends in one).
+    let start = draw.checked_rem(n).unwrap_or(0);
+    let mut j = 0;
+    while j < outlier::CAP_SCAN && j < n {
+        let mut at = start + j;
+        if at >= n {
+            at -= n;
+        }
+        if let Some(id) = slot_backend(svc, base + at) {
+            if !quarantined(id) {
+                count(stat::QUARANTINE_AVOIDED);
+                return id;
+            }
+        }
+        j += 1;
+    }
+    first
+}
+
+/// Whether one more of `svc`'s backends may be quarantined at `now`,
+/// `id` being the one due (`outlier::ejection_allowed` over its first
+/// `CAP_SCAN` selectable backends). The count is kept without a branch on
+/// each backend's state: a branch per backend gives the verifier a path
+/// per combination of them to walk (2^64), where sums of unknown bits
+/// give it one.
+#[inline(never)]
+pub fn ejection_allowed(svc: &ServiceValue, id: u32, now: u64, max_percent: u32) -> bool {
+    let Some((base, n)) = select::candidates(svc) else {
+        return false;
+    };
+    let scanned = if n < outlier::CAP_SCAN {
+        n
+    } else {
+        outlier::CAP_SCAN
+    };
+    let mut quarantined_now = 0u32;
+    let mut j = 0;
+    while j < scanned {
+        // The slot's backend id unchecked (`slot_backend` checks it): a
+        // slot rewritten meanwhile only skews this estimate.
+        let slot = svc.slot_base.wrapping_add(base + j);
+        if let Some(slot) = LB_SLOTS.get_ptr(slot) {
+            // SAFETY: a valid element; one word.
+            let other = unsafe { core::ptr::read_volatile(&(*slot).backend_id) };
+            if let Some(health) = LB_BACKEND_HEALTH.get_ptr(other) {
+                // SAFETY: a valid element; one aligned word.
+                let until = unsafe { core::ptr::read_volatile(&(*health).until_ns) };
+                // 1 while quarantined (until ahead of now; both < 2^63).
+                let ahead = (now.wrapping_sub(until) >> 63) as u32;
+                // 1 unless `other` is `id`.
+                let differs = other ^ id;
+                let differs = (differs | differs.wrapping_neg()) >> 31;
+                quarantined_now += ahead & differs;
+            }
+        }
+        j += 1;
+    }
+    outlier::ejection_allowed(quarantined_now, scanned, n, max_percent)
 }
 
 /// `ipvs_slot`'s answer when the frontend has no backend to offer.
@@ -301,15 +431,25 @@ fn ipvs_slot_outlined(svc: &ServiceValue, random: u32) -> u32 {
 
 /// `ipvs_slot_outlined`'s body, inlined where that takes less stack (the
 /// tc path's new flow, whose frame holds the values it reads already).
+/// Avoiding quarantine (`avoids`), lc, sed and nq leave quarantined backends out of their scan
+/// (rr's turn is drawn again by the caller).
 #[inline(always)]
 fn ipvs_slot(svc: &ServiceValue, random: u32) -> u32 {
+    let avoid = avoids(svc);
     let slot = if svc.algorithm() == algorithm::RR {
         match rr_turn(svc.id) {
             Some(turn) => select::rr_slot(svc, turn),
             None => select::slot(svc, random),
         }
     } else {
-        select::least_loaded(svc, random, |slot| slot_backend(svc, slot).map(open_of))
+        select::least_loaded(svc, random, |slot| {
+            let id = slot_backend(svc, slot)?;
+            if avoid && quarantined(id) {
+                None
+            } else {
+                Some(open_of(id))
+            }
+        })
     };
     slot.unwrap_or(NO_SLOT)
 }

@@ -9,6 +9,7 @@
 //! `EPERM`, for older kernels; the agent loads one of them.
 //!
 //! `sock_release` forgets a closed TCP socket's peer (`LB_SOCK_PEER`).
+//! `lb_sock_ops` watches those connects' outcome for outlier detection.
 //! `cgroup_egress` applies `loadBalancerSourceRanges` to the sockets the
 //! hooks sent to a restricted frontend, once their source is known.
 //!
@@ -22,12 +23,13 @@
 mod egress;
 mod lb;
 mod maps;
+mod outlier;
 mod sock;
 mod tc;
 
 use aya_ebpf::{
-    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, classifier},
-    programs::{SkBuffContext, SockAddrContext, SockContext, TcContext},
+    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, classifier, sock_ops},
+    programs::{SkBuffContext, SockAddrContext, SockContext, SockOpsContext, TcContext},
 };
 
 #[classifier]
@@ -103,6 +105,13 @@ pub fn getpeername6(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock(sock_release)]
 pub fn sock_release(ctx: SockContext) -> i32 {
     sock::release(&ctx)
+}
+
+/// Outlier detection: the outcome of the TCP connects `connect4` and
+/// `connect6` sent to a backend (`outlier`).
+#[sock_ops]
+pub fn lb_sock_ops(ctx: SockOpsContext) -> u32 {
+    outlier::sock_ops(&ctx)
 }
 
 #[cgroup_skb(egress)]

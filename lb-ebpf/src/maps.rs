@@ -6,9 +6,9 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use lb_common::{
-    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendSlot, BackendState, CtEntry, CtKey,
-    DatagramFlow, DatagramFlowKey, FragEntry, FragKey, FrontendState, MaglevEntry, PortBits,
-    ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockDraw, SockPeerEntry,
+    capacity, stat, AffinityEntry, AffinityKey, Backend, BackendHealth, BackendSlot, BackendState,
+    CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, FrontendState, MaglevEntry,
+    PortBits, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockDraw, SockPeerEntry,
     SockSourceCheck, SourceRangeData, TcConfig, Unprogrammed,
 };
 
@@ -79,6 +79,13 @@ pub static LB_BACKEND_STATE: Array<
     { capacity::BACKENDS as usize },
     { BPF_F_MMAPABLE as usize },
 > = Array::new();
+
+/// Outlier detection's state of each backend (`BackendHealth`), by
+/// `BackendId`: failed connects in a row and the quarantine, written by
+/// `sock_ops` (and the tc path) under the element's lock, read by every
+/// selection.
+#[btf_map]
+pub static LB_BACKEND_HEALTH: Array<BackendHealth, { capacity::BACKENDS as usize }> = Array::new();
 
 /// This node's state of each frontend (`FrontendState`: the round-robin
 /// cursor), by `ServiceId`.

@@ -16,9 +16,9 @@ use aya_ebpf::{
     EbpfContext,
 };
 use lb_common::{
-    algorithm, ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, source_check,
-    stat, AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue, ServiceKey,
-    ServiceValue, SockPeer, SockPeerEntry, SOCK_PEER_PROBES,
+    algorithm, ipv4_mapped, is_ipv4_mapped, proto, scope, select, service_flags, sock_backend,
+    source_check, stat, AffinityKey, Backend, DatagramFlowKey, ReverseSockKey, ReverseSockValue,
+    ServiceKey, ServiceValue, SockPeer, SockPeerEntry, SOCK_PEER_PROBES,
 };
 
 use crate::{
@@ -296,13 +296,16 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
     if proto == proto::TCP {
         // SAFETY: plain helper call on the program's own context.
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-        // Counted while the socket is open, for the schedulers that count.
-        let counted = if algorithm::counts(svc.algorithm()) {
-            id
-        } else {
-            0
-        };
-        remember_peer(cookie, &dst, &backend, counted);
+        // Counted while the socket is open, for the schedulers that count;
+        // its connect watched by outlier detection (`outlier::sock_ops`).
+        let mut mark = id & sock_backend::ID;
+        if algorithm::counts(svc.algorithm()) {
+            mark |= sock_backend::COUNTED;
+        }
+        if svc.flags & service_flags::OUTLIER_DETECT != 0 {
+            mark |= sock_backend::WATCHED;
+        }
+        remember_peer(cookie, &dst, &backend, mark);
     } else {
         remember_datagram_peer(ctx, &dst, &backend, svc.id);
     }
@@ -330,17 +333,19 @@ fn mark_for_source_check(ctx: &SockAddrContext) -> bool {
 /// A TCP socket's one peer, until `release` forgets it: in its own slot
 /// of `LB_SOCK_PEER` if it has one (a second connect of the socket
 /// overwrites the first's peer), else in the first free one of its slots.
-/// A socket thus holds at most one slot. `counted` (a backend id, or 0)
-/// is the backend whose open connections the socket now counts among
-/// (`LB_SOCK_BACKEND` beside its slot), taken back at release or at the
-/// socket's next connect; a socket whose peer cannot be recorded is not
-/// counted, since nothing would take it back.
+/// A socket thus holds at most one slot. `mark` (`sock_backend`: the
+/// backend's id and flags) goes to `LB_SOCK_BACKEND` beside the slot: a
+/// `COUNTED` socket counts among its backend's open connections until
+/// release or its next connect, and a `WATCHED` one has its connect
+/// watched by outlier detection; a socket whose peer cannot be recorded
+/// is neither, since nothing would take the count back or find the
+/// backend.
 ///
 /// A function of its own (not inlined): its probing and digest spill on
 /// its own stack frame, beside the hook's deepest chain of calls, which
 /// they would push past 512 bytes as the verifiers of 5.10 and 6.1 count.
 #[inline(never)]
-fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend, counted: u32) {
+fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend, mark: u32) {
     let Some((index, entry)) = PeerSlots::of(cookie).and_then(|s| s.own_or_free(cookie)) else {
         // Every slot held by an open socket: only the reverse view is
         // lost, never the connection.
@@ -368,14 +373,14 @@ fn remember_peer(cookie: u64, frontend: &SockAddr, backend: &Backend, counted: u
         // socket holding the slot writes.
         unsafe {
             let earlier = core::ptr::read_volatile(was);
-            if own && earlier != 0 {
+            if own && earlier & sock_backend::COUNTED != 0 {
                 // This socket's earlier connect (one that failed).
-                lb::close_counted(earlier);
+                lb::close_counted(earlier & sock_backend::ID);
             }
-            core::ptr::write_volatile(was, counted);
+            core::ptr::write_volatile(was, mark);
         }
-        if counted != 0 {
-            lb::open_counted(counted);
+        if mark & sock_backend::COUNTED != 0 {
+            lb::open_counted(mark & sock_backend::ID);
         }
     }
 }
@@ -451,6 +456,43 @@ impl PeerSlots {
     }
 }
 
+/// The backend a TCP socket's connect chose, if outlier detection watches
+/// it (`sock_backend::WATCHED`), and still names that backend: its id,
+/// and the frontend the socket asked for (the key of its `LB_SERVICES`
+/// entry).
+#[inline(always)]
+pub fn watched_backend(cookie: u64) -> Option<(u32, ServiceKey)> {
+    let (index, entry) = PeerSlots::of(cookie)?.own(cookie)?;
+    // SAFETY: the element beside the socket's own slot, read once.
+    let mark = unsafe { core::ptr::read_volatile(LB_SOCK_BACKEND.get_ptr(index)?) };
+    if mark & sock_backend::WATCHED == 0 {
+        return None;
+    }
+    let id = mark & sock_backend::ID;
+    // SAFETY: the socket's own slot, read in place.
+    let (backend_addr, backend_port, addr, port) = unsafe {
+        let p = &(*entry).peer;
+        (
+            p.backend_addr,
+            p.backend_port,
+            p.frontend_addr,
+            p.frontend_port,
+        )
+    };
+    if !lb::backend_is_or_was(id, &backend_addr, backend_port) {
+        return None;
+    }
+    Some((
+        id,
+        ServiceKey {
+            addr,
+            port,
+            proto: proto::TCP,
+            scope: scope::INTERNAL,
+        },
+    ))
+}
+
 /// The cookie of the socket holding `entry`, 0 if it is free.
 #[inline(always)]
 fn held_by(entry: *mut SockPeerEntry) -> u64 {
@@ -489,10 +531,11 @@ fn uncount(index: u32, entry: *mut SockPeerEntry) {
     };
     // SAFETY: the element beside the socket's own slot, which only this
     // socket writes while it holds the slot.
-    let id = unsafe { core::ptr::read_volatile(counted) };
-    if id == 0 {
+    let mark = unsafe { core::ptr::read_volatile(counted) };
+    if mark & sock_backend::COUNTED == 0 {
         return;
     }
+    let id = mark & sock_backend::ID;
     // SAFETY: as above.
     unsafe { core::ptr::write_volatile(counted, 0) };
     // SAFETY: a valid element of the socket's own slot, read in place.

@@ -796,7 +796,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
     // SAFETY: plain helper call.
     let random = || unsafe { bpf_get_prandom_u32() };
     if svc.flags & service_flags::AFFINITY == 0 {
-        return lb::choose_id::<false>(svc, hash, random);
+        return lb::choose_id::<true>(svc, hash, random);
     }
     let key = AffinityKey {
         client: p.src,
@@ -805,7 +805,7 @@ fn choose(p: &Pkt, svc: &ServiceValue, now: u64) -> Option<u32> {
         _pad: [0; 3],
     };
     let exists = lb::backend_exists;
-    let fresh = || lb::choose_id::<false>(svc, hash, random).map(|id| (id, ()));
+    let fresh = || lb::choose_id::<true>(svc, hash, random).map(|id| (id, ()));
     lb::with_affinity(&key, svc, now, exists, fresh).map(|(id, ())| id)
 }
 

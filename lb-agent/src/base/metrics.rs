@@ -114,6 +114,11 @@ pub struct Metrics {
     /// `chosen_*`); no per-backend series, which 100 000 Services would
     /// make millions of.
     pub scheduler_choices: Family<AlgorithmLabel, Counter>,
+    /// Backends quarantined by outlier detection, by reason (`LB_STATS`'s
+    /// `ejected_*`).
+    pub outlier_ejections: Family<ReasonLabel, Counter>,
+    /// Backends in quarantine now (counted by the sweep).
+    pub backends_quarantined: Gauge,
     /// The `LB_STATS` totals last added to `datapath_events`.
     datapath_seen: Arc<std::sync::Mutex<Vec<u64>>>,
 }
@@ -156,6 +161,8 @@ impl Metrics {
             conntrack_udp_purged: Counter::default(),
             datapath_events: Family::default(),
             scheduler_choices: Family::default(),
+            outlier_ejections: Family::default(),
+            backends_quarantined: Gauge::default(),
             datapath_seen: Arc::default(),
         };
         registry.register(
@@ -287,6 +294,16 @@ impl Metrics {
             m.datapath_events.clone(),
         );
         registry.register(
+            "outlier_ejections",
+            "Backends quarantined by outlier detection on this node, by reason: refused (connects answered with an RST), timeout (SYNs unanswered for a second) or unreachable (an ICMP error before any answer)",
+            m.outlier_ejections.clone(),
+        );
+        registry.register(
+            "backends_quarantined",
+            "Backends in quarantine on this node now (new connections avoid them under --outlier-detection on), as of the last sweep",
+            m.backends_quarantined.clone(),
+        );
+        registry.register(
             "scheduler_choices",
             "Backends chosen for new connections and flows on this node, by scheduler (--algorithm, lb-agent.dev/lb-algorithm); sessionAffinity hits and a flow's later packets are not choices",
             m.scheduler_choices.clone(),
@@ -307,6 +324,14 @@ impl Metrics {
             let delta = if now >= *before { now - *before } else { now };
             *before = now;
             let name = lb_common::stat::NAMES.get(i).copied().unwrap_or("unknown");
+            if let Some(reason) = name.strip_prefix("ejected_") {
+                self.outlier_ejections
+                    .get_or_create(&ReasonLabel {
+                        reason: reason.to_owned(),
+                    })
+                    .inc_by(delta);
+                continue;
+            }
             if let Some(algorithm) = name.strip_prefix("chosen_") {
                 self.scheduler_choices
                     .get_or_create(&AlgorithmLabel {

@@ -16,13 +16,14 @@ use aya::{
     programs::{
         links::{FdLink, PinnedLink},
         CgroupAttachMode, CgroupSkb, CgroupSkbAttachType, CgroupSock, CgroupSockAddr, Program,
+        SockOps,
     },
     Ebpf, EbpfLoader,
 };
 use lb_common::{
-    map_names, AffinityEntry, AffinityKey, Backend, BackendId, BackendSlot, BackendState,
-    DatagramFlow, DatagramFlowKey, FrontendState, KeyCheck, MaglevEntry, ServiceKey, ServiceValue,
-    SockDraw, Unprogrammed, MAGLEV_POSITIONS,
+    map_names, AffinityEntry, AffinityKey, Backend, BackendHealth, BackendId, BackendSlot,
+    BackendState, DatagramFlow, DatagramFlowKey, FrontendState, KeyCheck, MaglevEntry, ServiceKey,
+    ServiceValue, SockDraw, Unprogrammed, MAGLEV_POSITIONS,
 };
 
 use crate::{
@@ -187,6 +188,14 @@ pub const EGRESS_PROGRAM: &str = "cgroup_egress";
 /// The program that forgets a closed TCP socket's peer (`LB_SOCK_PEER`).
 pub const RELEASE_PROGRAM: &str = "sock_release";
 
+/// The `sock_ops` program of outlier detection: the outcome of the TCP
+/// connects the socket programs sent to a backend (`LB_BACKEND_HEALTH`).
+pub const SOCK_OPS_PROGRAM: &str = "lb_sock_ops";
+
+/// `BPF_F_LOCK`: a whole element of a map whose value has a
+/// `bpf_spin_lock` is read or written under that lock.
+const BPF_F_LOCK: u64 = 4;
+
 /// The mount point whose filesystem type is `fstype`, from /proc/mounts.
 pub fn find_mount(fstype: &str) -> anyhow::Result<Option<PathBuf>> {
     let mounts = fs::read_to_string("/proc/mounts").context("reading /proc/mounts")?;
@@ -276,6 +285,9 @@ pub struct PinnedMaps {
     /// This node's state of each backend (open connections), by
     /// `BackendId`; `None` in a pin directory of an agent before it.
     pub backend_state: Option<Array<MapData, BackendState>>,
+    /// Outlier detection's state of each backend, by `BackendId`; `None`
+    /// in a pin directory of an agent before it.
+    pub backend_health: Option<Array<MapData, BackendHealth>>,
 }
 
 impl PinnedMaps {
@@ -302,6 +314,9 @@ impl PinnedMaps {
             backend_state: open(map_names::BACKEND_STATE)
                 .ok()
                 .and_then(|m| Array::try_from(m).ok()),
+            backend_health: open(map_names::BACKEND_HEALTH)
+                .ok()
+                .and_then(|m| Array::try_from(m).ok()),
         })
     }
 
@@ -309,6 +324,24 @@ impl PinnedMaps {
     /// maps have no such state.
     pub fn open_connections(&self, id: u32) -> Option<u32> {
         Some(self.backend_state.as_ref()?.get(&id, 0).ok()?.open())
+    }
+
+    /// Backend `id`'s outlier detection state, read whole under its lock;
+    /// `None` where the maps have no such state.
+    pub fn backend_health(&self, id: u32) -> Option<BackendHealth> {
+        self.backend_health.as_ref()?.get(&id, BPF_F_LOCK).ok()
+    }
+
+    /// Zeroes backend `id`'s outlier detection state (under its lock): a
+    /// backend that leaves its Services leaves quarantine, and an id
+    /// handed to another backend starts clean.
+    fn reset_backend_health(&mut self, id: u32) -> std::io::Result<()> {
+        match &mut self.backend_health {
+            Some(health) => health
+                .set(id, BackendHealth::default(), BPF_F_LOCK)
+                .map_err(io),
+            None => Ok(()),
+        }
     }
 
     /// The Maglev table of backend set `set`, read whole: its `size`
@@ -485,7 +518,7 @@ fn layout<K, V>(name: &'static str, map_type: u32, max_entries: u32) -> Layout {
     }
 }
 
-fn expected_layouts(capacity: &Capacity) -> [Layout; 23] {
+fn expected_layouts(capacity: &Capacity) -> [Layout; 24] {
     use lb_common::{CtEntry, CtKey, ReverseSockKey, ReverseSockValue, SockPeerEntry, TcConfig};
     use map_type::*;
     let c = capacity;
@@ -551,6 +584,7 @@ fn expected_layouts(capacity: &Capacity) -> [Layout; 23] {
         layout::<u32, FrontendState>(map_names::FRONTEND_STATE, ARRAY, c.max_services),
         layout::<u32, SockDraw>(map_names::SOCK_DRAW, PERCPU_ARRAY, 1),
         layout::<u32, u32>(map_names::SOCK_BACKEND, ARRAY, c.max_sock_peers),
+        layout::<u32, BackendHealth>(map_names::BACKEND_HEALTH, ARRAY, c.max_backends),
     ]
 }
 
@@ -627,6 +661,7 @@ fn drop_incompatible_pins(pin_dir: &Path, capacity: &Capacity) -> anyhow::Result
             map_names::DGRAM_FLOWS,
             map_names::BACKEND_STATE,
             map_names::SOCK_BACKEND,
+            map_names::BACKEND_HEALTH,
         ]) {
             let path = pin_dir.join(name);
             if path.exists() {
@@ -793,6 +828,13 @@ fn release_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut CgroupSock> {
         .with_context(|| format!("program {RELEASE_PROGRAM} is not a cgroup sock program"))
 }
 
+fn sock_ops_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut SockOps> {
+    ebpf.program_mut(SOCK_OPS_PROGRAM)
+        .with_context(|| format!("program {SOCK_OPS_PROGRAM} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("program {SOCK_OPS_PROGRAM} is not a sock_ops program"))
+}
+
 fn egress_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut CgroupSkb> {
     ebpf.program_mut(EGRESS_PROGRAM)
         .with_context(|| format!("program {EGRESS_PROGRAM} missing from the object"))?
@@ -913,6 +955,9 @@ impl Datapath {
         let release = release_program(&mut ebpf)?;
         verify(|| release.load())
             .with_context(|| format!("verifying program {RELEASE_PROGRAM}"))?;
+        let sock_ops = sock_ops_program(&mut ebpf)?;
+        verify(|| sock_ops.load())
+            .with_context(|| format!("verifying program {SOCK_OPS_PROGRAM}"))?;
 
         let take = |ebpf: &mut Ebpf, name: &str| {
             ebpf.take_map(name)
@@ -931,6 +976,10 @@ impl Datapath {
             rev_sock: HashMap::try_from(take(&mut ebpf, map_names::REV_SOCK)?)?,
             datagram_flows: HashMap::try_from(take(&mut ebpf, map_names::DGRAM_FLOWS)?)?,
             backend_state: Some(Array::try_from(take(&mut ebpf, map_names::BACKEND_STATE)?)?),
+            backend_health: Some(Array::try_from(take(
+                &mut ebpf,
+                map_names::BACKEND_HEALTH,
+            )?)?),
         };
         for (name, mapped) in [
             (map_names::SLOTS, maps.slots.is_mapped()),
@@ -993,6 +1042,20 @@ impl Datapath {
             &links_dir,
             RELEASE_PROGRAM,
             RELEASE_PROGRAM,
+        )?);
+        // Before connect too: every socket the hooks mark for outlier
+        // detection has its connect watched.
+        let sock_ops = sock_ops_program(&mut self._ebpf)?;
+        let link_id = sock_ops
+            .attach(&cgroup_dir, CgroupAttachMode::Single)
+            .with_context(|| format!("attaching {SOCK_OPS_PROGRAM} to {}", cgroup.display()))?;
+        let link = FdLink::try_from(sock_ops.take_link(link_id)?)
+            .with_context(|| format!("link of {SOCK_OPS_PROGRAM}"))?;
+        replaced += usize::from(pin_replacing(
+            link,
+            &links_dir,
+            SOCK_OPS_PROGRAM,
+            SOCK_OPS_PROGRAM,
         )?);
         for hook in SOCK_PROGRAMS {
             let name = self.refusal.program(hook);
@@ -1114,6 +1177,7 @@ fn sized_loader(capacity: &Capacity) -> EbpfLoader<'_> {
         .map_max_entries(map_names::SOCK_PEER, capacity.max_sock_peers)
         .map_max_entries(map_names::SOCK_BACKEND, capacity.max_sock_peers)
         .map_max_entries(map_names::BACKEND_STATE, capacity.max_backends)
+        .map_max_entries(map_names::BACKEND_HEALTH, capacity.max_backends)
         .map_max_entries(map_names::FRONTEND_STATE, capacity.max_services)
         .map_max_entries(map_names::AFFINITY, capacity.max_affinity)
         .map_max_entries(map_names::DGRAM_FLOWS, capacity.max_datagram_flows)
@@ -1195,7 +1259,11 @@ pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Ve
     let required = SOCK_PROGRAMS
         .iter()
         .map(|hook| refusal.program(hook))
-        .chain([EGRESS_PROGRAM.to_owned(), RELEASE_PROGRAM.to_owned()])
+        .chain([
+            EGRESS_PROGRAM.to_owned(),
+            RELEASE_PROGRAM.to_owned(),
+            SOCK_OPS_PROGRAM.to_owned(),
+        ])
         .map(|name| (name, true));
     let optional = optional.iter().map(|name| ((*name).to_owned(), false));
     let mut checks = Vec::new();
@@ -1207,6 +1275,7 @@ pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Ve
             Program::CgroupSockAddr(p) => verify(|| p.load()),
             Program::CgroupSkb(p) => verify(|| p.load()),
             Program::CgroupSock(p) => verify(|| p.load()),
+            Program::SockOps(p) => verify(|| p.load()),
             Program::SchedClassifier(p) => verify(|| p.load()),
             _ => bail!("program {name} is of a type the agent does not load"),
         };
@@ -1473,6 +1542,7 @@ impl MapOps for PinnedMaps {
     }
 
     fn reset_backend_state(&mut self, id: BackendId) -> std::io::Result<()> {
+        self.reset_backend_health(id.id)?;
         match &mut self.backend_state {
             Some(state) => state.set(id.id, BackendState::default(), 0).map_err(io),
             None => Ok(()),
@@ -1496,7 +1566,11 @@ impl MapOps for PinnedMaps {
     }
     /// An array element is not deleted: zeros free it (their check fails).
     fn del_backend(&mut self, id: BackendId) -> std::io::Result<()> {
-        self.backends.set(id.id, Backend::default())
+        self.backends.set(id.id, Backend::default())?;
+        // Kubernetes wins: a backend gone from its Services leaves
+        // quarantine (best effort; a failure is only a stale record).
+        let _ = self.reset_backend_health(id.id);
+        Ok(())
     }
     fn put_maglev(&mut self, set: u32, table: &[u32]) -> Result<(), MaglevWriteError> {
         let table = new_maglev_table(table).map_err(MaglevWriteError::Table)?;
@@ -1840,9 +1914,9 @@ mod tests {
         assert_eq!(adopted.services, vec![(key, value)]);
         assert_eq!(adopted.maglev, vec![7]);
         assert!(adopted.recreated.is_empty(), "{:?}", adopted.recreated);
-        // The socket programs, sock_release and cgroup_egress (attached
-        // again as the earlier run left it).
-        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 2);
+        // The socket programs, sock_release, lb_sock_ops and cgroup_egress
+        // (attached again as the earlier run left it).
+        assert_eq!(adopted.replaced_links, SOCK_PROGRAMS.len() + 3);
         assert!(egress_link.exists());
         assert_eq!(dp.maps().get_maglev(7, 251).unwrap(), table);
         drop(dp);
@@ -1855,9 +1929,10 @@ mod tests {
             Datapath::load(&scratch.pins, &scratch.cgroup, &bigger, refusal).unwrap();
         assert!(adopted.services.is_empty());
         // The four service maps, the affinity and datagram flow maps, the
-        // backends' state and the sockets' counted backends, whose entries
-        // name their ids; and the frontends' state, sized by the services.
-        assert_eq!(adopted.recreated.len(), 9, "{:?}", adopted.recreated);
+        // backends' state and health and the sockets' counted backends,
+        // whose entries name their ids; and the frontends' state, sized by
+        // the services.
+        assert_eq!(adopted.recreated.len(), 10, "{:?}", adopted.recreated);
         drop(dp);
         // An upgrade from the 20-byte ServiceValue (before `affinity_id`):
         // recreated cleanly, affinity entries of the old ids with it.

@@ -7,7 +7,8 @@
 //! sessionAffinity in `affinity` and unconnected UDP flows in
 //! `datagram_flows`) and destruction of connected UDP sockets whose backend
 //! left (`sockets`), the tc path's flow counts of each backend
-//! (`backend_state`), and what the kernel supports (`features`). May use
+//! (`backend_state`), outlier detection's quarantines as the operator sees
+//! them (`outlier`), and what the kernel supports (`features`). May use
 //! `base` and `semantics` (the desired state it programs).
 pub mod affinity;
 pub mod backend_state;
@@ -18,6 +19,7 @@ pub mod features;
 mod fuzz;
 pub mod loader;
 pub mod mapped;
+pub mod outlier;
 pub mod reconcile;
 pub mod route_epoch;
 pub mod slot_ranges;

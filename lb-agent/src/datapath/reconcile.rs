@@ -507,6 +507,17 @@ pub struct Usage {
     pub maglev_tables: usize,
 }
 
+/// A backend outlier detection watches (`Reconciler::outlier_backends`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutlierBackend {
+    pub addr: BackendAddr,
+    /// `namespace/name` of each Service it serves through a watched
+    /// frontend.
+    pub services: BTreeSet<String>,
+    /// Some frontend avoids it while quarantined (else dry-run only).
+    pub avoided: bool,
+}
+
 /// What is programmed, and the ids in use.
 #[derive(Debug)]
 pub struct Reconciler {
@@ -811,6 +822,12 @@ fn service_value(
     }
     if state.source_ranges {
         flags |= service_flags::SOURCE_RANGES;
+    }
+    if state.outlier.detects() {
+        flags |= service_flags::OUTLIER_DETECT;
+    }
+    if state.outlier.avoids() {
+        flags |= service_flags::OUTLIER_AVOID;
     }
     ServiceValue {
         id,
@@ -1760,6 +1777,38 @@ impl Reconciler {
         report.frontends_written += 1;
     }
 
+    /// The backends outlier detection watches (those of programmed
+    /// frontends with `service_flags::OUTLIER_DETECT`), by id: the
+    /// backend, the Services it serves, and whether some frontend avoids
+    /// it when quarantined (`OUTLIER_AVOID`; else dry-run only).
+    pub fn outlier_backends(&self) -> BTreeMap<u32, OutlierBackend> {
+        let addrs: std::collections::HashMap<u32, BackendAddr> = self
+            .backends
+            .programmed_iter()
+            .map(|(a, b)| (b.id, *a))
+            .collect();
+        let mut out: BTreeMap<u32, OutlierBackend> = BTreeMap::new();
+        for p in self.frontends.values() {
+            if p.value.flags & service_flags::OUTLIER_DETECT == 0 {
+                continue;
+            }
+            let avoided = p.value.flags & service_flags::OUTLIER_AVOID != 0;
+            for id in &p.slots {
+                let Some(addr) = addrs.get(id) else { continue };
+                let entry = out.entry(*id).or_insert_with(|| OutlierBackend {
+                    addr: *addr,
+                    services: BTreeSet::new(),
+                    avoided: false,
+                });
+                entry.avoided |= avoided;
+                if let Some(state) = &p.state {
+                    entry.services.insert(state.service.to_string());
+                }
+            }
+        }
+        out
+    }
+
     /// The affinity policy of every `affinity_id` of a programmed frontend
     /// with affinity, for the affinity sweeper. The frontends of one id
     /// have the same backends and timeout by construction; should they
@@ -1953,7 +2002,9 @@ pub(super) mod tests {
     use std::collections::HashMap;
 
     use super::*;
-    use crate::semantics::model::{Algorithm, BackendRef, FrontendKind, Protocol, ServiceName};
+    use crate::semantics::model::{
+        Algorithm, BackendRef, FrontendKind, OutlierMode, Protocol, ServiceName,
+    };
 
     /// Maps as plain collections. After every single write it checks what a
     /// concurrent connect could observe: each frontend's slots (their
@@ -2201,6 +2252,8 @@ pub(super) mod tests {
             algorithm: Algorithm::Random,
             reject: false,
             source_ranges: false,
+            // Off, so that the flags the other tests expect are theirs alone.
+            outlier: OutlierMode::Off,
         }
     }
 
@@ -2486,6 +2539,63 @@ pub(super) mod tests {
         assert_eq!(after.backend_set, before.backend_set);
         assert_eq!(after.flags, service_flags::AFFINITY);
         assert_eq!(after.affinity_timeout, 30);
+    }
+
+    /// Outlier detection is an option of the frontend: `dry-run` detects,
+    /// `on` detects and avoids. A change of the mode alone rewrites the
+    /// value (the set stays), also after a restart that adopted the maps;
+    /// an adopted value already right is left alone.
+    #[test]
+    fn outlier_mode_sets_its_flags_and_its_change_rewrites_the_value() {
+        use service_flags::{OUTLIER_AVOID, OUTLIER_DETECT};
+        let mut r = Reconciler::test();
+        let mut m = FakeMaps::default();
+        let web = fe("10.96.0.10", 80);
+        let s = state("web", &[be("10.244.1.1", 80)]);
+        let with = |outlier| {
+            desired(&[(
+                web,
+                FrontendState {
+                    outlier,
+                    ..s.clone()
+                },
+            )])
+        };
+        let both = OUTLIER_DETECT | OUTLIER_AVOID;
+        sync(&mut r, &with(OutlierMode::Off), &mut m);
+        let first = m.services[&service_key(&web)];
+        assert_eq!(first.flags & both, 0);
+        for (mode, want) in [
+            (OutlierMode::On, both),
+            (OutlierMode::DryRun, OUTLIER_DETECT),
+            (OutlierMode::Off, 0),
+            (OutlierMode::DryRun, OUTLIER_DETECT),
+            (OutlierMode::On, both),
+        ] {
+            let report = sync(&mut r, &with(mode), &mut m);
+            assert_eq!(report.frontends_written, 1, "{mode:?}");
+            let v = m.services[&service_key(&web)];
+            assert_eq!(v.flags & both, want, "{mode:?}");
+            assert_eq!(v.flags & !both, first.flags, "{mode:?}");
+            assert_eq!((v.id, v.backend_set), (first.id, first.backend_set));
+        }
+        // Only what changed is written, through the touched path too.
+        let report = r.apply_touched(&with(OutlierMode::On), &BTreeSet::from([web]), &mut m);
+        assert_eq!(report.frontends_written, 0);
+        let report = r.apply_touched(&with(OutlierMode::DryRun), &BTreeSet::from([web]), &mut m);
+        assert_eq!(report.frontends_written, 1);
+        assert_eq!(m.services[&service_key(&web)].flags & both, OUTLIER_DETECT);
+        assert!(retire_all(&mut r, &mut m).is_empty());
+        // Restarted with another mode: rewritten; with the same: adopted.
+        let mut r = adopt_from(&m);
+        let report = sync(&mut r, &with(OutlierMode::Off), &mut m);
+        assert_eq!(report.frontends_written, 1);
+        assert_eq!(m.services[&service_key(&web)].flags & both, 0);
+        let mut r = adopt_from(&m);
+        let writes = m.writes;
+        let report = sync(&mut r, &with(OutlierMode::Off), &mut m);
+        assert_eq!(report.frontends_written, 0);
+        assert_eq!(m.writes, writes);
     }
 
     #[test]

@@ -61,6 +61,32 @@ pub struct Timeouts {
     pub udp: Duration,
 }
 
+/// Outlier detection's settings (`--outlier-*`), as both paths' programs
+/// read them from `LB_TC_CONFIG`. Whether a frontend detects and avoids
+/// is its own (`service_flags::OUTLIER_DETECT`, `OUTLIER_AVOID`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OutlierSettings {
+    /// Failed connects in a row that quarantine a backend.
+    pub consecutive_failures: u32,
+    /// The first quarantine's length; the nth in a row lasts n times it.
+    pub base_ejection: Duration,
+    /// The longest quarantine.
+    pub max_ejection: Duration,
+    /// The most of a frontend's backends quarantined at once, in percent.
+    pub max_ejection_percent: u32,
+}
+
+impl OutlierSettings {
+    /// Fills the outlier fields of `cfg`: durations in ms, saturating.
+    pub fn apply(&self, cfg: &mut TcConfig) {
+        let ms = |d: Duration| d.as_millis().min(u32::MAX as u128) as u32;
+        cfg.outlier_failures = self.consecutive_failures;
+        cfg.outlier_base_ms = ms(self.base_ejection);
+        cfg.outlier_max_ms = ms(self.max_ejection);
+        cfg.outlier_max_percent = self.max_ejection_percent.min(100);
+    }
+}
+
 /// The lowest SNAT source port: below it are the well-known ports.
 const SNAT_PORT_FLOOR: u16 = 1024;
 /// The default NodePort range starts here; a masqueraded flow's port stays
@@ -780,7 +806,8 @@ pub fn open(dir: &Path, name: &str) -> anyhow::Result<Map> {
 
 impl Timeouts {
     /// The timeouts as the kernel reads them (`LB_TC_CONFIG`), in whole
-    /// seconds, at least one; the other fields zero.
+    /// seconds, at least one; the other fields zero (the outlier settings
+    /// too: [`OutlierSettings::apply`]).
     pub fn config(&self) -> TcConfig {
         let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
         TcConfig {
@@ -795,6 +822,10 @@ impl Timeouts {
             l4_csum_v6_flags: 0,
             tcp_time_wait_timeout_s: self.tcp_time_wait.as_secs().min(u32::MAX as u64) as u32,
             source_ranges: 0,
+            outlier_failures: 0,
+            outlier_base_ms: 0,
+            outlier_max_ms: 0,
+            outlier_max_percent: 0,
         }
     }
 }
@@ -889,17 +920,19 @@ impl TcMaps {
         }
     }
 
-    /// Writes the masquerade addresses, the timeouts and whether any
-    /// frontend has source ranges (`TcConfig::source_ranges`), when they
-    /// changed.
+    /// Writes the masquerade addresses, the timeouts, the outlier
+    /// detection settings and whether any frontend has source ranges
+    /// (`TcConfig::source_ranges`), when they changed.
     pub fn write_config(
         &mut self,
         snat_v4: Option<Ipv4Addr>,
         snat_v6: Option<Ipv6Addr>,
         t: &Timeouts,
+        outlier: &OutlierSettings,
         source_ranges: bool,
     ) -> anyhow::Result<()> {
         let mut cfg = t.config();
+        outlier.apply(&mut cfg);
         cfg.source_ranges = source_ranges.into();
         cfg.snat_v4 = snat_v4.map_or([0; 16], |a| addr_bytes(IpAddr::V4(a)));
         cfg.snat_v6 = snat_v6.map_or([0; 16], |a| addr_bytes(IpAddr::V6(a)));
@@ -1204,6 +1237,7 @@ mod tests {
             algorithm: Algorithm::Random,
             reject: false,
             source_ranges: false,
+            outlier: Default::default(),
         };
         let f = |port, protocol, scope| Frontend {
             addr: "192.168.77.1".parse().unwrap(),
@@ -1409,6 +1443,57 @@ mod tests {
         };
         assert!(live_at(9 * s, &off));
         assert!(!live_at(11 * s, &off));
+    }
+
+    #[test]
+    fn outlier_settings_in_ms_saturating() {
+        let mut cfg = Timeouts {
+            tcp: Duration::from_secs(100),
+            tcp_syn: Duration::from_secs(60),
+            tcp_close: Duration::from_secs(10),
+            tcp_time_wait: Duration::from_secs(60),
+            udp: Duration::from_secs(30),
+        }
+        .config();
+        let before = cfg;
+        OutlierSettings {
+            consecutive_failures: 3,
+            base_ejection: Duration::from_millis(10_500),
+            max_ejection: Duration::from_secs(300),
+            max_ejection_percent: 50,
+        }
+        .apply(&mut cfg);
+        assert_eq!(
+            (
+                cfg.outlier_failures,
+                cfg.outlier_base_ms,
+                cfg.outlier_max_ms,
+                cfg.outlier_max_percent
+            ),
+            (3, 10_500, 300_000, 50)
+        );
+        // The rest is the timeouts'.
+        assert_eq!(
+            TcConfig {
+                outlier_failures: 0,
+                outlier_base_ms: 0,
+                outlier_max_ms: 0,
+                outlier_max_percent: 0,
+                ..cfg
+            },
+            before
+        );
+        OutlierSettings {
+            consecutive_failures: 1,
+            base_ejection: Duration::from_secs(u64::MAX),
+            max_ejection: Duration::from_secs(50 * 24 * 3600),
+            max_ejection_percent: 100,
+        }
+        .apply(&mut cfg);
+        assert_eq!(
+            (cfg.outlier_base_ms, cfg.outlier_max_ms),
+            (u32::MAX, u32::MAX)
+        );
     }
 
     /// The sweep's walk is a snapshot; the kernel refreshes entries

@@ -32,6 +32,11 @@ pub const LABEL_HEADLESS: &str = "service.kubernetes.io/headless";
 /// `random`; the agent's `--lb-algorithm` when absent).
 pub const ANNOTATION_ALGORITHM: &str = "lb-agent.dev/lb-algorithm";
 
+/// The annotation lowering a Service's outlier detection (`off`,
+/// `dry-run` or `on`; the agent's `--outlier-detection` when absent, and
+/// never more than it).
+pub const ANNOTATION_OUTLIER_DETECTION: &str = "lb-agent.dev/outlier-detection";
+
 /// The well-known label carrying a Node's zone (`v1.LabelTopologyZone`).
 pub const LABEL_TOPOLOGY_ZONE: &str = "topology.kubernetes.io/zone";
 
@@ -98,6 +103,8 @@ pub struct ServiceMeta {
     pub proxy_labels: bool,
     /// Its [`ANNOTATION_ALGORITHM`] annotation.
     pub algorithm: Option<Box<str>>,
+    /// Its [`ANNOTATION_OUTLIER_DETECTION`] annotation.
+    pub outlier_detection: Option<Box<str>>,
     /// The older of two Services claiming one frontend wins it.
     pub creation_timestamp: Option<Time>,
 }
@@ -185,14 +192,15 @@ impl From<Service> for StoredService {
         let proxy_labels = meta.labels.is_some_and(|labels| {
             labels.contains_key(LABEL_SERVICE_PROXY_NAME) || labels.contains_key(LABEL_HEADLESS)
         });
-        let algorithm = meta
-            .annotations
-            .and_then(|mut a| a.remove(ANNOTATION_ALGORITHM))
-            .map(String::into_boxed_str);
+        let mut annotations = meta.annotations.unwrap_or_default();
+        let mut annotation = |name: &str| annotations.remove(name).map(String::into_boxed_str);
+        let algorithm = annotation(ANNOTATION_ALGORITHM);
+        let outlier_detection = annotation(ANNOTATION_OUTLIER_DETECTION);
         StoredService {
             metadata: ServiceMeta {
                 proxy_labels,
                 algorithm,
+                outlier_detection,
                 creation_timestamp: meta.creation_timestamp,
             },
             spec: svc.spec.map(StoredSpec::from),
@@ -550,7 +558,7 @@ mod tests {
     fn stored_services_keep_what_translation_reads() {
         let svc: Service = serde_json::from_str(
             r#"{"metadata": {"name": "web", "labels": {"service.kubernetes.io/headless": ""},
-                "annotations": {"lb-agent.dev/lb-algorithm": "maglev"}, "creationTimestamp": "2024-01-01T00:00:00Z"},
+                "annotations": {"lb-agent.dev/lb-algorithm": "maglev", "lb-agent.dev/outlier-detection": "dry-run"}, "creationTimestamp": "2024-01-01T00:00:00Z"},
                 "spec": {"type": "LoadBalancer", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00:96::A"],
                          "externalIPs": ["192.0.2.7"], "selector": {"app": "web"},
                          "ports": [{"name": "http", "port": 80, "targetPort": 8080, "nodePort": 30080},
@@ -570,6 +578,7 @@ mod tests {
         let meta = &stored.metadata;
         assert!(meta.proxy_labels);
         assert_eq!(meta.algorithm.as_deref(), Some("maglev"));
+        assert_eq!(meta.outlier_detection.as_deref(), Some("dry-run"));
         assert!(meta.creation_timestamp.is_some());
         let spec = stored.spec.as_ref().unwrap();
         shared(&spec.type_, "LoadBalancer");

@@ -220,6 +220,61 @@ impl Algorithm {
     }
 }
 
+/// Outlier detection of a frontend (`--outlier-detection`, the annotation
+/// `lb-agent.dev/outlier-detection`): whether the kernel programs count a
+/// backend's failed TCP connects and quarantine it, and whether new flows
+/// then avoid it. Ordered by how much it does: a Service's annotation can
+/// lower the node's mode, never raise it (the lesser of the two applies).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum OutlierMode {
+    /// Nothing is counted.
+    Off,
+    /// Failures are counted and backends quarantined (reported), but new
+    /// flows still go to them.
+    DryRun,
+    /// Quarantined backends are avoided by new flows (`--outlier-detection`'s
+    /// default).
+    #[default]
+    On,
+}
+
+impl OutlierMode {
+    pub const ALL: [OutlierMode; 3] = [Self::Off, Self::DryRun, Self::On];
+
+    /// The name `--outlier-detection` and the annotation take.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::DryRun => "dry-run",
+            Self::On => "on",
+        }
+    }
+
+    /// The mode named `name`, as `--outlier-detection` and the annotation
+    /// spell it.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+
+    /// Whether the kernel counts failures and quarantines
+    /// (`service_flags::OUTLIER_DETECT`).
+    pub fn detects(self) -> bool {
+        self >= Self::DryRun
+    }
+
+    /// Whether new flows avoid quarantined backends
+    /// (`service_flags::OUTLIER_AVOID`).
+    pub fn avoids(self) -> bool {
+        self == Self::On
+    }
+}
+
+impl fmt::Display for OutlierMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// Which endpoints of its Service port a frontend's backends are selected
 /// from (kube-proxy's `CategorizeEndpoints`): the traffic policy class of
 /// the frontend, the node and the family doing the rest.
@@ -289,6 +344,9 @@ pub struct FrontendState {
     /// without ranges is open). On both scopes: kube-proxy checks the ranges
     /// on OUTPUT too, so pods and host processes are bound by them.
     pub source_ranges: bool,
+    /// Outlier detection: the lesser of the node's `--outlier-detection`
+    /// and the Service's `lb-agent.dev/outlier-detection` annotation.
+    pub outlier: OutlierMode,
 }
 
 /// A frontend a Service port asks for that no datapath of this agent
@@ -396,6 +454,22 @@ impl fmt::Display for Cidr {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn outlier_modes_by_name_and_order() {
+        for m in OutlierMode::ALL {
+            assert_eq!(OutlierMode::from_name(m.name()), Some(m));
+        }
+        assert_eq!(OutlierMode::from_name("dry-run"), Some(OutlierMode::DryRun));
+        assert_eq!(OutlierMode::from_name("On"), None);
+        assert_eq!(OutlierMode::from_name("dryrun"), None);
+        assert!(OutlierMode::Off < OutlierMode::DryRun && OutlierMode::DryRun < OutlierMode::On);
+        assert_eq!(OutlierMode::default(), OutlierMode::On);
+        let detects: Vec<bool> = OutlierMode::ALL.iter().map(|m| m.detects()).collect();
+        let avoids: Vec<bool> = OutlierMode::ALL.iter().map(|m| m.avoids()).collect();
+        assert_eq!(detects, [false, true, true]);
+        assert_eq!(avoids, [false, false, true]);
+    }
 
     #[test]
     fn cidr_parse_and_contains() {

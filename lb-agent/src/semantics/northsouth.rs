@@ -274,6 +274,7 @@ mod tests {
             algorithm: Algorithm::Random,
             reject: false,
             source_ranges: false,
+            outlier: Default::default(),
         }
     }
 

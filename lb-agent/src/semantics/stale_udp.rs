@@ -319,6 +319,7 @@ mod tests {
             algorithm: Default::default(),
             reject: false,
             source_ranges: false,
+            outlier: Default::default(),
         }
     }
 

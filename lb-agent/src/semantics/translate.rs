@@ -21,13 +21,16 @@ use crate::{
     },
     semantics::model::{
         Algorithm, BackendAddr, BackendRef, Cidr, DesiredState, Frontend, FrontendKind,
-        FrontendState, NotServed, Protocol, Scope, Selection, ServiceName,
+        FrontendState, NotServed, OutlierMode, Protocol, Scope, Selection, ServiceName,
     },
 };
 
 // `ANNOTATION_ALGORITHM`: a Service's selection algorithm, one of
-// `lb_common::algorithm::NAMES`.
-pub use crate::input::store::{ANNOTATION_ALGORITHM, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME};
+// `lb_common::algorithm::NAMES`. `ANNOTATION_OUTLIER_DETECTION`: a
+// Service's outlier detection, `off`, `dry-run` or `on`.
+pub use crate::input::store::{
+    ANNOTATION_ALGORITHM, ANNOTATION_OUTLIER_DETECTION, LABEL_HEADLESS, LABEL_SERVICE_PROXY_NAME,
+};
 /// The API server's default `sessionAffinityConfig.clientIP.timeoutSeconds`.
 pub const DEFAULT_AFFINITY_TIMEOUT: u32 = 10800;
 /// The largest timeout the API server accepts.
@@ -44,6 +47,10 @@ const SOURCE: &str = "translate";
 pub struct TranslateOptions {
     /// Used unless a Service's `lb-agent.dev/lb-algorithm` says otherwise.
     pub default_algorithm: Algorithm,
+    /// `--outlier-detection`: the most a Service's
+    /// `lb-agent.dev/outlier-detection` may ask for, and what it gets
+    /// without the annotation.
+    pub default_outlier: OutlierMode,
     /// The node's own addresses, on which NodePorts are served; may be empty.
     pub node_addresses: Vec<IpAddr>,
     /// `--allowed-external-ip-cidrs` (CVE-2020-8554): when not empty,
@@ -727,6 +734,7 @@ struct Settings {
     external_policy: Policy,
     affinity_timeout: Option<u32>,
     algorithm: Algorithm,
+    outlier: OutlierMode,
 }
 
 /// An address of the Service together with the field it came from.
@@ -783,6 +791,7 @@ fn translate_service(
         ),
         affinity_timeout: affinity_timeout(spec, report),
         algorithm: algorithm(svc, opts.default_algorithm, report),
+        outlier: outlier(svc, opts.default_outlier, report),
     };
     let ports = service_ports(spec, report);
     let node_addresses: Vec<IpAddr> = opts
@@ -853,6 +862,7 @@ fn translate_service(
                 reject,
                 source_ranges: kind == FrontendKind::LoadBalancer
                     && ranged_families.contains(&Family::of(addr)),
+                outlier: settings.outlier,
             };
             let state = match ctx.previous.and_then(|p| p.get(&frontend)) {
                 Some(old) if **old == state => Arc::clone(old),
@@ -1170,6 +1180,29 @@ fn algorithm(svc: &StoredService, default: Algorithm, report: &mut Report) -> Al
                     ),
                 );
                 default
+            }
+        },
+    }
+}
+
+/// The outlier detection of `svc`'s frontends: the lesser of the node's
+/// (`node`, `--outlier-detection`) and the Service's annotation, which can
+/// turn detection down but never up past the node's.
+fn outlier(svc: &StoredService, node: OutlierMode, report: &mut Report) -> OutlierMode {
+    match svc.metadata.outlier_detection.as_deref() {
+        None => node,
+        Some(v) => match OutlierMode::from_name(v) {
+            Some(m) => m.min(node),
+            None => {
+                report.reject(
+                    format!("metadata.annotations[{ANNOTATION_OUTLIER_DETECTION}]"),
+                    format!(
+                        "unknown outlier detection mode {v:?}, expected one of {}; using the node's, {}",
+                        OutlierMode::ALL.map(OutlierMode::name).join(", "),
+                        node.name()
+                    ),
+                );
+                node
             }
         },
     }
@@ -1585,7 +1618,8 @@ mod tests {
     }
 
     /// One line per frontend:
-    /// `int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) | terminating ... | affinity 60 | Maglev`.
+    /// `int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) | terminating ... | affinity 60 | Maglev | outlier dry-run`
+    /// (outlier detection shown unless `on`).
     fn render(state: &DesiredState) -> Vec<String> {
         state
             .frontends
@@ -1624,6 +1658,9 @@ mod tests {
                 }
                 if st.algorithm != Algorithm::Random {
                     line += &format!(" | {:?}", st.algorithm);
+                }
+                if st.outlier != OutlierMode::On {
+                    line += &format!(" | outlier {}", st.outlier.name());
                 }
                 if st.reject {
                     line += " | reject";
@@ -1714,6 +1751,12 @@ mod tests {
 
         fn default_algorithm(mut self, default_algorithm: Algorithm) -> Self {
             self.opts.default_algorithm = default_algorithm;
+            self
+        }
+
+        /// With `--outlier-detection` at `mode` (`on` otherwise).
+        fn default_outlier(mut self, mode: OutlierMode) -> Self {
+            self.opts.default_outlier = mode;
             self
         }
 
@@ -1971,6 +2014,79 @@ mod tests {
                     WEB_SLICE,
                 ],
                 &["int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | Maglev"],
+            ),
+            Case::new(
+                "outlier detection: the node's by default, an annotation turns it down; bad value rejected",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b, annotations: {lb-agent.dev/outlier-detection: 'off'}}, \
+                     spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: c, annotations: {lb-agent.dev/outlier-detection: dry-run}}, \
+                     spec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: d, annotations: {lb-agent.dev/outlier-detection: 'on'}}, \
+                     spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: e, annotations: {lb-agent.dev/outlier-detection: sometimes}}, \
+                     spec: {clusterIP: 10.96.0.5, ports: [{port: 80}]}}",
+                ],
+                &[
+                    "int 10.96.0.1:80/TCP ClusterIp default/a => none",
+                    "int 10.96.0.2:80/TCP ClusterIp default/b => none | outlier off",
+                    "int 10.96.0.3:80/TCP ClusterIp default/c => none | outlier dry-run",
+                    "int 10.96.0.4:80/TCP ClusterIp default/d => none",
+                    "int 10.96.0.5:80/TCP ClusterIp default/e => none",
+                ],
+            )
+            .rejected(&["Service default/e metadata.annotations[lb-agent.dev/outlier-detection]"]),
+            Case::new(
+                "outlier detection: an annotation never raises the node's mode",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: b, annotations: {lb-agent.dev/outlier-detection: 'off'}}, \
+                     spec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: d, annotations: {lb-agent.dev/outlier-detection: 'on'}}, \
+                     spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: e, annotations: {lb-agent.dev/outlier-detection: 'ON'}}, \
+                     spec: {clusterIP: 10.96.0.5, ports: [{port: 80}]}}",
+                ],
+                &[
+                    "int 10.96.0.1:80/TCP ClusterIp default/a => none | outlier dry-run",
+                    "int 10.96.0.2:80/TCP ClusterIp default/b => none | outlier off",
+                    "int 10.96.0.4:80/TCP ClusterIp default/d => none | outlier dry-run",
+                    "int 10.96.0.5:80/TCP ClusterIp default/e => none | outlier dry-run",
+                ],
+            )
+            .rejected(&["Service default/e metadata.annotations[lb-agent.dev/outlier-detection]"])
+            .default_outlier(OutlierMode::DryRun),
+            Case::new(
+                "outlier detection off on the node: off whatever the annotation",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: a}, spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}}",
+                    "{apiVersion: v1, kind: Service, metadata: {name: d, annotations: {lb-agent.dev/outlier-detection: 'on'}}, \
+                     spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}}",
+                ],
+                &[
+                    "int 10.96.0.1:80/TCP ClusterIp default/a => none | outlier off",
+                    "int 10.96.0.4:80/TCP ClusterIp default/d => none | outlier off",
+                ],
+            )
+            .default_outlier(OutlierMode::Off),
+            Case::new(
+                "outlier detection: every frontend of the Service carries its mode",
+                &[
+                    "{apiVersion: v1, kind: Service, metadata: {name: web, annotations: {lb-agent.dev/outlier-detection: dry-run}}, \
+                     spec: {type: LoadBalancer, clusterIP: 10.96.0.10, externalIPs: [203.0.113.5], ports: [{name: http, port: 80, nodePort: 30080}]}, \
+                     status: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}}",
+                    WEB_SLICE,
+                ],
+                &[
+                    "int 10.96.0.10:80/TCP ClusterIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                    "int 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                    "ext 192.168.1.10:30080/TCP NodePort default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                    "int 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                    "ext 198.51.100.1:80/TCP LoadBalancer default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                    "int 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                    "ext 203.0.113.5:80/TCP ExternalIp default/web:http => 10.1.0.1:8080(local) 10.1.0.2:8080 | outlier dry-run",
+                ],
             ),
             Case::new(
                 "duplicate frontends of one kind, no creationTimestamp: the first Service by namespace/name keeps them",
@@ -2847,7 +2963,8 @@ mod tests {
     #[test]
     fn frontend_state_fields() {
         let store = store(&[
-            "{apiVersion: v1, kind: Service, metadata: {name: web, namespace: shop, annotations: {lb-agent.dev/lb-algorithm: maglev}}, \
+            "{apiVersion: v1, kind: Service, metadata: {name: web, namespace: shop, \
+             annotations: {lb-agent.dev/lb-algorithm: maglev, lb-agent.dev/outlier-detection: dry-run}}, \
              spec: {clusterIP: 10.96.0.10, ports: [{name: http, port: 80, protocol: UDP}], sessionAffinity: ClientIP}}",
             "{apiVersion: discovery.k8s.io/v1, kind: EndpointSlice, metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}, \
              addressType: IPv4, ports: [{name: http, port: 8080, protocol: UDP}], endpoints: [{addresses: [10.1.0.1], nodeName: node-a}]}",
@@ -2884,6 +3001,7 @@ mod tests {
                 algorithm: Algorithm::Maglev,
                 reject: false,
                 source_ranges: false,
+                outlier: OutlierMode::DryRun,
             }
         );
     }
@@ -2986,6 +3104,29 @@ mod tests {
                 NONE,
             ),
         ]);
+    }
+
+    #[test]
+    fn outlier_annotation_rejection_names_the_service_and_field() {
+        let store = store(&[
+            "{apiVersion: v1, kind: Service, metadata: {name: web, namespace: shop, \
+             annotations: {lb-agent.dev/outlier-detection: dryrun}}, spec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}}",
+        ]);
+        let opts = TranslateOptions {
+            default_outlier: OutlierMode::DryRun,
+            ..Default::default()
+        };
+        let (state, rejections) = translate(&store, &node_a(), &opts);
+        let got: Vec<String> = rejections.iter().map(ToString::to_string).collect();
+        assert_eq!(
+            got,
+            [
+                "translate: Service shop/web: metadata.annotations[lb-agent.dev/outlier-detection]: \
+                 unknown outlier detection mode \"dryrun\", expected one of off, dry-run, on; using the node's, dry-run"
+            ]
+        );
+        let modes: Vec<OutlierMode> = state.frontends.values().map(|s| s.outlier).collect();
+        assert_eq!(modes, [OutlierMode::DryRun]);
     }
 
     #[test]
