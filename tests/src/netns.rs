@@ -355,6 +355,26 @@ impl Topology {
         Ok(())
     }
 
+    /// Kills the serve process(es) named `name` (SIGKILL, then reaped):
+    /// its host lives on, so connects to it are refused with an RST.
+    pub fn stop_server(&self, name: &str) -> Result<()> {
+        let mut st = lock(&self.state);
+        let mut found = false;
+        st.children.retain_mut(|(n, c)| {
+            if n != name {
+                return true;
+            }
+            found = true;
+            let _ = c.kill();
+            let _ = c.wait();
+            false
+        });
+        if !found {
+            bail!("no server named {name}");
+        }
+        Ok(())
+    }
+
     /// Pids of the serve processes that are still running.
     pub fn server_pids(&self) -> Vec<u32> {
         let mut st = lock(&self.state);
