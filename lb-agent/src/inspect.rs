@@ -689,6 +689,7 @@ impl Subject for Conntrack {
                         (ct_flags::LOCAL, "local"),
                         // Counts for its backend (lc, sed, nq).
                         (ct_flags::COUNTED, "counted"),
+                        (ct_flags::WATCHED, "watched"),
                     ],
                 );
                 CtView {

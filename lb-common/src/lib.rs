@@ -129,6 +129,23 @@ pub mod algorithm {
     pub const fn counts(algorithm: u8) -> bool {
         matches!(algorithm, LC | SED | NQ)
     }
+
+    /// `counts` as 1 or 0, without a branch: the kernel programs mark a
+    /// flow with it, and a branch there has the verifier walk what follows
+    /// once per outcome.
+    #[inline(always)]
+    pub const fn counts_bit(algorithm: u8) -> u32 {
+        const COUNTING: u32 = 1 << LC | 1 << SED | 1 << NQ;
+        (COUNTING >> (algorithm & 7)) & 1
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn counts_bit_is_counts() {
+    for a in 0..8 {
+        assert_eq!(algorithm::counts_bit(a) == 1, algorithm::counts(a), "{a}");
+    }
 }
 
 /// `Backend::flags`.
@@ -1006,6 +1023,10 @@ pub mod ct_flags {
     /// its frontend's scheduler counts connections. Set in the forward
     /// entry only.
     pub const COUNTED: u8 = 1 << 3;
+    /// Its frontend detects outliers (`service_flags::OUTLIER_DETECT`
+    /// when the flow began): the handshake's outcome counts for its
+    /// backend. Set in both entries.
+    pub const WATCHED: u8 = 1 << 4;
 }
 
 /// `CtEntry::state`: one byte per event of a TCP flow, so that CPUs that
@@ -1071,7 +1092,8 @@ pub struct CtKey {
 /// | 56     | `ack_seq`      | TCP: the last ACK number this direction sent (host order); a forward entry in `LB_CT_SYN`: the one that completes the handshake, once the backend answered |
 /// | 60     | `backend_time_wait` | TCP: 1 once the backend sent the flow's first FIN |
 /// | 61     | `answered`     | TCP, a forward entry in `LB_CT_SYN`: 1 once the backend answered (`ack_seq` then holds the ACK number that completes the handshake, which may be 0) |
-/// | 62     | `_pad2`        |                                             |
+/// | 62     | `syn_timed_out` | a forward entry in `LB_CT_SYN`: the client sent its SYN again unanswered, counted once as the backend's failure (outlier detection) |
+/// | 63     | `_pad2`        |                                             |
 /// | 64     | `hop`          | [`NextHop`]: the FIB's answer for this direction's translated packets |
 ///
 /// An entry lives `TcConfig::tcp_syn_timeout_s` until the client
@@ -1102,7 +1124,11 @@ pub struct CtEntry {
     /// was padding (0) before, so an entry an older agent wrote says so by
     /// a non-zero `ack_seq` alone.
     pub answered: u8,
-    pub _pad2: [u8; 2],
+    /// The client sent its SYN again a second after the first with no
+    /// answer: counted once, as its backend's timed-out connect (a forward
+    /// entry in `LB_CT_SYN`). Was padding (0) before.
+    pub syn_timed_out: u8,
+    pub _pad2: u8,
     pub hop: NextHop,
 }
 

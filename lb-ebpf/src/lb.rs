@@ -250,8 +250,9 @@ pub fn choose<const OUTLINE_IPVS: bool>(
 /// `choose`, the backend's id only (a caller that copies the backend
 /// elsewhere itself). A frontend that avoids quarantined backends
 /// (`service_flags::OUTLIER_AVOID`) draws again when its scheduler's pick
-/// is quarantined (`avoid_quarantined`); lc, sed and nq leave quarantined
-/// backends out of their scan.
+/// is quarantined (`avoid_quarantined`; lc, sed and nq too, so their
+/// substitute is drawn, not the least loaded: a quarantine check per
+/// scanned backend cost each socket program seconds of verification).
 #[inline(always)]
 pub fn choose_id<const OUTLINE_IPVS: bool>(
     svc: &ServiceValue,
@@ -285,8 +286,6 @@ pub fn choose_id<const OUTLINE_IPVS: bool>(
                 ipvs_slot(svc, r)
             };
             let slot = match slot {
-                // Every candidate quarantined (lc's scan): any of them.
-                NO_SLOT if avoids(svc) => select::slot(svc, r)?,
                 NO_SLOT => return None,
                 slot => slot,
             };
@@ -294,10 +293,10 @@ pub fn choose_id<const OUTLINE_IPVS: bool>(
         }
         _ => (slot_backend(svc, select::slot(svc, random())?)?, 0),
     };
-    if avoids(svc) && quarantined(id) {
-        return Some(avoid_quarantined(svc, id, hash));
-    }
-    Some(id)
+    // One path on from here whatever the quarantine says (the function
+    // returns `id` itself unless it must avoid it): a branch here would
+    // have the verifier walk the caller's rest once per outcome.
+    Some(avoid_quarantined(svc, id, hash))
 }
 
 /// Whether new flows to `svc` avoid quarantined backends (read where
@@ -322,7 +321,8 @@ pub fn quarantined(id: u32) -> bool {
     until != 0 && until > unsafe { bpf_ktime_get_ns() }
 }
 
-/// Another backend for `first`, the scheduler's pick, which is quarantined:
+/// `first`, the scheduler's pick, unless its frontend avoids quarantine
+/// and it is quarantined; then another:
 /// `outlier::REDRAWS` draws (table schedulers: positions of the flow's
 /// `hash` drawn again, so that a client keeps its substitute; the others:
 /// random slots), then the first unquarantined of up to `CAP_SCAN` slots
@@ -330,6 +330,9 @@ pub fn quarantined(id: u32) -> bool {
 /// its own: the hooks' frames have no room for its loops.
 #[inline(never)]
 fn avoid_quarantined(svc: &ServiceValue, first: u32, hash: u32) -> u32 {
+    if !avoids(svc) || !quarantined(first) {
+        return first;
+    }
     let by_table = hash != 0;
     let mut i = 1;
     while i <= outlier::REDRAWS {
@@ -431,25 +434,19 @@ fn ipvs_slot_outlined(svc: &ServiceValue, random: u32) -> u32 {
 
 /// `ipvs_slot_outlined`'s body, inlined where that takes less stack (the
 /// tc path's new flow, whose frame holds the values it reads already).
-/// Avoiding quarantine (`avoids`), lc, sed and nq leave quarantined backends out of their scan
-/// (rr's turn is drawn again by the caller).
+/// A quarantined pick is replaced by the caller (`avoid_quarantined`).
 #[inline(always)]
 fn ipvs_slot(svc: &ServiceValue, random: u32) -> u32 {
-    let avoid = avoids(svc);
     let slot = if svc.algorithm() == algorithm::RR {
         match rr_turn(svc.id) {
             Some(turn) => select::rr_slot(svc, turn),
             None => select::slot(svc, random),
         }
     } else {
-        select::least_loaded(svc, random, |slot| {
-            let id = slot_backend(svc, slot)?;
-            if avoid && quarantined(id) {
-                None
-            } else {
-                Some(open_of(id))
-            }
-        })
+        // A quarantined pick is replaced by `avoid_quarantined`: a check
+        // here, per backend, costs each socket program seconds of
+        // verification.
+        select::least_loaded(svc, random, |slot| slot_backend(svc, slot).map(open_of))
     };
     slot.unwrap_or(NO_SLOT)
 }

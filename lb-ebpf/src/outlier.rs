@@ -1,12 +1,17 @@
-//! Outlier detection on the socket path: `sock_ops` watches the TCP
-//! connects `sock::forward` marked (`sock_backend::WATCHED`) and counts
-//! their outcome in the chosen backend's `BackendHealth`: an RST in
-//! answer to the SYN, an ICMP error before any answer, or a SYN
-//! unanswered for a second (its first retransmission) is a failure, an
-//! established connection a success.
-//! Enough failures in a row quarantine the backend for new flows of
-//! every frontend on this node (`lb::quarantined`), decided here, before
-//! the failed connect returns to its application.
+//! Outlier detection: the outcome of TCP connects counted in the chosen
+//! backend's `BackendHealth`, on both paths.
+//!
+//! - Socket path: `sock_ops` watches the connects `sock::forward` marked
+//!   (`sock_backend::WATCHED`): an RST in answer to the SYN, an ICMP error
+//!   before any answer, or a SYN unanswered for a second (its first
+//!   retransmission) is a failure, an established connection a success.
+//! - tc path (`tc::track`): a backend's RST to a flow still in `LB_CT_SYN`,
+//!   or the client's SYN sent again a second after the first with no
+//!   answer, is a failure; the backend's SYN-ACK a success.
+//!
+//! Enough failures in a row quarantine the backend for new flows of every
+//! frontend on this node (`lb::quarantined`), decided here, in the kernel,
+//! before the failed connect returns to its application.
 use aya_ebpf::{
     bindings::{
         BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB,
@@ -17,7 +22,7 @@ use aya_ebpf::{
     programs::SockOpsContext,
     EbpfContext,
 };
-use lb_common::{outlier, service_flags, stat, BackendHealth};
+use lb_common::{outlier, service_flags, stat, BackendHealth, ServiceKey};
 
 use crate::{
     lb::{self, Frontend},
@@ -106,9 +111,10 @@ fn locked<T>(health: *mut BackendHealth, f: impl FnOnce(&mut BackendHealth) -> T
     }
 }
 
-/// A watched connect to backend `id` was established: the series ends.
+/// A connect to backend `id` was answered (the socket path: established;
+/// the tc path: the backend's SYN-ACK): the series ends.
 #[inline(always)]
-fn succeeded(id: u32) {
+pub fn succeeded(id: u32) {
     let Some(health) = LB_BACKEND_HEALTH.get_ptr_mut(id) else {
         return;
     };
@@ -119,41 +125,89 @@ fn succeeded(id: u32) {
     }
 }
 
-/// A watched connect failed (`reason`, `outlier::REFUSED` or `TIMEOUT`):
-/// counted, and the backend quarantined once due, unless that would pass
-/// the frontend's cap (`lb::ejection_allowed`).
+/// A watched connect of the context's socket failed (`reason`).
 #[inline(always)]
 fn failed(ctx: &SockOpsContext, reason: u32) {
-    let Some((id, key)) = watched(ctx) else {
-        return;
-    };
-    count(match reason {
-        outlier::REFUSED => stat::CONNECT_REFUSED,
-        outlier::TIMEOUT => stat::CONNECT_TIMED_OUT,
-        _ => stat::CONNECT_UNREACHABLE,
-    });
+    if let Some((id, key)) = watched(ctx) {
+        connect_failed(&key, id, reason);
+    }
+}
+
+/// A connect to backend `id` through the tc path failed (`reason`), its
+/// flow `ct_flags::WATCHED` (its frontend detected outliers when the flow
+/// began): counted, and the backend quarantined once due. Without the
+/// frontend's cap (`lb::ejection_allowed`): its scan of the frontend's
+/// backends, in a packet program's many paths, passed the verifier's
+/// budget, and this frame must stay small (the tc programs' stack is
+/// nearly full). A new flow whose every candidate is quarantined still
+/// goes to its first pick (`lb::avoid_quarantined`), so the missing cap
+/// never leaves a frontend without a backend.
+#[inline(never)]
+pub fn tc_connect_failed(id: u32, reason: u32) {
+    count_reason(reason);
+    if let Some(now) = failure_due(id) {
+        eject(id, reason, now);
+    }
+}
+
+/// A connect to backend `id` through frontend `key` failed (`reason`,
+/// `outlier::REFUSED`, `TIMEOUT` or `UNREACHABLE`): counted, and the
+/// backend quarantined once due, unless that would pass the frontend's
+/// cap (`lb::ejection_allowed`).
+#[inline(never)]
+pub fn connect_failed(key: &ServiceKey, id: u32, reason: u32) {
+    count_reason(reason);
     // The frontend as it is now: the Service may have turned detection
     // off since the connect.
-    let Frontend::Served(svc) = lb::lookup_frontend(&key, false) else {
+    let Frontend::Served(svc) = lb::lookup_frontend(key, false) else {
         return;
     };
     if svc.flags & service_flags::OUTLIER_DETECT == 0 {
         return;
     }
-    let (Some(health), Some(config)) = (LB_BACKEND_HEALTH.get_ptr_mut(id), LB_TC_CONFIG.get(0))
-    else {
+    let Some(now) = failure_due(id) else {
         return;
     };
-    // SAFETY: plain helper call.
-    let now = unsafe { bpf_ktime_get_ns() };
-    let threshold = config.outlier_failures;
-    if !locked(health, |h| h.count_failure(now, threshold)) {
+    let Some(config) = LB_TC_CONFIG.get(0) else {
         return;
-    }
+    };
     if !lb::ejection_allowed(&svc, id, now, config.outlier_max_percent) {
         count(stat::EJECTION_CAPPED);
         return;
     }
+    eject(id, reason, now);
+}
+
+#[inline(always)]
+fn count_reason(reason: u32) {
+    count(match reason {
+        outlier::REFUSED => stat::CONNECT_REFUSED,
+        outlier::TIMEOUT => stat::CONNECT_TIMED_OUT,
+        _ => stat::CONNECT_UNREACHABLE,
+    });
+}
+
+/// Counts a failure of backend `id`; the clock if it is due for
+/// quarantine (`BackendHealth::count_failure`).
+#[inline(always)]
+fn failure_due(id: u32) -> Option<u64> {
+    let (Some(health), Some(config)) = (LB_BACKEND_HEALTH.get_ptr_mut(id), LB_TC_CONFIG.get(0))
+    else {
+        return None;
+    };
+    // SAFETY: plain helper call.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let threshold = config.outlier_failures;
+    locked(health, |h| h.count_failure(now, threshold)).then_some(now)
+}
+
+/// Quarantines backend `id` from `now` (`BackendHealth::eject`).
+#[inline(always)]
+fn eject(id: u32, reason: u32, now: u64) {
+    let (Some(health), Some(config)) = (LB_BACKEND_HEALTH.get_ptr_mut(id), LB_TC_CONFIG.get(0))
+    else {
+        return;
+    };
     let (base_ns, max_ns) = (
         config.outlier_base_ms as u64 * 1_000_000,
         config.outlier_max_ms as u64 * 1_000_000,

@@ -298,13 +298,11 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
         let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
         // Counted while the socket is open, for the schedulers that count;
         // its connect watched by outlier detection (`outlier::sock_ops`).
-        let mut mark = id & sock_backend::ID;
-        if algorithm::counts(svc.algorithm()) {
-            mark |= sock_backend::COUNTED;
-        }
-        if svc.flags & service_flags::OUTLIER_DETECT != 0 {
-            mark |= sock_backend::WATCHED;
-        }
+        // Without a branch: one path into `remember_peer` (see
+        // `algorithm::counts_bit`).
+        let counted = algorithm::counts_bit(svc.algorithm()) * sock_backend::COUNTED;
+        let watched = (svc.flags & service_flags::OUTLIER_DETECT != 0) as u32;
+        let mark = id & sock_backend::ID | counted | watched * sock_backend::WATCHED;
         remember_peer(cookie, &dst, &backend, mark);
     } else {
         remember_datagram_peer(ctx, &dst, &backend, svc.id);

@@ -46,6 +46,7 @@ use crate::{
         count, port_marked, this_cpu, CtMap, LB_CONNTRACK, LB_CT_SYN, LB_FRONTEND_PORTS,
         LB_LOCAL_PORTS, LB_SOURCE_RANGES, LB_TC_CONFIG,
     },
+    outlier,
 };
 
 mod frag;
@@ -539,6 +540,24 @@ impl Table {
     }
 }
 
+/// How long after the client's SYN its SYN again means no answer came: a
+/// client retransmits at its RTO, 1 s first (RFC 6298); less, and a
+/// duplicate SYN would count.
+const SYN_UNANSWERED_NS: u64 = 800_000_000;
+
+/// Whether the client's SYN on forward entry `e` of an unfinished
+/// handshake is the first one sent again for want of an answer: the
+/// backend has not answered and the last SYN is [`SYN_UNANSWERED_NS`]
+/// old (once per flow: `syn_timed_out`).
+#[inline(always)]
+fn syn_timed_out(e: &CtEntry, now: u64) -> bool {
+    e.flags & ct_flags::WATCHED != 0
+        && e.answered == 0
+        && e.ack_seq == 0
+        && e.syn_timed_out == 0
+        && clock::age_ns(now, e.last_seen_ns) >= SYN_UNANSWERED_NS
+}
+
 /// How far past the sequence number the other end acknowledged an RST may
 /// be and still belong to the flow: data this end sent that is not yet
 /// acknowledged (bounded by the window; 4 MiB covers a fast LAN's
@@ -675,8 +694,21 @@ fn established(key: &CtKey, e: &CtEntry, p: &Pkt, now: u64) {
 /// RST that belongs to it, whose entries stay for the close timeout so
 /// that late packets still translate. A half-closed flow (one FIN) keeps
 /// its established timeout.
+///
+/// `OUTLIERS` (tc_ingress): connects' outcomes are counted for outlier
+/// detection (`outlier`): a remote backend's answer or RST, the client's
+/// SYN sent again. Not at egress, whose frame leaves no room for the
+/// call: a local backend's RST is not counted on this path (its
+/// unanswered SYNs are, at ingress).
 #[inline(always)]
-fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now: u64) -> bool {
+fn track<const OUTLIERS: bool>(
+    table: Table,
+    key: &CtKey,
+    ptr: *mut CtEntry,
+    e: &CtEntry,
+    p: &Pkt,
+    now: u64,
+) -> bool {
     // SAFETY (every write below): the entry stays valid for this run; each
     // write is of one whole field, so concurrent writers of other fields
     // or state bytes are never undone, and two writers of one field only
@@ -687,6 +719,17 @@ fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now
                 count(stat::TC_DROP_BAD_RST);
                 return false;
             }
+            // The backend's first RST in the handshake: it refused the
+            // connect (outlier detection; its frontend is where the reply
+            // comes from).
+            if OUTLIERS
+                && table == Table::Syn
+                && e.flags & (ct_flags::REPLY | ct_flags::WATCHED)
+                    == ct_flags::REPLY | ct_flags::WATCHED
+                && e.state[ct_state::CLOSING] == 0
+            {
+                outlier::tc_connect_failed(e.backend_id, lb_common::outlier::REFUSED);
+            }
             unsafe { (*ptr).state[ct_state::CLOSING] = 1 };
             mark_partner(table, e, p.proto, ct_state::CLOSING);
         } else {
@@ -696,6 +739,10 @@ fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now
             if handshake && p.tcp_flags & TCP_SYN == 0 && !completes_handshake(e, p) {
                 count(stat::TC_DROP_INVALID);
                 return false;
+            }
+            if OUTLIERS && handshake && p.tcp_flags & TCP_SYN != 0 && syn_timed_out(e, now) {
+                unsafe { (*ptr).syn_timed_out = 1 };
+                outlier::tc_connect_failed(e.backend_id, lb_common::outlier::TIMEOUT);
             }
             if p.tcp_flags & TCP_ACK != 0 && !handshake {
                 unsafe { (*ptr).ack_seq = p.ack };
@@ -737,6 +784,9 @@ fn track(table: Table, key: &CtKey, ptr: *mut CtEntry, e: &CtEntry, p: &Pkt, now
         Table::Syn if reply => {
             if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
                 answered(e, p);
+                if OUTLIERS && e.flags & ct_flags::WATCHED != 0 {
+                    outlier::succeeded(e.backend_id);
+                }
             }
         }
         // A client's packet that is not a SYN completes the handshake
@@ -1049,7 +1099,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     fwd.ack_seq = 0;
     fwd.backend_time_wait = 0;
     fwd.answered = 0;
-    fwd._pad2 = [0; 2];
+    fwd.syn_timed_out = 0;
+    fwd._pad2 = 0;
     // SAFETY: all zeros is "no next hop".
     fwd.hop = unsafe { core::mem::zeroed() };
     if local {
@@ -1064,11 +1115,9 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
         }
         fwd.flags = ct_flags::SNAT;
     }
-    let counted = if algorithm::counts(svc.algorithm()) {
-        ct_flags::COUNTED
-    } else {
-        0
-    };
+    // Both without a branch (see `algorithm::counts_bit`).
+    let counted = algorithm::counts_bit(svc.algorithm()) as u8 * ct_flags::COUNTED;
+    fwd.flags |= (svc.flags & service_flags::OUTLIER_DETECT != 0) as u8 * ct_flags::WATCHED;
     let rkey = &mut scratch.reply_key;
     rkey.src = b.addr;
     rkey.dst = fwd.nat_src;
@@ -1090,7 +1139,8 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.ack_seq = 0;
     reply.backend_time_wait = 0;
     reply.answered = 0;
-    reply._pad2 = [0; 2];
+    reply.syn_timed_out = 0;
+    reply._pad2 = 0;
     // SAFETY: as above.
     reply.hop = unsafe { core::mem::zeroed() };
     if local && !reply_key_held(table, &scratch.reply_key, p, now, cfg) {
@@ -1303,15 +1353,15 @@ fn lookup_syn(key: &CtKey, p: &Pkt) -> Option<*mut CtEntry> {
 /// connection reuses a closing flow's tuple, through the frontend or
 /// around it (both its entries go).
 #[inline(always)]
-fn follow(
+fn follow<const AT_INGRESS: bool>(
     ctx: &TcContext,
     p: &Pkt,
     key: &CtKey,
     (mut table, mut ptr): (Table, *mut CtEntry),
     now: u64,
     cfg: &TcConfig,
-    at_ingress: bool,
 ) -> Option<i32> {
+    let at_ingress = AT_INGRESS;
     // SAFETY (both reads): valid for this run; a copy, since a moved
     // entry's memory may be reused by another CPU before this run ends.
     let mut e = unsafe { core::ptr::read(ptr) };
@@ -1354,7 +1404,7 @@ fn follow(
         let _ = table.map().remove(key);
         return None;
     }
-    if !track(table, key, ptr, &e, p, now) {
+    if !track::<AT_INGRESS>(table, key, ptr, &e, p, now) {
         return Some(TC_ACT_SHOT);
     }
     Some(finish(ctx, p, (&e, ptr), now, at_ingress))
@@ -1440,7 +1490,7 @@ pub extern "C" fn tc_ingress_flow(skb: *mut __sk_buff) -> i32 {
     };
     // SAFETY: plain helper call (only for a flow: most packets have none).
     let now = unsafe { bpf_ktime_get_ns() };
-    follow(ctx, p, &key, found, now, cfg, true).unwrap_or(NO_FLOW)
+    follow::<true>(ctx, p, &key, found, now, cfg).unwrap_or(NO_FLOW)
 }
 
 /// A packet to an EXTERNAL frontend without a flow yet (`new_flow`).
@@ -1563,5 +1613,5 @@ pub fn egress(ctx: &TcContext) -> i32 {
     };
     // SAFETY: plain helper call.
     let now = unsafe { bpf_ktime_get_ns() };
-    follow(ctx, p, &key, found, now, cfg, false).unwrap_or(TC_ACT_UNSPEC)
+    follow::<false>(ctx, p, &key, found, now, cfg).unwrap_or(TC_ACT_UNSPEC)
 }

@@ -79,12 +79,13 @@ pub struct Node {
 #[derive(Default)]
 struct State {
     netns: Vec<String>,
-    children: Vec<std::process::Child>,
+    /// Servers, by pod name.
+    children: Vec<(String, std::process::Child)>,
 }
 
 fn teardown(state: &Mutex<State>) {
     let mut st = lock(state);
-    for c in st.children.iter_mut() {
+    for (_, c) in st.children.iter_mut() {
         let _ = c.kill();
         let _ = c.wait();
     }
@@ -317,12 +318,31 @@ impl Cluster {
                 .spawn()
                 .with_context(|| format!("serving in {}", pod.name))?;
             let stdout = child.stdout.take().expect("piped");
-            lock(&self.state).children.push(child);
+            lock(&self.state).children.push((pod.name.clone(), child));
             let mut line = String::new();
             std::io::BufRead::read_line(&mut std::io::BufReader::new(stdout), &mut line)?;
             if !line.contains("\"listening\"") {
                 return Err(anyhow!("lb-probe serve in {} said {line:?}", pod.name));
             }
+        }
+        Ok(())
+    }
+
+    /// Kills pod `name`'s server: its connects are refused from then on
+    /// (the pod's namespace stays).
+    pub fn stop_server(&self, name: &str) -> Result<()> {
+        let mut st = lock(&self.state);
+        let before = st.children.len();
+        st.children.retain_mut(|(n, c)| {
+            if n != name {
+                return true;
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+            false
+        });
+        if st.children.len() == before {
+            return Err(anyhow!("no server in pod {name}"));
         }
         Ok(())
     }
@@ -550,12 +570,29 @@ impl Cluster {
     /// `count` attempts from network namespace `netns` (no cgroup: the
     /// socket hooks do not apply), 1 s timeout each.
     pub fn from_netns(&self, netns: &str, proto: &str, target: &str, count: usize) -> Vec<Attempt> {
+        self.from_netns_with(netns, proto, target, count, &[])
+    }
+
+    /// [`from_netns`](Self::from_netns), with `extra` arguments for the
+    /// client (which may set its own `--timeout-ms`).
+    pub fn from_netns_with(
+        &self,
+        netns: &str,
+        proto: &str,
+        target: &str,
+        count: usize,
+        extra: &[&str],
+    ) -> Vec<Attempt> {
         let probe = crate::probe_bin().expect("lb-probe");
         let mut c = Command::new(probe);
         c.args([
             "client", "--netns", netns, "--target", target, "--proto", proto,
         ])
-        .args(["--count", &count.to_string(), "--timeout-ms", "1000"]);
+        .args(["--count", &count.to_string()])
+        .args(extra);
+        if !extra.contains(&"--timeout-ms") {
+            c.args(["--timeout-ms", "1000"]);
+        }
         let out = cmd::run(&mut c).unwrap_or_else(|e| panic!("{e:#}"));
         parse_attempts(&out).unwrap_or_else(|e| panic!("{e:#}"))
     }

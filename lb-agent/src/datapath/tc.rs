@@ -1355,7 +1355,8 @@ mod tests {
             ack_seq: 0,
             backend_time_wait: 0,
             answered: 0,
-            _pad2: [0; 2],
+            syn_timed_out: 0,
+            _pad2: 0,
             hop: Default::default(),
         }
     }

@@ -1,0 +1,137 @@
+//! Outlier detection on the tc path: a NodePort reached from an external
+//! client through node 3, which has no pods, so that every backend is on
+//! another node. A backend that refuses (its server died: the backend's
+//! RST to the SYN) or does not answer (its link is down: the client's SYN
+//! sent again a second later) is quarantined after three failures and
+//! new flows avoid it. Each backend answers with its name.
+use serde_json::{json, Value};
+
+use integration_tests::{
+    nodes::{node_v4, Cluster},
+    probe::{Attempt, Spread},
+    require_root,
+};
+
+const NODEPORT: u16 = 30190;
+
+/// Pods n1p0 and n1p1 on node 1, n2p0 on node 2, node 3 without any; a
+/// NodePort over all three.
+fn cluster(tag: &str) -> Cluster {
+    let mut c = Cluster::new(tag, &[2, 1, 0]).expect("topology");
+    c.serve_all().expect("servers");
+    let pods = [
+        c.pod("n1p0").clone(),
+        c.pod("n1p1").clone(),
+        c.pod("n2p0").clone(),
+    ];
+    let all: Vec<_> = pods.iter().collect();
+    let mut docs = c.node_objects();
+    docs.extend([
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": "web", "namespace": "demo"},
+            "spec": {"type": "NodePort", "clusterIP": "10.96.0.40",
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080,
+                    "nodePort": NODEPORT}]},
+        }),
+        c.slice("web", &all, false, "TCP"),
+    ]);
+    c.manifests.write("cluster.yaml", &docs).expect("manifests");
+    c.start_agents(&[]).expect("agents");
+    c
+}
+
+fn failures(attempts: &[Attempt]) -> Vec<usize> {
+    attempts
+        .iter()
+        .enumerate()
+        .filter(|(_, a)| !a.ok)
+        .map(|(i, _)| i)
+        .collect()
+}
+
+/// The quarantines node 3's agent shows on the NodePort's frontends, by
+/// backend address.
+fn quarantines(c: &Cluster) -> Vec<(String, Value)> {
+    let all = c.agents[2].inspect_services().unwrap();
+    let mut out: Vec<(String, Value)> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["port"] == NODEPORT && f["scope"] == "External")
+        .flat_map(|f| f["backends"].as_array().unwrap().clone())
+        .filter(|b| !b["quarantine"].is_null())
+        .map(|b| {
+            (
+                b["addr"].as_str().unwrap().to_string(),
+                b["quarantine"].clone(),
+            )
+        })
+        .collect();
+    out.dedup_by(|a, b| a.0 == b.0);
+    out
+}
+
+#[test]
+fn a_refusing_backend_behind_a_node_port_is_quarantined_and_avoided() {
+    require_root!();
+    let c = cluster("outl-np-rst");
+    c.stop_server("n1p1").unwrap();
+    let target = format!("{}:{NODEPORT}", node_v4(3));
+    let attempts = c.from_client("tcp", &target, 120);
+    let failed = failures(&attempts);
+    eprintln!("120 connects through node 3, n1p1 refusing: failed at {failed:?}");
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    for i in failed {
+        assert_eq!(
+            attempts[i].error.as_deref(),
+            Some("ECONNREFUSED"),
+            "{:?}",
+            attempts[i]
+        );
+    }
+    let answered = Spread::of(&attempts);
+    assert!(
+        answered.count("n1p0") > 20 && answered.count("n2p0") > 20,
+        "{answered:?}"
+    );
+    let q = quarantines(&c);
+    let n1p1 = c.pod("n1p1").ipv4.to_string();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert_eq!(q[0].0, n1p1, "{q:?}");
+    assert_eq!(q[0].1["reason"], "refused", "{q:?}");
+}
+
+#[test]
+fn a_backend_behind_a_node_port_whose_link_is_down_is_avoided_after_its_timeouts() {
+    require_root!();
+    let c = cluster("outl-np-link");
+    let pod = c.pod("n2p0").clone();
+    integration_tests::cmd::ip(&["-n", &pod.netns, "link", "set", "dev", "eth0", "down"]).unwrap();
+    let target = format!("{}:{NODEPORT}", node_v4(3));
+    // The SYN sent again after 1 s is the failure; the client gives up at
+    // 1.5 s. ICMP errors from the backend side reach no client (see
+    // `tc.rs`), so every failure is a timeout.
+    let attempts = c.from_netns_with(
+        &c.client_netns.clone(),
+        "tcp",
+        &target,
+        40,
+        &["--timeout-ms", "1500"],
+    );
+    let failed = failures(&attempts);
+    eprintln!("40 connects through node 3, n2p0's link down: failed at {failed:?}");
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    for i in &failed {
+        assert_eq!(
+            attempts[*i].error.as_deref(),
+            Some("ETIMEDOUT"),
+            "{:?}",
+            attempts[*i]
+        );
+    }
+    let q = quarantines(&c);
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert_eq!(q[0].0, pod.ipv4.to_string(), "{q:?}");
+    assert_eq!(q[0].1["reason"], "timeout", "{q:?}");
+}
