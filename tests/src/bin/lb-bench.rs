@@ -7,6 +7,8 @@
 //!     TCP: per connection, echo every read back until EOF/RST; a request
 //!     starting with `WHO` is answered with the local address it reached.
 //!     UDP: echo every datagram.
+//!     TCP on port + 1: greets every connection with the local address it
+//!     reached and holds it open (the schedulers' spread runs).
 //! lb-bench client --netns NS [--cgroup DIR] --cpu 0 --target IP:PORT \
 //!     --mode cc|crr|rr|udp --duration-ms 2000 [--max-ops N] [--timeout-ms 1000]
 //!     One JSON line: {"mode":..,"ops":..,"errors":..,"elapsed_s":..,"rate":..,
@@ -15,6 +17,15 @@
 //!     Repeats WHO transactions; prints `{"ready":T}` (CLOCK_MONOTONIC ns)
 //!     after the first reply, then `{"changed":T,"attempts":N}` at the first
 //!     reply naming --expect.
+//! lb-bench client ... --mode hold --open N --backends B --max-ops STEPS
+//!     Opens N connections to the first target (a greeting server: the
+//!     server's port + 1), then per step closes one at random and opens
+//!     another (STEPS steps, bounded by the duration); each connection's
+//!     backend is what the greeting names. One JSON line:
+//!     {"steps":..,"open":..,"backends":{ADDR:open at the end},
+//!      "mean_ratio":..,"p99_ratio":..,"max_ratio":..,"errors":..}
+//!     where a ratio is the largest backend's open connections over the
+//!     mean (N / B), after every open of the steps.
 //! ```
 //!
 //! Modes: `cc` connect then close with SO_LINGER 0 (RST, no TIME_WAIT; the
@@ -74,6 +85,12 @@ enum Cmd {
         /// `until` mode: the backend address whose reply ends the run.
         #[arg(long)]
         expect: Option<SocketAddrV4>,
+        /// `hold` mode: connections held open at once.
+        #[arg(long, default_value_t = 100)]
+        open: usize,
+        /// `hold` mode: the Service's backends (the mean's divisor).
+        #[arg(long, default_value_t = 1)]
+        backends: usize,
     },
 }
 
@@ -84,6 +101,7 @@ enum Mode {
     Rr,
     Udp,
     Until,
+    Hold,
 }
 
 const REQUEST: [u8; 64] = [b'x'; 64];
@@ -104,6 +122,8 @@ fn main() -> Result<()> {
             max_ops,
             timeout_ms,
             expect,
+            open,
+            backends,
         } => {
             enter(cgroup.as_deref(), netns.as_deref(), cpu)?;
             let limits = Limits {
@@ -114,6 +134,11 @@ fn main() -> Result<()> {
             if mode == Mode::Until {
                 let expect = expect.context("--mode until needs --expect")?;
                 return until(target[0], expect, &limits);
+            }
+            if mode == Mode::Hold {
+                let r = hold(target[0], open, backends, &limits);
+                println!("{}", serde_json::to_string(&r)?);
+                return Ok(());
             }
             let r = client(mode, &target, &limits);
             println!("{}", serde_json::to_string(&r)?);
@@ -149,6 +174,11 @@ fn server(port: u16) -> Result<()> {
     // SAFETY: listen on a socket we own.
     unsafe { libc::listen(tcp.as_raw_fd(), 4096) };
     let udp = UdpSocket::bind(("0.0.0.0", port)).with_context(|| format!("UDP :{port}"))?;
+    let greet =
+        TcpListener::bind(("0.0.0.0", port + 1)).with_context(|| format!("TCP :{}", port + 1))?;
+    // SAFETY: listen on a socket we own.
+    unsafe { libc::listen(greet.as_raw_fd(), 4096) };
+    std::thread::spawn(move || greeter(greet));
     println!("{{\"listening\":{port}}}");
     io::stdout().flush()?;
     std::thread::spawn(move || {
@@ -185,6 +215,25 @@ fn server(port: u16) -> Result<()> {
                         break;
                     }
                 }
+            }
+        }
+    }
+}
+
+/// Greets each connection with the local address it reached and keeps it
+/// open, the newest 8192 at most (a client's close ends its own side).
+fn greeter(l: TcpListener) {
+    let mut held = std::collections::VecDeque::new();
+    loop {
+        let Ok((mut s, _)) = l.accept() else {
+            continue;
+        };
+        let who = s.local_addr().map_or("?".into(), |a| a.to_string());
+        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+        if s.write_all(who.as_bytes()).is_ok() {
+            held.push_back(s);
+            if held.len() > 8192 {
+                held.pop_front();
             }
         }
     }
@@ -406,7 +455,7 @@ fn client(mode: Mode, targets: &[SocketAddrV4], lim: &Limits) -> Report {
                     .and_then(|_| s.recv_from(&mut buf));
                 record(r, t0, "udp", &mut lat, &mut report)
             }
-            Mode::Until => unreachable!(),
+            Mode::Until | Mode::Hold => unreachable!(),
         };
         if ok {
             report.ops += 1;
@@ -460,4 +509,92 @@ fn until(target: SocketAddrV4, expect: SocketAddrV4, lim: &Limits) -> Result<()>
         "no reply from {want} within {:?} ({attempts} attempts)",
         lim.duration
     )
+}
+
+#[derive(serde::Serialize, Default)]
+struct HoldReport {
+    steps: u64,
+    open: usize,
+    /// Open connections per backend at the end.
+    backends: std::collections::BTreeMap<String, usize>,
+    /// The largest backend's open connections over the mean, after each
+    /// open of the steps: their mean, 99th percentile and largest.
+    mean_ratio: f64,
+    p99_ratio: f64,
+    max_ratio: f64,
+    errors: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    first_error: Option<String>,
+}
+
+/// A connection to `sa` and the backend its greeting names (getpeername
+/// would answer the Service address).
+fn greeted(sa: &libc::sockaddr_in, timeout: Duration) -> io::Result<(TcpStream, SocketAddrV4)> {
+    let mut s = connect(sa, timeout)?;
+    let mut buf = [0u8; 64];
+    let n = s.read(&mut buf)?;
+    let backend = std::str::from_utf8(&buf[..n])
+        .ok()
+        .and_then(|t| t.parse::<SocketAddrV4>().ok())
+        .ok_or_else(|| io::Error::other(format!("greeting {:?}", &buf[..n])))?;
+    Ok((s, backend))
+}
+
+/// `hold` mode: `open` connections held to `target`, then each step closes
+/// one at random (RST) and opens another; the balance of open connections
+/// over `backends` after each open.
+fn hold(target: SocketAddrV4, open: usize, backends: usize, lim: &Limits) -> HoldReport {
+    let sa = sockaddr(target);
+    let mut rng: u64 = 0x9E37_79B9_7F4A_7C15 ^ monotonic_ns();
+    let mut report = HoldReport {
+        open,
+        ..Default::default()
+    };
+    let mut held: Vec<(TcpStream, SocketAddrV4)> = Vec::with_capacity(open);
+    let mut per: std::collections::BTreeMap<SocketAddrV4, usize> = Default::default();
+    let mut ratios: Vec<f64> = Vec::new();
+    let start = Instant::now();
+    let going = |r: &HoldReport| r.errors < 100 && start.elapsed() < lim.duration;
+    while report.steps < lim.max_ops && going(&report) {
+        let filling = held.len() < open;
+        if !filling {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let (s, b) = held.swap_remove((rng % held.len() as u64) as usize);
+            drop(s);
+            if let Some(n) = per.get_mut(&b) {
+                *n -= 1;
+            }
+            report.steps += 1;
+        }
+        match greeted(&sa, lim.timeout) {
+            Ok((s, b)) => {
+                *per.entry(b).or_default() += 1;
+                held.push((s, b));
+                if !filling {
+                    // Every backend counts, also one never chosen.
+                    let mean = held.len() as f64 / per.len().max(backends) as f64;
+                    let max = per.values().copied().max().unwrap_or(0) as f64;
+                    ratios.push(max / mean);
+                }
+            }
+            Err(e) => {
+                report.errors += 1;
+                report
+                    .first_error
+                    .get_or_insert_with(|| format!("connect: {e}"));
+            }
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let i = ((ratios.len() as f64 * q) as usize).min(ratios.len().saturating_sub(1));
+        ratios.get(i).copied().unwrap_or(f64::NAN)
+    };
+    report.mean_ratio = ratios.iter().sum::<f64>() / ratios.len().max(1) as f64;
+    report.p99_ratio = at(0.99);
+    report.max_ratio = ratios.last().copied().unwrap_or(f64::NAN);
+    report.backends = per.iter().map(|(b, n)| (b.to_string(), *n)).collect();
+    report
 }

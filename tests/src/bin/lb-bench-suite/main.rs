@@ -16,6 +16,7 @@ mod floor;
 mod nodeport;
 mod report;
 mod rules;
+mod schedulers;
 
 use std::{
     fs,
@@ -58,6 +59,10 @@ pub struct Opts {
     /// Skip the NodePort (tc path) experiment.
     #[arg(long)]
     pub no_nodeport: bool,
+    /// Skip the schedulers experiment (connect4's cost per algorithm, the
+    /// spread of long-lived connections).
+    #[arg(long)]
+    pub no_schedulers: bool,
     /// Override the NodePort experiment's scale points (Services).
     #[arg(long, value_delimiter = ',')]
     pub nodeport_points: Option<Vec<usize>>,
@@ -386,6 +391,9 @@ pub struct Results {
     /// smallest point only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub noise_floor: Option<NoiseFloor>,
+    /// The schedulers experiment (issue 39).
+    #[serde(default)]
+    pub schedulers: Option<schedulers::SchedulerResults>,
     pub elapsed_s: f64,
 }
 
@@ -496,6 +504,7 @@ fn run(opts: &Opts) -> Result<()> {
         nodeport: None,
         noise_floors: Vec::new(),
         noise_floor: None,
+        schedulers: None,
         elapsed_s: 0.0,
     };
     let json_path = out_dir.join("results.json");
@@ -523,6 +532,11 @@ fn run(opts: &Opts) -> Result<()> {
             )?;
             fs::write(&json_path, serde_json::to_string_pretty(&results)?)?;
         }
+    }
+    if !opts.no_schedulers {
+        let mut seed = seed();
+        results.schedulers = Some(schedulers::run(opts, &bench_bin, &mut seed)?);
+        fs::write(&json_path, serde_json::to_string_pretty(&results)?)?;
     }
     if !opts.no_nodeport {
         let mut np = nodeport::NodePortResults {

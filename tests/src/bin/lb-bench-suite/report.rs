@@ -3,7 +3,7 @@ use std::{collections::BTreeMap, fmt::Write as _, fs, path::Path};
 
 use anyhow::{Context as _, Result};
 
-use crate::{ArmKind, ClusterStart, Mode, Results, Setup};
+use crate::{schedulers::SchedulerResults, ArmKind, ClusterStart, Mode, Results, Setup};
 
 /// The DejaVu font Debian's `fonts-dejavu-core` installs (`cargo xtask
 /// setup` installs it); the chart is drawn without text if it is missing.
@@ -718,7 +718,120 @@ fn goals(r: &Results) -> Vec<Goal> {
     if let Some(v) = nodeport_view(r) {
         g.push(nodeport_goal(&v, r));
     }
+    if let Some(sc) = &r.schedulers {
+        g.push(lc_cost_goal(sc));
+    }
     g
+}
+
+/// connect4's run time per algorithm: per round, and that round's excess
+/// over random (the same round, so drift of the machine cancels).
+fn scheduler_costs(sc: &SchedulerResults, alg: &str) -> (Option<Stat>, Option<Stat>) {
+    let of = |a: &str, round: usize| {
+        sc.costs
+            .iter()
+            .find(|c| c.algorithm == a && c.round == round)
+            .map(|c| c.per_run())
+    };
+    let rounds = 0..sc.rounds;
+    let own = Stat::of(rounds.clone().filter_map(|k| of(alg, k)).collect());
+    let over = Stat::of(
+        rounds
+            .filter_map(|k| Some(of(alg, k)? - of("random", k)?))
+            .collect(),
+    );
+    (own, over)
+}
+
+/// Issue 39: lc at 10 backends costs connect4 at most 100 ns more than
+/// random, in the same run.
+fn lc_cost_goal(sc: &SchedulerResults) -> Goal {
+    let (lc, over) = scheduler_costs(sc, "lc");
+    let (random, _) = scheduler_costs(sc, "random");
+    let met = over.map(|o| o.med <= 100.0);
+    Goal {
+        what: "connect4 with lc at 10 backends ≤ random + 100 ns (issue 39)",
+        met,
+        measured: match (lc, random, over) {
+            (Some(l), Some(r), Some(o)) => format!(
+                "+{:.0} ns (rounds {:.0} to {:.0}); lc {:.0} ns, random {:.0} ns",
+                o.med, o.min, o.max, l.med, r.med
+            ),
+            _ => "–".into(),
+        },
+        // The scan's bound is lb_common's `LEAST_SCAN` (64).
+        limit: "lc reads each backend's open count (up to 64) on a connect; see \
+                [Schedulers](#schedulers-issue-39)"
+            .into(),
+    }
+}
+
+/// The schedulers experiment: connect4's cost per algorithm and the spread
+/// of long-lived connections.
+fn schedulers_section(o: &mut String, r: &Results) {
+    let Some(sc) = &r.schedulers else {
+        return;
+    };
+    let _ = writeln!(
+        o,
+        "## Schedulers (issue 39)\n\n\
+         One agent, one ClusterIP Service per algorithm (`lb-agent.dev/lb-algorithm`), each on the \
+         same {} backend addresses; {} rounds, the algorithms in a new shuffled order each round \
+         (the spread in the first {}).\n\n\
+         | algorithm | connect4, ns per run (median) | min–max | over random, same round (median) |\n\
+         |---|---:|---:|---:|",
+        sc.backends, sc.rounds, sc.spread_rounds
+    );
+    for alg in crate::schedulers::ALGORITHMS {
+        let (own, over) = scheduler_costs(sc, alg);
+        let Some(own) = own else { continue };
+        let over = match over {
+            Some(o) if *alg != "random" => format!("{:+.0} ns", o.med),
+            _ => "–".into(),
+        };
+        let _ = writeln!(
+            o,
+            "| {alg} | {:.0} | {:.0}–{:.0} | {over} |",
+            own.med, own.min, own.max
+        );
+    }
+    o.push_str(
+        "\n| algorithm | largest backend ÷ mean, mean over steps | 99th percentile | worst step |\n\
+         |---|---:|---:|---:|\n",
+    );
+    for alg in crate::schedulers::BALANCED {
+        let runs: Vec<&crate::schedulers::Spread> =
+            sc.spreads.iter().filter(|s| s.algorithm == *alg).collect();
+        let stat = |f: fn(&crate::schedulers::Spread) -> f64| {
+            Stat::of(runs.iter().map(|s| f(s)).collect())
+        };
+        let (Some(mean), Some(p99), Some(worst)) = (
+            stat(|s| s.mean_ratio),
+            stat(|s| s.p99_ratio),
+            stat(|s| s.max_ratio),
+        ) else {
+            continue;
+        };
+        let _ = writeln!(
+            o,
+            "| {alg} | {:.2} | {:.2} | {:.2} |",
+            mean.med, p99.med, worst.max
+        );
+    }
+    let _ = writeln!(
+        o,
+        "\nSpread: `lb-bench client --mode hold` keeps {} connections open to the Service, then {} \
+         times closes one chosen at random and opens another; after each open, the backend holding \
+         the most open connections is divided by the mean ({}); 1.00 is perfect balance. Each \
+         connection's backend is the address the server's greeting names (getpeername answers the \
+         Service address). Medians over rounds; the worst step is the largest of all rounds. \
+         connect4's cost comes from `BPF_ENABLE_STATS` in a connect+close run at that Service \
+         alone (its own clock reads included); the difference to random is taken within a round, \
+         so that drift of the machine cancels.\n",
+        sc.open,
+        sc.steps,
+        sc.open as f64 / sc.backends.max(1) as f64
+    );
 }
 
 /// Issue 13's tc goals, judged on the NodePort experiment's per-run costs
@@ -1341,6 +1454,7 @@ fn markdown(r: &Results) -> String {
     loading_table(&mut o, "\n## Loading each scale point\n\n", &r.setups);
     o.push('\n');
     nodeport_section(&mut o, r);
+    schedulers_section(&mut o, r);
     if let Some(cp) = &r.control {
         let _ = writeln!(
             o,
