@@ -1093,7 +1093,7 @@ pub struct CtKey {
 /// | 60     | `backend_time_wait` | TCP: 1 once the backend sent the flow's first FIN |
 /// | 61     | `answered`     | TCP, a forward entry in `LB_CT_SYN`: 1 once the backend answered (`ack_seq` then holds the ACK number that completes the handshake, which may be 0) |
 /// | 62     | `syn_timed_out` | a forward entry in `LB_CT_SYN`: the client sent its SYN again unanswered, counted once as the backend's failure (outlier detection) |
-/// | 63     | `_pad2`        |                                             |
+/// | 63     | `syn_seq`      | TCP, a forward entry: [`CtEntry::syn_seq_mark`] of the client's first SYN (0: not known) |
 /// | 64     | `hop`          | [`NextHop`]: the FIB's answer for this direction's translated packets |
 ///
 /// An entry lives `TcConfig::tcp_syn_timeout_s` until the client
@@ -1128,8 +1128,47 @@ pub struct CtEntry {
     /// answer: counted once, as its backend's timed-out connect (a forward
     /// entry in `LB_CT_SYN`). Was padding (0) before.
     pub syn_timed_out: u8,
-    pub _pad2: u8,
+    /// [`CtEntry::syn_seq_mark`] of the client's first SYN (a forward
+    /// entry). A SYN with another mark is a new connect on the same tuple,
+    /// its earlier attempt given up (a client port taken again within the
+    /// SYN timeout): it gets a fresh choice, so that a port's next connect
+    /// does not follow an unanswered one to its dead backend. Was padding:
+    /// 0, an older agent's entry, is not known and compares with nothing.
+    pub syn_seq: u8,
     pub hop: NextHop,
+}
+
+impl CtEntry {
+    /// A SYN's sequence number in a byte that is never 0: its low bits
+    /// with bit 0 set. A retransmitted SYN carries the same number; a new
+    /// connect's differs in these bits 127 times in 128.
+    #[inline(always)]
+    pub const fn syn_seq_mark(seq: u32) -> u8 {
+        seq as u8 | 1
+    }
+
+    /// Whether client SYN `seq` on this forward entry opens a new connect
+    /// on the tuple rather than sending the first one's again.
+    #[inline(always)]
+    pub const fn another_syn(&self, seq: u32) -> bool {
+        self.syn_seq != 0 && self.syn_seq != Self::syn_seq_mark(seq)
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn another_syn_tells_a_new_connect_from_the_first_sent_again() {
+    let mut e: CtEntry = unsafe { core::mem::zeroed() };
+    // An older agent's entry: not known, never another.
+    assert!(!e.another_syn(0x1234_5678));
+    e.syn_seq = CtEntry::syn_seq_mark(0x1234_5678);
+    assert_ne!(e.syn_seq, 0);
+    assert_ne!(CtEntry::syn_seq_mark(0), 0);
+    assert!(!e.another_syn(0x1234_5678), "the same SYN again");
+    assert!(e.another_syn(0x1234_5690), "a new ISN");
+    // Only bit 0 is lost: 127 in 128 new numbers are told apart.
+    let told = (0u32..256).filter(|s| e.another_syn(*s)).count();
+    assert_eq!(told, 254);
 }
 
 /// A flow direction's next hop, cached in its `CtEntry` so that its

@@ -1100,7 +1100,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     fwd.backend_time_wait = 0;
     fwd.answered = 0;
     fwd.syn_timed_out = 0;
-    fwd._pad2 = 0;
+    fwd.syn_seq = CtEntry::syn_seq_mark(p.seq);
     // SAFETY: all zeros is "no next hop".
     fwd.hop = unsafe { core::mem::zeroed() };
     if local {
@@ -1140,7 +1140,7 @@ fn new_flow(ctx: &TcContext, p: &Pkt, scratch: &mut Scratch, key: &CtKey, cfg: &
     reply.backend_time_wait = 0;
     reply.answered = 0;
     reply.syn_timed_out = 0;
-    reply._pad2 = 0;
+    reply.syn_seq = 0;
     // SAFETY: as above.
     reply.hop = unsafe { core::mem::zeroed() };
     if local && !reply_key_held(table, &scratch.reply_key, p, now, cfg) {
@@ -1385,10 +1385,11 @@ fn follow<const AT_INGRESS: bool>(
     if !at_ingress && e.flags & ct_flags::REPLY == 0 {
         return Some(TC_ACT_UNSPEC);
     }
-    // A new SYN on a closing forward entry is a new connection that
-    // reuses the client port: it gets a fresh choice.
+    // A new SYN on a closing forward entry, or one that is not the
+    // flow's first SYN sent again (another sequence number), is a new
+    // connection that reuses the client port: it gets a fresh choice.
     let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-        && e.state[ct_state::CLOSING] != 0
+        && (e.state[ct_state::CLOSING] != 0 || e.another_syn(p.seq))
         && e.flags & ct_flags::REPLY == 0;
     // A backend's SYN-ACK once its flow began to close (a FIN or an RST
     // seen) answers a new connection on the same tuple that did not come

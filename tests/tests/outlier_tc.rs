@@ -17,6 +17,11 @@ const NODEPORT: u16 = 30190;
 /// Pods n1p0 and n1p1 on node 1, n2p0 on node 2, node 3 without any; a
 /// NodePort over all three.
 fn cluster(tag: &str) -> Cluster {
+    cluster_with(tag, &[])
+}
+
+/// The same, the agents started with `args`.
+fn cluster_with(tag: &str, args: &[&str]) -> Cluster {
     let mut c = Cluster::new(tag, &[2, 1, 0]).expect("topology");
     c.serve_all().expect("servers");
     let pods = [
@@ -37,7 +42,7 @@ fn cluster(tag: &str) -> Cluster {
         c.slice("web", &all, false, "TCP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
-    c.start_agents(&[]).expect("agents");
+    c.start_agents(args).expect("agents");
     c
 }
 
@@ -134,4 +139,44 @@ fn a_backend_behind_a_node_port_whose_link_is_down_is_avoided_after_its_timeouts
     assert_eq!(q.len(), 1, "{q:?}");
     assert_eq!(q[0].0, pod.ipv4.to_string(), "{q:?}");
     assert_eq!(q[0].1["reason"], "timeout", "{q:?}");
+}
+
+/// A client that gives up on an unanswered connect and connects again from
+/// the same port sends a new SYN (another sequence number) on the first
+/// one's tuple, whose flow still waits in `LB_CT_SYN`: it gets a fresh
+/// choice instead of following the flow to the dead backend for as long as
+/// the SYN timeout (with detection off, so that no quarantine hides it).
+#[test]
+fn a_client_port_taken_again_after_an_unanswered_connect_gets_a_fresh_choice() {
+    require_root!();
+    let c = cluster_with("outl-np-port", &["--outlier-detection", "off"]);
+    let pod = c.pod("n2p0").clone();
+    integration_tests::cmd::ip(&["-n", &pod.netns, "link", "set", "dev", "eth0", "down"]).unwrap();
+    let target = format!("{}:{NODEPORT}", node_v4(3));
+    let client = c.client_netns.clone();
+    let one = || {
+        c.from_netns_with(
+            &client,
+            "tcp",
+            &target,
+            1,
+            &["--source-port", "31500", "--timeout-ms", "1500"],
+        )
+        .remove(0)
+    };
+    // From one port until a connect meets the dead backend (one in three).
+    let first = (0..40).find(|_| !one().ok);
+    assert!(first.is_some(), "none of 40 connects chose n2p0");
+    let next: Vec<Attempt> = (0..10).map(|_| one()).collect();
+    let answered: Vec<&str> = next
+        .iter()
+        .filter(|a| a.ok)
+        .filter_map(|a| a.backend.as_deref())
+        .collect();
+    eprintln!("the port's 10 connects after its unanswered one: answered by {answered:?}");
+    assert!(
+        !answered.is_empty(),
+        "every connect from the port followed its unanswered flow to n2p0: {next:?}"
+    );
+    assert!(!answered.contains(&"n2p0"), "{answered:?}");
 }

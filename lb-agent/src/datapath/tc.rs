@@ -1356,7 +1356,7 @@ mod tests {
             backend_time_wait: 0,
             answered: 0,
             syn_timed_out: 0,
-            _pad2: 0,
+            syn_seq: 0,
             hop: Default::default(),
         }
     }
