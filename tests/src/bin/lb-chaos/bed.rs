@@ -41,6 +41,9 @@ pub enum Cond {
     /// `ready: false, serving: true, terminating: true`: a pod shutting
     /// down gracefully.
     Terminating,
+    /// `ready: false, serving: false, terminating: false`: a pod whose node
+    /// the node controller marked NotReady. Not one of web's backends.
+    NotReady,
 }
 
 /// One published backend set of `web`: when it was written to the API
@@ -132,11 +135,15 @@ fn slice(name: &str, pods: &[(&Pod, Cond)], all_ports: bool) -> Value {
         "addressType": "IPv4",
         "ports": ports,
         "endpoints": pods.iter().map(|(p, cond)| {
-            let ready = *cond == Cond::Ready;
+            let (ready, serving, terminating) = match cond {
+                Cond::Ready => (true, true, false),
+                Cond::Terminating => (false, true, true),
+                Cond::NotReady => (false, false, false),
+            };
             json!({
                 "addresses": [p.ipv4.to_string()],
                 "nodeName": format!("n{}", p.node),
-                "conditions": {"ready": ready, "serving": true, "terminating": !ready},
+                "conditions": {"ready": ready, "serving": serving, "terminating": terminating},
             })
         }).collect::<Vec<_>>(),
     })
@@ -273,19 +280,79 @@ impl Bed {
         self.apply(&self.web_slice())?;
         let r = self.wait_web_synced(Duration::from_secs(15));
         self.timeline.0.push(Change {
-            set: self.web.keys().cloned().collect(),
+            set: self.web_pods(),
             written,
             synced: monotonic_ns(),
         });
         r.map(|()| t.elapsed())
     }
 
+    /// The pods that are web's backends now (not those marked not ready).
+    fn web_pods(&self) -> BTreeSet<String> {
+        self.web
+            .iter()
+            .filter(|(_, c)| **c != Cond::NotReady)
+            .map(|(p, _)| p.clone())
+            .collect()
+    }
+
     /// The backends (`IP:PORT`) `web`'s ClusterIP frontend should have.
     fn web_backends(&self) -> BTreeSet<String> {
-        self.web
-            .keys()
+        self.web_pods()
+            .iter()
             .map(|p| format!("{}:{POD_PORT}", self.c.pod(p).ipv4))
             .collect()
+    }
+
+    /// Writes `web`'s Service with `annotations` (none: `{}`) and waits
+    /// until every running agent reports outlier detection `detection`
+    /// (`inspect services`) for its ClusterIP frontend.
+    pub fn annotate_web(&self, annotations: Value, detection: &str) -> Result<()> {
+        let mut svc = service("web", WEB_VIP, true);
+        svc["metadata"]["annotations"] = annotations;
+        self.apply(&svc)?;
+        for (i, agent) in self.c.agents.iter().enumerate() {
+            if !agent.is_running() {
+                continue;
+            }
+            let deadline = Instant::now() + Duration::from_secs(15);
+            loop {
+                let v = agent.inspect_services()?;
+                let have = v.as_array().into_iter().flatten().find(|f| {
+                    f["addr"].as_str() == Some(WEB_VIP)
+                        && f["port"].as_u64() == Some(HTTP_PORT as u64)
+                });
+                if have.is_some_and(|f| f["outlier_detection"].as_str() == Some(detection)) {
+                    break;
+                }
+                if Instant::now() > deadline {
+                    return Err(anyhow!(
+                        "the agent of n{} did not turn web's outlier detection {detection} \
+                         within 15 s",
+                        i + 1
+                    ));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes pod `pod`'s link down or up at its node (the node's end of its
+    /// veth, a port of the node's bridge): down, nothing reaches the pod
+    /// and nothing answers for it, as when its node loses power; the pod's
+    /// own routes stay (they go only with an interface taken down there).
+    pub fn pod_link(&self, pod: &str, up: bool) -> Result<()> {
+        let p = self.c.pod(pod);
+        let k = pod
+            .rsplit_once('p')
+            .and_then(|(_, k)| k.parse::<u8>().ok())
+            .ok_or_else(|| anyhow!("pod name {pod}: no index"))?;
+        let node = &self.c.nodes[p.node as usize - 1].netns;
+        let port = format!("vp{k}");
+        let state = if up { "up" } else { "down" };
+        integration_tests::cmd::ip(&["-n", node, "link", "set", "dev", &port, state])?;
+        Ok(())
     }
 
     /// Polls `inspect services` of every running agent until `web`'s

@@ -61,6 +61,9 @@ pub struct ClientFigures {
     pub at_removal: u64,
     /// Streams only: how many were open.
     pub streams: u64,
+    /// When the last failed attempt began (seconds from the load's start).
+    #[serde(default)]
+    pub last_failed_s: Option<f64>,
 }
 
 /// A phase's load figures and the first few failures, for the report.
@@ -373,6 +376,7 @@ impl Load {
                     _ => {
                         let e = a.error.clone().unwrap_or_else(|| "no answer".into());
                         *cf.failed.entry(e.clone()).or_default() += 1;
+                        cf.last_failed_s = Some(secs(start));
                         examples.push(format!(
                             "{}: {e} at {} (at {:.3}..{:.3} s)",
                             s.label,

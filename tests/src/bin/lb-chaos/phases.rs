@@ -25,6 +25,9 @@ pub struct Events {
     /// the current state again.
     pub recoveries: Vec<Duration>,
     pub notes: Vec<String>,
+    /// The node power loss phases: what was lost, and whether outlier
+    /// detection was on.
+    pub power_loss: Option<crate::PowerLoss>,
 }
 
 /// The phases, in run order: (name, what is injected, the fault).
@@ -77,6 +80,20 @@ pub const PHASES: &[(&str, &str, Fault)] = &[
         "agents restarted in a memory cgroup of 640 MiB (the DaemonSet's \
          limit), under Service churn",
         memory_limit,
+    ),
+    (
+        "node power loss",
+        "n2's pods of web unreachable (their links down at the node, nothing \
+         answers for them) while the API keeps them ready for the node monitor's \
+         grace period, 40 s (quick: 6 s), then marks them not ready; outlier \
+         detection on (the default)",
+        power_loss_detected,
+    ),
+    (
+        "node power loss without outlier detection",
+        "the same with web annotated `lb-agent.dev/outlier-detection: \"off\"`: \
+         what kube-proxy and every proxy without detection do",
+        power_loss_undetected,
     ),
 ];
 
@@ -294,6 +311,85 @@ fn upgrade(bed: &mut Bed, deadline: Instant, _: bool) -> Result<Events> {
         "{recreated} of the upgrades logged that they recreated maps of another size; \
          recovery: from SIGTERM until the new agent's /readyz answers 200"
     ));
+    Ok(ev)
+}
+
+/// How long the API keeps the pods of a node that lost power ready: the
+/// node monitor's grace period (40 s; 50 s since Kubernetes 1.32) before
+/// the node controller marks the node, and so its pods, not ready.
+fn power_loss_grace(quick: bool) -> Duration {
+    if quick {
+        Duration::from_secs(6)
+    } else {
+        Duration::from_secs(40)
+    }
+}
+
+fn power_loss_detected(bed: &mut Bed, deadline: Instant, quick: bool) -> Result<Events> {
+    power_loss(bed, deadline, quick, true)
+}
+
+fn power_loss_undetected(bed: &mut Bed, deadline: Instant, quick: bool) -> Result<Events> {
+    bed.annotate_web(
+        serde_json::json!({"lb-agent.dev/outlier-detection": "off"}),
+        "off",
+    )?;
+    let r = power_loss(bed, deadline, quick, false);
+    let back = bed.annotate_web(serde_json::json!({}), "on");
+    let ev = r?;
+    back?;
+    Ok(ev)
+}
+
+/// web's pods on n2 lose their links; after the grace period the API marks
+/// them not ready. Whatever happens, the links come back and the pods are
+/// ready again at the end, for the phases after this one.
+fn power_loss(bed: &mut Bed, deadline: Instant, quick: bool, detect: bool) -> Result<Events> {
+    let mut ev = Events::default();
+    let lost: Vec<String> = bed
+        .web
+        .keys()
+        .filter(|p| p.starts_with("n2"))
+        .cloned()
+        .collect();
+    let grace = power_loss_grace(quick);
+    let r = (|| -> Result<()> {
+        for p in &lost {
+            bed.pod_link(p, false)?;
+        }
+        pause(grace, deadline);
+        let mut eps = bed.web.clone();
+        for p in &lost {
+            eps.insert(p.clone(), Cond::NotReady);
+        }
+        ev.recoveries.push(bed.publish_web(eps)?);
+        pause(deadline.saturating_duration_since(Instant::now()), deadline);
+        Ok(())
+    })();
+    let mut restored = Ok(());
+    for p in &lost {
+        restored = restored.and(bed.pod_link(p, true));
+    }
+    let mut eps = bed.web.clone();
+    for p in &lost {
+        eps.insert(p.clone(), Cond::Ready);
+    }
+    let republished = bed.publish_web(eps);
+    r?;
+    restored?;
+    republished?;
+    ev.notes.push(format!(
+        "lost: {} (links down as the load began, marked not ready {:.0} s later, links up \
+         and ready again at the end); recovery: from marking them not ready until both \
+         agents' maps had it",
+        lost.join(", "),
+        grace.as_secs_f64()
+    ));
+    ev.power_loss = Some(crate::PowerLoss {
+        detect,
+        lost,
+        grace_s: grace.as_secs_f64(),
+    });
     Ok(ev)
 }
 

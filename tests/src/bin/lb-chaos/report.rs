@@ -77,6 +77,56 @@ be non-zero, or the run fails: zeros elsewhere mean something only if the \
 same meters see these faults.
 ";
 
+/// The node power loss phases side by side: each client's failures with
+/// outlier detection on and off.
+fn power_loss_section(s: &mut String, r: &Results) {
+    let find = |detect: bool| {
+        r.phases
+            .iter()
+            .find(|p| p.power_loss.as_ref().is_some_and(|pl| pl.detect == detect))
+    };
+    let (Some(on), Some(off)) = (find(true), find(false)) else {
+        return;
+    };
+    let grace = on.power_loss.as_ref().map_or(0.0, |pl| pl.grace_s);
+    let _ = writeln!(
+        s,
+        "## Node power loss: outlier detection on and off\n\n\
+         web's two pods on n2 unreachable (links down) while the API keeps them ready for {grace:.0} s, \
+         then not ready. With detection on, each TCP client may fail at most {} connects in the \
+         phase (judged); off is the reference, what kube-proxy does.\n\n\
+         | client | failed, on | failed, off | last failure, on | last failure, off |\n\
+         |---|---|---|---:|---:|",
+        crate::POWER_LOSS_LIMIT
+    );
+    let last = |c: Option<&crate::load::ClientFigures>| {
+        c.and_then(|c| c.last_failed_s)
+            .map_or("–".into(), |t| format!("{t:.1} s"))
+    };
+    for c in &on.load.clients {
+        let o = off.load.clients.iter().find(|x| x.label == c.label);
+        let _ = writeln!(
+            s,
+            "| {}{} | {} | {} | {} | {} |",
+            c.label,
+            if c.streams > 0 { " (streams)" } else { "" },
+            errors(&c.failed),
+            o.map_or("–".into(), |o| errors(&o.failed)),
+            last(Some(c)),
+            last(o)
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nTCP connects fail only until each node has quarantined both lost backends (3 failed \
+         connects each, a connect timing out after 1 s of silence), and once more at each \
+         return from quarantine (after 10 s, then 20 s); the clients' connect timeout is 2 s. \
+         UDP is not watched (README: outlier detection): datagrams to the lost pods go \
+         unanswered in both runs until the pods are marked not ready. Streams already open to \
+         the lost pods break in both.\n"
+    );
+}
+
 pub fn render(r: &Results) -> String {
     let mut s = String::new();
     let cmd = if r.quick {
@@ -144,10 +194,15 @@ pub fn render(r: &Results) -> String {
             s,
             "| {}{} | {} | {} | {} | {} | {} | {} | {} |",
             p.name,
-            match (&p.error, p.control, p.passed()) {
-                (Some(_), _, _) => " (fault failed)",
-                (None, true, true) => " (control: non-zero expected, seen)",
-                (None, true, false) => " (control: a fault NOT seen)",
+            match (&p.error, p.control, p.passed(), &p.power_loss) {
+                (Some(_), _, _, _) => " (fault failed)",
+                (None, true, true, _) => " (control: non-zero expected, seen)",
+                (None, true, false, _) => " (control: a fault NOT seen)",
+                (None, _, true, Some(pl)) if pl.detect =>
+                    " (judged: failed connects per TCP client within the limit)",
+                (None, _, false, Some(pl)) if pl.detect =>
+                    " (judged: a TCP client passed the limit)",
+                (None, _, _, Some(_)) => " (reference: not judged)",
                 _ => "",
             },
             p.load.attempted(),
@@ -160,6 +215,7 @@ pub fn render(r: &Results) -> String {
         );
     }
     s.push('\n');
+    power_loss_section(&mut s, r);
     s.push_str(METHOD);
     let _ = writeln!(s, "\n## Phases\n");
     for p in &r.phases {
