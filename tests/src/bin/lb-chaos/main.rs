@@ -42,6 +42,9 @@ pub struct Opts {
     /// Where to write the report (default: ROOT/RELIABILITY.md).
     #[arg(long)]
     output: Option<PathBuf>,
+    /// Only write the report again from ROOT/target/chaos/results.json.
+    #[arg(long)]
+    report_only: bool,
 }
 
 /// One phase's figures.
@@ -158,6 +161,24 @@ fn run(opts: &Opts) -> Result<bool> {
         bail!("the chaos run needs root (network namespaces, cgroups, eBPF)");
     }
     let root = fs::canonicalize(&opts.root).context("--root")?;
+    let output = opts
+        .output
+        .clone()
+        .unwrap_or_else(|| root.join("RELIABILITY.md"));
+    if opts.report_only {
+        let path = root.join("target/chaos/results.json");
+        let text =
+            fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        let results: Results = serde_json::from_str(&text)?;
+        fs::write(&output, report::render(&results))
+            .with_context(|| format!("writing {}", output.display()))?;
+        say(format!(
+            "wrote {} from {}",
+            output.display(),
+            path.display()
+        ));
+        return Ok(results.phases.iter().all(PhaseResult::passed));
+    }
     let began = Instant::now();
     let phase = if opts.quick {
         Duration::from_secs(9)
@@ -258,10 +279,6 @@ fn run(opts: &Opts) -> Result<bool> {
         out_dir.join("results.json"),
         serde_json::to_string_pretty(&results)?,
     )?;
-    let output = opts
-        .output
-        .clone()
-        .unwrap_or_else(|| root.join("RELIABILITY.md"));
     fs::write(&output, report::render(&results))
         .with_context(|| format!("writing {}", output.display()))?;
     say(format!(

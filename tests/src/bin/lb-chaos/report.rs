@@ -167,9 +167,19 @@ pub fn render(r: &Results) -> String {
         );
     }
     if failed.is_empty() && r.skipped.is_empty() {
+        let power_loss = if r.phases.iter().any(|p| p.power_loss.is_some()) {
+            format!(
+                " in every fault phase; the node power loss with outlier detection within \
+                 {} failed connects per TCP client, and 0 misrouted (the run without \
+                 detection beside it is the reference)",
+                crate::POWER_LOSS_LIMIT
+            )
+        } else {
+            String::new()
+        };
         let _ = writeln!(
             s,
-            "**Result: every phase passed**: 0 failed, 0 reset, 0 misrouted. The \
+            "**Result: every phase passed**: 0 failed, 0 reset, 0 misrouted{power_loss}. The \
              instrument check (last row, a negative control) saw the faults it made.\n"
         );
     } else {
