@@ -1775,6 +1775,7 @@ mod tests {
             nodeport: None,
             noise_floors: vec![floor(1, 99.0)],
             noise_floor: None,
+            schedulers: None,
             elapsed_s: 0.0,
         };
         let rate_goal = |r: &Results| goals(r).swap_remove(0);
