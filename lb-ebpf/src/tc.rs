@@ -1385,11 +1385,13 @@ fn follow<const AT_INGRESS: bool>(
     if !at_ingress && e.flags & ct_flags::REPLY == 0 {
         return Some(TC_ACT_UNSPEC);
     }
-    // A new SYN on a closing forward entry, or one that is not the
-    // flow's first SYN sent again (another sequence number), is a new
-    // connection that reuses the client port: it gets a fresh choice.
+    // A new SYN on a closing forward entry, or on an unfinished handshake
+    // that is not its first SYN sent again (another sequence number), is
+    // a new connection that reuses the client port: it gets a fresh
+    // choice. Never on an established flow: a SYN there (spoofed with the
+    // flow's tuple) must not take the flow's entries away.
     let reopened = p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
-        && (e.state[ct_state::CLOSING] != 0 || e.another_syn(p.seq))
+        && (e.state[ct_state::CLOSING] != 0 || (table == Table::Syn && e.another_syn(p.seq)))
         && e.flags & ct_flags::REPLY == 0;
     // A backend's SYN-ACK once its flow began to close (a FIN or an RST
     // seen) answers a new connection on the same tuple that did not come
