@@ -18,15 +18,17 @@ use aya_ebpf::{
         BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, BPF_TCP_CLOSE,
         BPF_TCP_ESTABLISHED, BPF_TCP_SYN_SENT,
     },
+    btf_maps::PerCpuArray,
     helpers::generated::{bpf_get_socket_cookie, bpf_ktime_get_ns, bpf_spin_lock, bpf_spin_unlock},
+    macros::btf_map,
     programs::SockOpsContext,
     EbpfContext,
 };
-use lb_common::{outlier, service_flags, stat, BackendHealth, ServiceKey};
+use lb_common::{outlier, scope, service_flags, stat, BackendHealth, ServiceKey};
 
 use crate::{
     lb::{self, Frontend},
-    maps::{count, LB_BACKEND_HEALTH, LB_TC_CONFIG},
+    maps::{count, this_cpu, LB_BACKEND_HEALTH, LB_TC_CONFIG},
     sock,
 };
 
@@ -133,21 +135,58 @@ fn failed(ctx: &SockOpsContext, reason: u32) {
     }
 }
 
-/// A connect to backend `id` through the tc path failed (`reason`), its
-/// flow `ct_flags::WATCHED` (its frontend detected outliers when the flow
-/// began): counted, and the backend quarantined once due. Without the
-/// frontend's cap (`lb::ejection_allowed`): its scan of the frontend's
-/// backends, in a packet program's many paths, passed the verifier's
-/// budget, and this frame must stay small (the tc programs' stack is
-/// nearly full). A new flow whose every candidate is quarantined still
-/// goes to its first pick (`lb::avoid_quarantined`), so the missing cap
-/// never leaves a frontend without a backend.
+/// A failed connect of the tc path, noted by `tc_ingress_flow` (where it
+/// is seen) for `tc_ingress` to act on once that returns: the cap's scan
+/// needs more stack than is left below `tc_ingress_flow`'s frame.
+#[repr(C)]
+pub struct FailedConnect {
+    /// The frontend the connect came through.
+    pub frontend: ServiceKey,
+    pub backend_id: u32,
+    /// `outlier::REFUSED` or `TIMEOUT`.
+    pub reason: u32,
+}
+
+/// This CPU's noted failed connect (see `FailedConnect`): written and read
+/// within one run of `tc_ingress`.
+#[btf_map]
+static LB_TC_FAILED_CONNECT: PerCpuArray<FailedConnect, 1> = PerCpuArray::new();
+
+/// Notes that a connect to backend `id` through the tc path's frontend
+/// `addr`:`port`/`proto` failed (`reason`), its flow `ct_flags::WATCHED`
+/// (its frontend detected outliers when the flow began). False if it
+/// could not be noted; else the caller's run must end in
+/// `tc_failed_connect`.
+#[inline(always)]
+pub fn note_tc_failure(addr: &[u8; 16], port: u16, proto: u8, id: u32, reason: u32) -> bool {
+    let Some(noted) = this_cpu(&LB_TC_FAILED_CONNECT) else {
+        return false;
+    };
+    noted.frontend = ServiceKey {
+        addr: *addr,
+        port,
+        proto,
+        scope: scope::EXTERNAL,
+    };
+    noted.backend_id = id;
+    noted.reason = reason;
+    true
+}
+
+/// The failed connect `note_tc_failure` noted in this run: counted, and
+/// its backend quarantined once due, within the frontend's cap, as on the
+/// socket path (`connect_failed`). A global function, which the verifier
+/// checks once on its own rather than along each of the tc path's many
+/// paths, where the cap's scan of the frontend's backends
+/// (`lb::ejection_allowed`) passed its budget; called from `tc_ingress`'s
+/// own small frame.
+#[no_mangle]
 #[inline(never)]
-pub fn tc_connect_failed(id: u32, reason: u32) {
-    count_reason(reason);
-    if let Some(now) = failure_due(id) {
-        eject(id, reason, now);
+pub extern "C" fn tc_failed_connect() -> i32 {
+    if let Some(noted) = this_cpu(&LB_TC_FAILED_CONNECT) {
+        connect_failed(&noted.frontend, noted.backend_id, noted.reason);
     }
+    0
 }
 
 /// A connect to backend `id` through frontend `key` failed (`reason`,

@@ -682,10 +682,11 @@ fn established(key: &CtKey, e: &CtEntry, p: &Pkt, now: u64) {
 }
 
 /// Records what packet `p` tells of its flow (entry `e` at `ptr` under
-/// `key` in `table`) and refreshes it. Returns false for a packet to drop:
-/// an RST that does not belong to the flow, or a client's packet during
-/// the handshake that neither is a SYN nor acknowledges the backend's
-/// answer (netfilter's INVALID).
+/// `key` in `table`) and refreshes it. Returns whether it noted a failed
+/// connect (`outlier::note_tc_failure`), or None for a packet to drop: an
+/// RST that does not belong to the flow, or a client's packet during the
+/// handshake that neither is a SYN nor acknowledges the backend's answer
+/// (netfilter's INVALID).
 ///
 /// TCP states, as netfilter keeps them: a flow is established once the
 /// client acknowledges its backend's answer (SYN_SENT, SYN_RECV, then
@@ -708,7 +709,8 @@ fn track<const OUTLIERS: bool>(
     e: &CtEntry,
     p: &Pkt,
     now: u64,
-) -> bool {
+) -> Option<bool> {
+    let mut failed = false;
     // SAFETY (every write below): the entry stays valid for this run; each
     // write is of one whole field, so concurrent writers of other fields
     // or state bytes are never undone, and two writers of one field only
@@ -717,7 +719,7 @@ fn track<const OUTLIERS: bool>(
         if p.tcp_flags & TCP_RST != 0 {
             if !rst_belongs(table, e, p) {
                 count(stat::TC_DROP_BAD_RST);
-                return false;
+                return None;
             }
             // The backend's first RST in the handshake: it refused the
             // connect (outlier detection; its frontend is where the reply
@@ -728,7 +730,13 @@ fn track<const OUTLIERS: bool>(
                     == ct_flags::REPLY | ct_flags::WATCHED
                 && e.state[ct_state::CLOSING] == 0
             {
-                outlier::tc_connect_failed(e.backend_id, lb_common::outlier::REFUSED);
+                failed = outlier::note_tc_failure(
+                    &e.nat_src,
+                    e.nat_sport,
+                    p.proto,
+                    e.backend_id,
+                    lb_common::outlier::REFUSED,
+                );
             }
             unsafe { (*ptr).state[ct_state::CLOSING] = 1 };
             mark_partner(table, e, p.proto, ct_state::CLOSING);
@@ -738,11 +746,17 @@ fn track<const OUTLIERS: bool>(
             let handshake = table == Table::Syn && e.flags & ct_flags::REPLY == 0;
             if handshake && p.tcp_flags & TCP_SYN == 0 && !completes_handshake(e, p) {
                 count(stat::TC_DROP_INVALID);
-                return false;
+                return None;
             }
             if OUTLIERS && handshake && p.tcp_flags & TCP_SYN != 0 && syn_timed_out(e, now) {
                 unsafe { (*ptr).syn_timed_out = 1 };
-                outlier::tc_connect_failed(e.backend_id, lb_common::outlier::TIMEOUT);
+                failed = outlier::note_tc_failure(
+                    &p.dst,
+                    p.dport,
+                    p.proto,
+                    e.backend_id,
+                    lb_common::outlier::TIMEOUT,
+                );
             }
             if p.tcp_flags & TCP_ACK != 0 && !handshake {
                 unsafe { (*ptr).ack_seq = p.ack };
@@ -797,7 +811,7 @@ fn track<const OUTLIERS: bool>(
             }
         }
     }
-    true
+    Some(failed)
 }
 
 /// `loadBalancerSourceRanges`: the longest match of (frontend, source).
@@ -1407,10 +1421,15 @@ fn follow<const AT_INGRESS: bool>(
         let _ = table.map().remove(key);
         return None;
     }
-    if !track::<AT_INGRESS>(table, key, ptr, &e, p, now) {
+    let Some(failed) = track::<AT_INGRESS>(table, key, ptr, &e, p, now) else {
         return Some(TC_ACT_SHOT);
-    }
-    Some(finish(ctx, p, (&e, ptr), now, at_ingress))
+    };
+    let verdict = finish(ctx, p, (&e, ptr), now, at_ingress);
+    Some(if failed {
+        verdict + FAILED_CONNECT_NOTED
+    } else {
+        verdict
+    })
 }
 
 /// The forward entry of the flow an ICMP error is about (`key`: client ->
@@ -1445,7 +1464,7 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     if surely_not_ours(ctx) {
         return TC_ACT_UNSPEC;
     }
-    match tc_ingress_flow(ctx.skb.skb) {
+    let verdict = match tc_ingress_flow(ctx.skb.skb) {
         NOT_PARSED => tc_ingress_other(ctx.skb.skb),
         NO_FLOW => match tc_ingress_new_flow(ctx.skb.skb) {
             FLOW_OPENED => match tc_ingress_flow(ctx.skb.skb) {
@@ -1459,9 +1478,19 @@ pub fn ingress(ctx: &TcContext) -> i32 {
             verdict => verdict,
         },
         verdict => verdict,
+    };
+    // A failed connect noted: acted on here, in the smallest frame.
+    if verdict >= FAILED_CONNECT_NOTED / 2 {
+        outlier::tc_failed_connect();
+        return verdict - FAILED_CONNECT_NOTED;
     }
+    verdict
 }
 
+/// Added to `tc_ingress_flow`'s verdict (a `TC_ACT_*`, -1 to 8) when the
+/// packet told of a failed connect (`outlier::note_tc_failure`), for
+/// `ingress` to act on (`outlier::tc_failed_connect`).
+const FAILED_CONNECT_NOTED: i32 = 1 << 20;
 /// `tc_ingress_flow`: not a TCP or UDP packet with ports.
 const NOT_PARSED: i32 = -1000;
 /// `tc_ingress_flow`: no live flow of the packet's tuple.

@@ -107,6 +107,51 @@ fn a_refusing_backend_behind_a_node_port_is_quarantined_and_avoided() {
     assert_eq!(q[0].1["reason"], "refused", "{q:?}");
 }
 
+/// The frontend's cap holds on the tc path too: with two of three
+/// backends refusing, at most 50% of three (one) is quarantined, and the
+/// other refusing backend keeps taking its share of connects, each
+/// refused at once.
+#[test]
+fn two_refusing_backends_behind_a_node_port_are_never_both_quarantined() {
+    require_root!();
+    let c = cluster("outl-np-two");
+    c.stop_server("n1p0").unwrap();
+    c.stop_server("n1p1").unwrap();
+    let target = format!("{}:{NODEPORT}", node_v4(3));
+    let attempts = c.from_client("tcp", &target, 60);
+    let failed = failures(&attempts);
+    eprintln!("60 connects through node 3, n1p0 and n1p1 refusing: failed at {failed:?}");
+    for i in &failed {
+        let a = &attempts[*i];
+        assert_eq!(a.error.as_deref(), Some("ECONNREFUSED"), "{a:?}");
+        assert!(a.elapsed_ms < 500.0, "refused at once: {a:?}");
+    }
+    let q = quarantines(&c);
+    assert_eq!(q.len(), 1, "at most 50% of three backends: {q:?}");
+    // The one left selectable still refuses: failures go on to the end.
+    assert!(
+        failed.iter().filter(|&&i| i >= 30).count() >= 5,
+        "the second refusing backend was avoided too: {failed:?}"
+    );
+    // The refused quarantine the cap kept from the second (the counters
+    // reach /metrics within the quarantine watch's 250 ms).
+    let mut capped = None;
+    integration_tests::wait_until(
+        std::time::Duration::from_secs(5),
+        std::time::Duration::from_millis(100),
+        || {
+            capped = c.agents[2].metrics().ok().and_then(|(_, text)| {
+                integration_tests::cluster::metric(
+                    &text,
+                    "lb_datapath_events_total{event=\"ejection_capped\"}",
+                )
+            });
+            capped.unwrap_or(0.0) > 0.0
+        },
+    );
+    assert!(capped.unwrap_or(0.0) > 0.0, "{capped:?}");
+}
+
 #[test]
 fn a_backend_behind_a_node_port_whose_link_is_down_is_avoided_after_its_timeouts() {
     require_root!();
