@@ -1653,6 +1653,44 @@ fn an_rst_must_belong_to_its_flow() {
     assert_eq!((rc, parse(&out).dst), (OK, ip(pod)), "a late packet");
 }
 
+/// A SYN with another sequence number on an established flow's tuple
+/// (spoofed, or a stray) leaves the flow as it is: only an unfinished
+/// handshake is reopened by a new SYN (`CtEntry::another_syn`).
+#[test]
+fn a_new_syn_on_an_established_flow_leaves_it() {
+    if skip() {
+        return;
+    }
+    let (client, pod) = ("192.168.77.100", "10.244.1.10");
+    let mut fx = Fixture::new();
+    fx.backend(1, pod, 8080, proto::TCP, true);
+    fx.frontend(NODE4, 30080, proto::TCP, 1, &[1]);
+    let to_node = |flags| Frame::tcp(client, 40000, NODE4, 30080, flags);
+    let from_pod = |flags| Frame::tcp(pod, 8080, client, 40000, flags);
+    fx.run("tc_ingress", &to_node(TCP_SYN).seq_ack(1000, 0));
+    fx.run(
+        "tc_egress",
+        &from_pod(TCP_SYN | TCP_ACK).seq_ack(5000, 1001),
+    );
+    fx.run("tc_ingress", &to_node(TCP_ACK).seq_ack(1001, 5001));
+    assert!(!fx.in_syn_table(client, 40000, NODE4, 30080, proto::TCP));
+
+    fx.run("tc_ingress", &to_node(TCP_SYN).seq_ack(777_777, 0));
+    assert!(
+        !fx.in_syn_table(client, 40000, NODE4, 30080, proto::TCP),
+        "the SYN opened a new flow in place of the established one"
+    );
+    for e in [
+        fx.entry(client, 40000, NODE4, 30080, proto::TCP).unwrap(),
+        fx.entry(pod, 8080, client, 40000, proto::TCP).unwrap(),
+    ] {
+        assert_eq!(e.state[ct_state::SEEN_REPLY], 1, "still established");
+        assert_eq!(e.state[ct_state::CLOSING], 0);
+    }
+    let (rc, out) = fx.run("tc_ingress", &to_node(TCP_ACK).seq_ack(1001, 5001));
+    assert_eq!((rc, parse(&out).dst), (OK, ip(pod)), "still translated");
+}
+
 /// Entries are refreshed on many CPUs: one stamped later than this CPU's
 /// clock (refreshed after it read the clock) is live, not 2^64 ns old.
 #[test]
