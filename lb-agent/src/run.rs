@@ -1174,7 +1174,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         adopted.slots,
         adopted.backends,
         adopted.maglev,
-    );
+    )
+    .with_service_capacity(args.capacity.max_services);
     let mut syncer = Syncer {
         source,
         cgroup: cgroup.clone(),

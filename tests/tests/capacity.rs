@@ -10,11 +10,12 @@ mod common;
 use std::{process::Command, time::Duration};
 
 use common::*;
+use integration_tests::manifests::Service;
 use integration_tests::{
     cluster::{frontend_backends, metric, metric_sum, ready_slice},
     cmd, require_root, wait_until, Agent, AgentOpts, Env,
 };
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// How many entries `LB_MAGLEV` holds: one per Maglev table.
 fn maglev_tables(agent: &Agent) -> usize {
@@ -184,8 +185,120 @@ fn inspected(agent: &Agent, addr: &str, port: u16) -> Option<Value> {
         .cloned()
 }
 
+/// In the client's namespace, a route for the Service range to a sink
+/// (`lbsink`, one end of a veth pair whose other end is in the same
+/// namespace, without addresses: what it is given is counted and
+/// dropped there), as a node's default route would take a connect that
+/// is not rewritten.
+fn route_services_to_a_sink(env: &Env) {
+    let ns = env.topo.client_netns();
+    cmd::ip(&[
+        "-n",
+        ns,
+        "link",
+        "add",
+        "lbsink",
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "lbsink-peer",
+    ])
+    .unwrap();
+    cmd::ip(&["-n", ns, "link", "set", "lbsink", "arp", "off", "up"]).unwrap();
+    cmd::ip(&["-n", ns, "link", "set", "lbsink-peer", "up"]).unwrap();
+    cmd::ip(&["-n", ns, "route", "add", "10.96.0.0/16", "dev", "lbsink"]).unwrap();
+}
+
+/// Packets the client's namespace sent to `lbsink`.
+fn sink_packets(env: &Env) -> u64 {
+    let out = cmd::ip(&[
+        "-n",
+        env.topo.client_netns(),
+        "-j",
+        "-s",
+        "link",
+        "show",
+        "lbsink",
+    ])
+    .unwrap();
+    let v: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    v[0]["stats64"]["tx"]["packets"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("{out}"))
+}
+
+/// A Service port that does not fit `LB_SERVICES` fails closed too:
+/// three Services of four ports each (12 frontends, 3 VIP markers) in a
+/// map of 11 entries (`--max-services`). Room is kept for the three
+/// markers, so 8 ports are served and the other 4 are refused by their
+/// VIP's marker, reported full, and send nothing out of the client;
+/// before, frontends took every entry and a port left over went out
+/// unrewritten.
+#[test]
+fn a_service_port_that_does_not_fit_the_services_map_is_refused() {
+    require_root!();
+    let mut env = Env::new("nofit-svc", 1).unwrap();
+    let ips: Vec<String> = (0..3).map(|i| format!("10.96.0.{}", 10 + i)).collect();
+    let ports: Vec<String> = (0..4).map(|p| format!("p{p}")).collect();
+    for (i, ip) in ips.iter().enumerate() {
+        let name = format!("s{i}");
+        let mut svc = Service::new("demo", &name).cluster_ip(ip);
+        for (p, port) in ports.iter().enumerate() {
+            svc = svc.port(port, 80 + p as u32, "TCP", json!(8080));
+        }
+        let slice_ports: Vec<(&str, u16, &str)> =
+            ports.iter().map(|p| (p.as_str(), 8080, "TCP")).collect();
+        env.manifests
+            .write(
+                &format!("{name}.yaml"),
+                &vec![
+                    svc.to_value(),
+                    ready_slice(&env, &name, &format!("{name}-1"), &slice_ports, &["b1"]),
+                ],
+            )
+            .unwrap();
+    }
+    env.start_agent_with(AgentOpts {
+        extra_args: vec!["--max-services".into(), "11".into()],
+        ..Default::default()
+    })
+    .unwrap();
+    route_services_to_a_sink(&env);
+    let agent = env.agent();
+    let mut full = None;
+    wait_until(Duration::from_secs(10), Duration::from_millis(50), || {
+        let (_, text) = agent.metrics().unwrap();
+        full = metric(&text, "lb_frontends_unprogrammed{reason=\"services_full\"}");
+        full == Some(4.0)
+    });
+    assert_eq!(full, Some(4.0), "{}", agent.metrics().unwrap().1);
+    let sent_before = sink_packets(&env);
+    let (mut served, mut refused) = (0, 0);
+    for ip in &ips {
+        for p in 0..4u16 {
+            let target = format!("{ip}:{}", 80 + p);
+            let a = env.tcp(&target, 2);
+            if a.iter().all(|a| a.ok) {
+                served += 1;
+                continue;
+            }
+            for a in &a {
+                assert!(
+                    !a.ok && matches!(a.error.as_deref(), Some("ECONNREFUSED" | "EPERM")),
+                    "{target}: served or refused, got {a:?}"
+                );
+                assert!(a.elapsed_ms < 500.0, "refused at once: {a:?}");
+            }
+            refused += 1;
+        }
+    }
+    assert_eq!((served, refused), (8, 4));
+    assert_eq!(sink_packets(&env), sent_before, "connects left unrewritten");
+}
+
 /// `LB_SLOTS` of 6 entries (`--max-slots`): a new Service that does not
-/// fit gets nothing, not even its VIP marker; an existing Service changed
+/// fit gets nothing but its VIP marker, which refuses it; an existing Service changed
 /// so that it no longer fits keeps serving from its old backends; both are
 /// logged with their Service, counted in `/metrics` and shown by
 /// `inspect`; when a Service goes, its slots are freed a moment later and
@@ -209,6 +322,7 @@ fn a_frontend_that_does_not_fit_keeps_its_previous_state() {
         ..Default::default()
     })
     .unwrap();
+    route_services_to_a_sink(&env);
     assert_ok_spread("a", &env.tcp("10.96.0.10:80", 20), &["b1"], 1.0);
     assert_all_ok("filler", &env.tcp("10.96.0.30:80", 10));
 
@@ -227,17 +341,28 @@ fn a_frontend_that_does_not_fit_keeps_its_previous_state() {
         "no failure logged for b:\n{}",
         agent.log()
     );
-    // Nothing of it: a connect is not even refused by a VIP marker, it
-    // goes nowhere as to an address nobody serves.
-    assert_all_fail(
-        "b, not programmed",
-        &env.tcp("10.96.0.20:80", 3),
-        "ENETUNREACH",
+    // Failed closed: its VIP marker refuses its connects at once, and
+    // nothing leaves the client toward the Service address, which a
+    // node's default route would carry out of the node (here a route to
+    // a sink in the client's namespace).
+    let sent_before = sink_packets(&env);
+    let refused = env.tcp("10.96.0.20:80", 3);
+    for a in &refused {
+        assert!(
+            !a.ok && matches!(a.error.as_deref(), Some("ECONNREFUSED" | "EPERM")),
+            "b, not programmed: refused, got {a:?}"
+        );
+        assert!(a.elapsed_ms < 500.0, "refused at once: {a:?}");
+    }
+    assert_eq!(
+        sink_packets(&env),
+        sent_before,
+        "b's connects left unrewritten"
     );
     assert_eq!(slots_full(agent), 1.0, "{}", agent.metrics().unwrap().1);
     assert!(
-        inspected(agent, "10.96.0.20", 0).is_none(),
-        "a VIP marker for b"
+        inspected(agent, "10.96.0.20", 0).is_some(),
+        "no VIP marker for b"
     );
     let b = inspected(agent, "10.96.0.20", 80).expect("inspect lists b");
     assert_eq!(b["service_id"], 0, "{b:#}");

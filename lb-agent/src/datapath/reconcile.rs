@@ -564,6 +564,8 @@ pub struct Reconciler {
     unprogrammed: BTreeMap<Target, Unprogrammed>,
     /// A retire deleted published sets since the last apply.
     room_made: bool,
+    /// `LB_SERVICES`' size, when known (`with_service_capacity`).
+    service_capacity: Option<usize>,
 }
 
 /// How many frontends use a backend, as local and as terminating.
@@ -884,7 +886,22 @@ impl Reconciler {
             stray_backends: false,
             unprogrammed: BTreeMap::new(),
             room_made: false,
+            service_capacity: None,
         }
+    }
+
+    /// `LB_SERVICES` holds `entries`: a new frontend is programmed only
+    /// while room is left for every desired VIP's marker, so that a map
+    /// filled by frontends still has a marker to refuse each Service
+    /// address that did not fit (fail closed) rather than let its connects
+    /// leave the node unrewritten. A marker is one entry per address, a
+    /// frontend one per port: the reserve is at most half the map. When
+    /// the map cannot hold a marker for every address, nothing fails
+    /// closed whatever is kept, and frontends come first again (each one
+    /// that fits is served; the markers that do not fit are reported).
+    pub fn with_service_capacity(mut self, entries: u32) -> Self {
+        self.service_capacity = Some(entries as usize);
+        self
     }
 
     /// Rebuilds what is programmed from the pinned maps of an earlier run,
@@ -1271,6 +1288,12 @@ impl Reconciler {
         };
         let mut candidates = candidates.peekable();
         let mut plans = Vec::with_capacity(FRONTEND_CHUNK.min(desired.frontends.len()));
+        // `LB_SERVICES` entries a new frontend may take: what is left once
+        // every desired VIP has its marker (see `with_service_capacity`).
+        let mut room_for_new = self
+            .service_capacity
+            .filter(|cap| desired.vips.len() <= *cap)
+            .map(|cap| cap.saturating_sub(self.frontends.len() + desired.vips.len()));
         while candidates.peek().is_some() {
             for (frontend, state) in candidates.by_ref() {
                 if let Some(p) = self.frontends.get(frontend) {
@@ -1283,8 +1306,21 @@ impl Reconciler {
                         continue;
                     }
                 }
+                let new = !self.frontends.contains_key(frontend);
+                if new && room_for_new == Some(0) {
+                    let full = std::io::Error::from_raw_os_error(libc::E2BIG);
+                    let failure =
+                        unprogrammed(frontend, state, unprogrammed_map::SERVICES, &full, false);
+                    self.fail(failure, &mut report);
+                    continue;
+                }
                 match self.plan_frontend(frontend, state, &backend_errors, ops) {
-                    Ok(plan) => plans.push(plan),
+                    Ok(plan) => {
+                        if new {
+                            room_for_new = room_for_new.map(|n| n - 1);
+                        }
+                        plans.push(plan);
+                    }
                     Err(failure) => self.fail(failure, &mut report),
                 }
                 if plans.len() == FRONTEND_CHUNK {
@@ -1295,26 +1331,13 @@ impl Reconciler {
         }
 
         // 4. VIP markers, before stale ones go, so a VIP never flickers to
-        // "unknown" while its ports change. A marker without a programmed
-        // frontend of its own would make a Service that did not fit refuse
-        // on every port: it waits until one of its frontends is in.
-        type Vips = Vec<(IpAddr, Scope)>;
-        let (new_vips, held): (Vips, Vips) =
-            desired
-                .vips
-                .difference(&self.vips)
-                .partition(|(addr, scope)| {
-                    frontends_at(&desired.frontends, *addr, *scope)
-                        .next()
-                        .is_none()
-                        || frontends_at(&self.frontends, *addr, *scope)
-                            .next()
-                            .is_some()
-                });
-        // Not wanted yet, so not failed either.
-        for (addr, scope) in held {
-            self.unprogrammed.remove(&Target::Vip(addr, scope));
-        }
+        // "unknown" while its ports change. Every Service address gets its
+        // marker, also one none of whose frontends could be programmed:
+        // the marker refuses its connects (`lb::lookup_frontend`'s
+        // `PortNotServed`), where without it they would leave the node
+        // unrewritten, to the Service address (fail closed). Room for the
+        // markers is kept apart in step 3.
+        let new_vips: Vec<(IpAddr, Scope)> = desired.vips.difference(&self.vips).copied().collect();
         let marker = ServiceValue {
             id: 0,
             backend_set: 0,
@@ -3365,7 +3388,7 @@ pub(super) mod tests {
 
     /// Each way one frontend's writes can fail, for a changed frontend and
     /// a new one: the changed one keeps its previous state whole, nothing
-    /// of the new one is written (its VIP marker neither), nothing is left
+    /// of the new one is written but its VIP marker, nothing is left
     /// behind once retired, the other frontends are untouched, the failure
     /// is recorded with its Service; once there is room, the next apply
     /// programs both.
@@ -3452,10 +3475,23 @@ pub(super) mod tests {
                         "default/changed".into(),
                     ),
                 );
-                assert_eq!(observed(&m), before, "{what}: something was left");
+                // Everything as before but the new VIP's marker (below).
+                let now: Vec<String> = observed(&m)
+                    .into_iter()
+                    .filter(|l| !l.starts_with("[10, 96, 0, 12]:0 "))
+                    .collect();
+                assert_eq!(now, before, "{what}: something was left");
                 assert_eq!(m.table_of(&changed), table_before, "{what}");
             } else {
                 assert_eq!(m.backends_of(&changed), grown, "{what}");
+                // The new Service's VIP marker did not fit either.
+                want.push((
+                    Target::Vip(new.addr, new.scope),
+                    map,
+                    errno,
+                    false,
+                    "default/new".into(),
+                ));
             }
             assert_eq!(unprogrammed_of(&r), want, "{what}");
             let about_services = report.errors.iter().filter(|e| e.starts_with("Service "));
@@ -3476,8 +3512,11 @@ pub(super) mod tests {
                 report.errors
             );
             assert!(!m.services.contains_key(&service_key(&new)), "{what}");
-            assert!(
-                !m.services.contains_key(&vip_key(new.addr, new.scope)),
+            // The VIP marker of a Service with nothing programmed: written
+            // where it fits, so that its connects are refused.
+            assert_eq!(
+                m.services.contains_key(&vip_key(new.addr, new.scope)),
+                changed_fails,
                 "{what}: the VIP marker of a Service with nothing programmed"
             );
             assert_eq!(m.backends_of(&other), [be("10.244.9.9", 80)], "{what}");
@@ -3500,12 +3539,12 @@ pub(super) mod tests {
         }
     }
 
-    /// A VIP's marker is written once one frontend of it is programmed:
-    /// one port that does not fit leaves a new Service with no marker (a
-    /// marker alone would refuse it on every port); another port of it
-    /// that fits brings the marker.
+    /// Fail closed: a Service none of whose ports fits still gets its VIP
+    /// marker, which refuses its connects instead of letting them leave
+    /// unrewritten; the marker is written once and stays when a port of
+    /// it fits later.
     #[test]
-    fn a_vip_marker_waits_for_a_frontend_of_its_own() {
+    fn a_service_that_does_not_fit_gets_its_vip_marker() {
         let mut r = Reconciler::test();
         let mut m = FakeMaps {
             slot_capacity: Some(1),
@@ -3516,8 +3555,9 @@ pub(super) mod tests {
         let vip = vip_key(big.addr, big.scope);
         let report = sync(&mut r, &desired(&[(big, state("big", &many))]), &mut m);
         assert_eq!(report.errors.len(), 1, "{report:?}");
-        assert!(m.services.is_empty(), "{:?}", m.services);
-        // A second port, without endpoints: it fits, and the VIP is live.
+        assert_eq!(m.services.len(), 1, "{:?}", m.services);
+        assert_eq!(m.services[&vip].flags, service_flags::WILDCARD);
+        // A second port, without endpoints: it fits beside the marker.
         let empty = fe("10.96.0.20", 81);
         let d = desired(&[(big, state("big", &many)), (empty, state("big", &[]))]);
         sync(&mut r, &d, &mut m);
@@ -3527,6 +3567,61 @@ pub(super) mod tests {
         // Gone from the desired state: no longer reported.
         sync(&mut r, &desired(&[(empty, state("big", &[]))]), &mut m);
         assert!(unprogrammed_of(&r).is_empty());
+        assert!(m.services.contains_key(&vip));
+    }
+
+    /// `LB_SERVICES` filled by frontends keeps room for every VIP's
+    /// marker: of five one-port Services in a map of 8 entries, three are
+    /// programmed (3 frontends + 5 markers), the other two are refused by
+    /// their markers and reported full; room made programs them.
+    #[test]
+    fn frontends_leave_room_for_every_vip_marker() {
+        let mut r = Reconciler::test().with_service_capacity(8);
+        let mut m = FakeMaps {
+            service_capacity: Some(8),
+            ..Default::default()
+        };
+        let fes: Vec<Frontend> = (0..5)
+            .map(|i| fe(&format!("10.96.0.{}", 10 + i), 80))
+            .collect();
+        let names: Vec<String> = (0..5).map(|i| format!("s{i}")).collect();
+        let d = desired(
+            &fes.iter()
+                .zip(&names)
+                .map(|(f, n)| (*f, state(n, &[be("10.244.1.1", 80)])))
+                .collect::<Vec<_>>(),
+        );
+        let report = sync(&mut r, &d, &mut m);
+        assert_eq!(report.errors.len(), 2, "{report:?}");
+        for f in &fes {
+            assert!(m.services.contains_key(&vip_key(f.addr, f.scope)), "{f:?}");
+        }
+        let programmed = fes
+            .iter()
+            .filter(|f| m.services.contains_key(&service_key(f)))
+            .count();
+        assert_eq!((programmed, m.services.len()), (3, 8));
+        let failed = unprogrammed_of(&r);
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        for (target, map, errno, kept, _) in &failed {
+            assert!(matches!(target, Target::Frontend(_)), "{target:?}");
+            assert_eq!(
+                (*map, *errno, *kept),
+                (unprogrammed_map::SERVICES, libc::E2BIG, false)
+            );
+        }
+        // Two programmed Services go: the two left out fit.
+        let (out, mut keep): (Vec<_>, Vec<_>) = d
+            .frontends
+            .iter()
+            .map(|(f, s)| (*f, (**s).clone()))
+            .partition(|(f, _)| !m.services.contains_key(&service_key(f)));
+        keep.truncate(1);
+        let d2 = desired(&[out, keep].concat());
+        let report = sync(&mut r, &d2, &mut m);
+        assert!(report.errors.is_empty(), "{report:?}");
+        assert!(unprogrammed_of(&r).is_empty());
+        assert_eq!(m.services.len(), 6);
     }
 
     /// A change that did not fit, then taken back: programmed as desired
