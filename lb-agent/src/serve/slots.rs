@@ -514,7 +514,7 @@ mod tests {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            if x % 3 == 0 && !live.is_empty() {
+            if x.is_multiple_of(3) && !live.is_empty() {
                 let (s, id) = live.swap_remove((x as usize / 3) % live.len());
                 t.release(s, id);
             } else {
