@@ -1075,7 +1075,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let ready = Readiness::default();
     let proxy_health = ProxyHealthHandle::new(args.healthz_timeout);
-    let limits = health::Limits::default();
+    // After raise_open_file_limit: the totals follow the raised limit.
+    let limits = health::Limits::for_this_process();
+    tracing::info!(
+        per_source = limits.max_connections_per_source,
+        total = limits.max_connections,
+        "connection limits of the health, metrics and health-check node port servers, each"
+    );
     health::serve(
         args.health_addr,
         ready.clone(),
@@ -1205,7 +1211,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         tc_devices: None,
         tc_failed: None,
         ready: ready.clone(),
-        health_checks: HealthCheckServers::new(proxy_health.clone()),
+        health_checks: HealthCheckServers::new(proxy_health.clone(), limits),
         node_eligible: true,
         health: proxy_health.clone(),
         watching_since,

@@ -35,6 +35,7 @@ const SHORT: u32 = 24;
 
 const LIMITS: Limits = Limits {
     max_connections: 4,
+    max_connections_per_source: 4,
     header_read_timeout: Duration::from_millis(200),
     connection_timeout: Duration::from_millis(600),
 };
@@ -114,7 +115,7 @@ fn servers() -> &'static Servers {
             health::serve_metrics(metrics_at, Metrics::new(), LIMITS)
                 .await
                 .unwrap();
-            let mut checks = HealthCheckServers::new(proxy).with_head_timeout(HEAD_TIMEOUT);
+            let mut checks = HealthCheckServers::new(proxy, LIMITS).with_head_timeout(HEAD_TIMEOUT);
             let check = HealthCheck {
                 port: node_port.port(),
                 service: ServiceName {

@@ -24,6 +24,7 @@ use axum::{
 use crate::{
     base::metrics::Metrics,
     semantics::health::{Answer, Now, ProxyHealth},
+    serve::slots,
 };
 
 /// Ready once the first full sync has been programmed, and while every
@@ -174,37 +175,104 @@ async fn metrics(
 async fn bind(addr: SocketAddr, what: &str) -> anyhow::Result<tokio::net::TcpListener> {
     if addr.ip().is_unspecified() && addr.is_ipv4() {
         let any6 = SocketAddr::from((Ipv6Addr::UNSPECIFIED, addr.port()));
-        if let Ok(l) = tokio::net::TcpListener::bind(any6).await {
+        if let Ok(l) = slots::listen(any6) {
             return Ok(l);
         }
     }
-    tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding the {what} address {addr}"))
+    slots::listen(addr).with_context(|| format!("binding the {what} address {addr}"))
 }
 
-/// What one HTTP server (health or metrics) allows. The health address
-/// is open to the network: without these, idle and slowloris connections
-/// are kept forever and take the agent's file descriptors.
+/// What one HTTP server (health, metrics, or the health-check node ports
+/// together) allows. The health address and the node ports are open to
+/// the network: without these, idle and slowloris connections are kept
+/// forever and take the agent's file descriptors, and without the
+/// per-source one a single client holds every slot (issue 41).
+///
+/// Bounds, per server: at most `max_connections` connections (file
+/// descriptors), each for at most `header_read_timeout` before its request
+/// head is in and `connection_timeout` in all, each with a read buffer of
+/// at most [`MAX_READ_BUFFER`]; connections beyond the limits are accepted
+/// and closed at once, so they hold no descriptor.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Connections served at once; one more is closed at once.
+    /// Connections served at once, from every source together; at that
+    /// total a new connection takes the oldest slot of the source holding
+    /// the most (see `slots`).
     pub max_connections: usize,
-    /// For a request's head, counted from when the connection is idle (so
-    /// also how long an idle keep-alive connection stays open).
+    /// Connections one source (an IPv4 address, an IPv6 /64) holds at
+    /// once; one more from it is closed at once.
+    pub max_connections_per_source: usize,
+    /// For a request's head, from when the connection is idle (so also
+    /// how long an idle keep-alive connection stays open). hyper's deadline
+    /// is for the whole head: bytes trickling in do not extend it.
     pub header_read_timeout: Duration,
     /// For a whole connection, however it is used.
     pub connection_timeout: Duration,
 }
 
-impl Default for Limits {
-    fn default() -> Self {
+/// A probe needs one connection at a time; the kubelet's liveness and
+/// readiness probes, a few load balancers' health checkers (Azure's all
+/// come from 168.63.129.16, one per rule) and a Prometheus scraper stay
+/// far below 16 at once from one address, while 16 is little enough that
+/// hundreds of sources fit in the total.
+pub const PER_SOURCE: usize = 16;
+/// Each server takes at most this share (1/8) of the open-file limit: the
+/// three (health, metrics, node ports) 3/8 together, leaving the rest for
+/// the BPF maps, programs and links, the API connections and manifest
+/// files.
+const OPEN_FILES_SHARE: u64 = 8;
+/// Not fewer, even with a tiny open-file limit: two sources at their
+/// per-source limit.
+const MIN_TOTAL: usize = 2 * PER_SOURCE;
+/// Not more, whatever the open-file limit: memory. A connection costs at
+/// most ~24 KiB here ([`MAX_READ_BUFFER`], the task, hyper's state, the
+/// slot; an idle one ~10 KiB): 1024 of them at most ~24 MiB per server.
+/// Past the total, sources that hold fewer still get slots (`slots`), so
+/// more would not make the endpoints more available.
+const MAX_TOTAL: usize = 1024;
+/// hyper's read buffer per connection at most (its minimum, 8 KiB, is the
+/// first allocation): a longer request head is answered 431.
+pub const MAX_READ_BUFFER: usize = 16 * 1024;
+
+impl Limits {
+    /// For a process whose soft open-file limit is `open_files`: a total
+    /// of 1/8 of it, within [32, 1024] (128 at 1024).
+    pub fn for_open_file_limit(open_files: u64) -> Self {
+        let total = usize::try_from(open_files / OPEN_FILES_SHARE)
+            .unwrap_or(usize::MAX)
+            .clamp(MIN_TOTAL, MAX_TOTAL);
         Limits {
-            // Probes come from a few load balancers and the kubelet.
-            max_connections: 128,
+            max_connections: total,
+            max_connections_per_source: PER_SOURCE,
             header_read_timeout: Duration::from_secs(5),
             connection_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// For this process's soft open-file limit now (read it after raising
+    /// it); that of 1024 where it cannot be read.
+    pub fn for_this_process() -> Self {
+        use nix::sys::resource::{getrlimit, Resource};
+        let open_files = match getrlimit(Resource::RLIMIT_NOFILE) {
+            Ok((soft, _)) => soft,
+            Err(e) => {
+                tracing::warn!("reading the open-file limit: {e}; taking 1024");
+                1024
+            }
+        };
+        Self::for_open_file_limit(open_files)
+    }
+
+    /// The slots these limits give, for `what` (the log's name).
+    pub fn gate(&self, what: &'static str) -> slots::Gate {
+        slots::Gate::new(what, self.max_connections_per_source, self.max_connections)
+    }
+}
+
+impl Default for Limits {
+    /// As for an open-file limit of 1024, a common default.
+    fn default() -> Self {
+        Self::for_open_file_limit(1024)
     }
 }
 
@@ -220,18 +288,18 @@ async fn serve_limited(
     limits: Limits,
 ) {
     use hyper_util::rt::{TokioIo, TokioTimer};
-    let slots = Arc::new(tokio::sync::Semaphore::new(limits.max_connections));
+    let gate = limits.gate(what);
     let mut http = hyper::server::conn::http1::Builder::new();
     // half_close: a client that shuts its side down after the request
     // (`nc -N`, some load balancers' checks) still gets the answer, as
     // from kube-proxy's Go server; hyper would close without one.
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        .max_buf_size(MAX_READ_BUFFER)
         .half_close(true);
-    let mut refused_logged = false;
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // EMFILE and the like: wait instead of spinning.
                 tracing::warn!(error = %e, "{what} server: accepting a connection");
@@ -239,23 +307,19 @@ async fn serve_limited(
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            if !refused_logged {
-                tracing::warn!(
-                    max = limits.max_connections,
-                    "{what} server: connection limit reached, closing new connections"
-                );
-                refused_logged = true;
-            }
+        // Refused: closed at once (the gate logs it, at most every 10 s).
+        let Some(mut slot) = gate.admit(peer.ip()) else {
             drop(stream);
             continue;
         };
-        refused_logged = false;
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
         let conn = http.serve_connection(TokioIo::new(stream), service);
         tokio::spawn(async move {
             // Errors are the client's (timeouts, resets): nothing to log.
-            let _ = tokio::time::timeout(limits.connection_timeout, conn).await;
+            tokio::select! {
+                _ = tokio::time::timeout(limits.connection_timeout, conn) => {}
+                () = slot.evicted() => {}
+            }
             drop(slot);
         });
     }
@@ -314,6 +378,28 @@ mod tests {
         let mut out = String::new();
         s.read_to_string(&mut out).await.unwrap();
         out
+    }
+
+    #[test]
+    fn totals_follow_the_open_file_limit() {
+        for (open_files, total) in [
+            (0, 32),
+            (64, 32),
+            (1024, 128),
+            (4096, 512),
+            (8192, 1024),
+            (1 << 20, 1024),
+            (u64::MAX, 1024),
+        ] {
+            let l = Limits::for_open_file_limit(open_files);
+            assert_eq!(l.max_connections, total, "open files {open_files}");
+            assert_eq!(l.max_connections_per_source, PER_SOURCE);
+            // The three servers leave most descriptors to the rest.
+            assert!(
+                open_files < 256 || 3 * l.max_connections as u64 <= open_files / 2,
+                "open files {open_files}"
+            );
+        }
     }
 
     fn free_addr() -> SocketAddr {

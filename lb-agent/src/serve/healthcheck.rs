@@ -19,8 +19,12 @@ use tokio::{
 };
 
 use crate::{
-    semantics::model::ServiceName, semantics::northsouth::HealthCheck,
-    serve::health::ProxyHealthHandle,
+    semantics::model::ServiceName,
+    semantics::northsouth::HealthCheck,
+    serve::{
+        health::{Limits, ProxyHealthHandle},
+        slots::{self, Gate},
+    },
 };
 
 /// The status line and body kube-proxy answers for one Service.
@@ -69,10 +73,14 @@ type Shared = Arc<Mutex<(ServiceName, usize)>>;
 /// How long a request head may take before the answer goes out anyway.
 const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// Listeners per health-check node port, following the Services.
+/// Listeners per health-check node port, following the Services. All
+/// ports share one set of connection slots (`limits`, one source's
+/// connections counted over every port): the descriptors they may take
+/// are bounded however many Services there are.
 pub struct HealthCheckServers {
     health: ProxyHealthHandle,
     head_timeout: Duration,
+    gate: Gate,
     bind: Bind,
     servers: BTreeMap<u16, (Shared, Vec<JoinHandle<()>>)>,
 }
@@ -86,9 +94,7 @@ impl Drop for HealthCheckServers {
 }
 
 fn bind_one(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let l = std::net::TcpListener::bind(addr)?;
-    l.set_nonblocking(true)?;
-    tokio::net::TcpListener::from_std(l)
+    slots::listen(addr)
 }
 
 /// The listeners of `port`; the first error aborts (kube-proxy closes what
@@ -111,42 +117,70 @@ async fn serve(
     state: Shared,
     health: ProxyHealthHandle,
     head_timeout: Duration,
+    gate: Gate,
 ) {
     loop {
-        let Ok((mut s, _)) = listener.accept().await else {
+        let Ok((s, peer)) = listener.accept().await else {
             tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        // Refused: closed at once (the gate logs it, at most every 10 s).
+        let Some(mut slot) = gate.admit(peer.ip()) else {
+            drop(s);
             continue;
         };
         let (state, health) = (state.clone(), health.clone());
         tokio::spawn(async move {
-            // Read the request head (any path is answered alike).
-            let mut buf = [0u8; 2048];
-            let mut seen = Vec::new();
-            let _ = tokio::time::timeout(head_timeout, async {
-                while let Ok(n) = s.read(&mut buf).await {
-                    if n == 0 {
-                        break;
-                    }
-                    seen.extend_from_slice(&buf[..n]);
-                    if seen.windows(4).any(|w| w == b"\r\n\r\n") || seen.len() > 8192 {
-                        break;
-                    }
-                }
-            })
-            .await;
-            let (service, count) = state.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            let (code, body) = response(&service, count, health.is_healthy());
-            let _ = s.write_all(http(code, &body).as_bytes()).await;
-            let _ = s.shutdown().await;
+            tokio::select! {
+                () = answer(s, state, health, head_timeout) => {}
+                () = slot.evicted() => {}
+            }
+            drop(slot);
         });
     }
 }
 
+/// Reads a request head on `s` (any path is answered alike) for at most
+/// `head_timeout`, then answers and closes it.
+async fn answer(
+    mut s: tokio::net::TcpStream,
+    state: Shared,
+    health: ProxyHealthHandle,
+    head_timeout: Duration,
+) {
+    let mut buf = [0u8; 2048];
+    let mut seen = Vec::new();
+    let _ = tokio::time::timeout(head_timeout, async {
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            seen.extend_from_slice(&buf[..n]);
+            if seen.windows(4).any(|w| w == b"\r\n\r\n") || seen.len() > 8192 {
+                break;
+            }
+        }
+    })
+    .await;
+    let (service, count) = state.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let (code, body) = response(&service, count, health.is_healthy());
+    // A client that reads nothing cannot keep the slot either.
+    let _ = tokio::time::timeout(head_timeout, async {
+        let _ = s.write_all(http(code, &body).as_bytes()).await;
+        let _ = s.shutdown().await;
+    })
+    .await;
+}
+
 impl HealthCheckServers {
-    pub fn new(health: ProxyHealthHandle) -> Self {
+    /// Serving within `limits`' per-source and total connections (their
+    /// timeouts are the health address's; these ports answer within
+    /// [`HEAD_TIMEOUT`] whatever comes).
+    pub fn new(health: ProxyHealthHandle, limits: Limits) -> Self {
         Self {
             health,
             head_timeout: HEAD_TIMEOUT,
+            gate: limits.gate("health-check node port"),
             bind: Bind::All,
             servers: BTreeMap::new(),
         }
@@ -210,7 +244,13 @@ impl HealthCheckServers {
                 .into_iter()
                 .map(|l| {
                     let health = self.health.clone();
-                    tokio::spawn(serve(l, state.clone(), health, self.head_timeout))
+                    tokio::spawn(serve(
+                        l,
+                        state.clone(),
+                        health,
+                        self.head_timeout,
+                        self.gate.clone(),
+                    ))
                 })
                 .collect();
             tracing::info!(port, service = %c.service, bind = ?self.bind, "serving health-check node port");
@@ -278,7 +318,7 @@ mod tests {
     async fn serves_and_follows_counts_and_proxy_health() {
         let port = free_port();
         let health = ProxyHealthHandle::new(Duration::from_millis(30));
-        let mut servers = HealthCheckServers::new(health.clone());
+        let mut servers = HealthCheckServers::new(health.clone(), Limits::default());
         assert!(servers.update(&[check(port, 0)], &Bind::All).is_empty());
         let get = || async { get("127.0.0.1", port).await.unwrap() };
         assert!(get().await.starts_with("HTTP/1.1 503"));
@@ -310,7 +350,10 @@ mod tests {
     #[tokio::test]
     async fn listens_on_the_node_addresses_only() {
         let port = free_port();
-        let mut servers = HealthCheckServers::new(ProxyHealthHandle::new(Duration::from_secs(60)));
+        let mut servers = HealthCheckServers::new(
+            ProxyHealthHandle::new(Duration::from_secs(60)),
+            Limits::default(),
+        );
         let only = |a: &str| Bind::Addresses(vec![a.parse().unwrap()]);
         assert!(servers
             .update(&[check(port, 1)], &only("127.0.0.2"))
