@@ -102,6 +102,10 @@ enum Mode {
     Udp,
     Until,
     Hold,
+    /// Opens `--open` connections, prints which backends hold them, and
+    /// keeps them open for the duration (the schedulers' cost runs, with
+    /// every backend busy).
+    Keep,
 }
 
 const REQUEST: [u8; 64] = [b'x'; 64];
@@ -134,6 +138,9 @@ fn main() -> Result<()> {
             if mode == Mode::Until {
                 let expect = expect.context("--mode until needs --expect")?;
                 return until(target[0], expect, &limits);
+            }
+            if mode == Mode::Keep {
+                return keep(target[0], open, &limits);
             }
             if mode == Mode::Hold {
                 let r = hold(target[0], open, backends, &limits);
@@ -455,7 +462,7 @@ fn client(mode: Mode, targets: &[SocketAddrV4], lim: &Limits) -> Report {
                     .and_then(|_| s.recv_from(&mut buf));
                 record(r, t0, "udp", &mut lat, &mut report)
             }
-            Mode::Until | Mode::Hold => unreachable!(),
+            Mode::Until | Mode::Hold | Mode::Keep => unreachable!(),
         };
         if ok {
             report.ops += 1;
@@ -543,6 +550,24 @@ fn greeted(sa: &libc::sockaddr_in, timeout: Duration) -> io::Result<(TcpStream, 
 /// `hold` mode: `open` connections held to `target`, then each step closes
 /// one at random (RST) and opens another; the balance of open connections
 /// over `backends` after each open.
+/// `keep` mode: `open` connections to `target`, then one JSON line (the
+/// connections per backend, by greeting), then held for the duration.
+fn keep(target: SocketAddrV4, open: usize, lim: &Limits) -> Result<()> {
+    let sa = sockaddr(target);
+    let mut held = Vec::with_capacity(open);
+    let mut per: std::collections::BTreeMap<String, usize> = Default::default();
+    for _ in 0..open {
+        let (s, b) = greeted(&sa, lim.timeout).context("keep: connect")?;
+        *per.entry(b.to_string()).or_default() += 1;
+        held.push(s);
+    }
+    println!("{}", serde_json::to_string(&per)?);
+    io::Write::flush(&mut io::stdout())?;
+    std::thread::sleep(lim.duration);
+    drop(held);
+    Ok(())
+}
+
 fn hold(target: SocketAddrV4, open: usize, backends: usize, lim: &Limits) -> HoldReport {
     let sa = sockaddr(target);
     let mut rng: u64 = 0x9E37_79B9_7F4A_7C15 ^ monotonic_ns();

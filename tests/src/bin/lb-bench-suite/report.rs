@@ -782,11 +782,22 @@ fn schedulers_section(o: &mut String, r: &Results) {
         o,
         "## Schedulers (issue 39)\n\n\
          One agent, one ClusterIP Service per algorithm (`lb-agent.dev/lb-algorithm`), each on the \
-         same {} backend addresses; {} rounds, the algorithms in a new shuffled order each round \
-         (the spread in the first {}).\n\n\
+         same {} backend addresses; {} rounds, the algorithms in a new shuffled order each round, \
+         lc and random side by side (the spread in the first {}).{}\n\n\
          | algorithm | connect4, ns per run (median) | min–max | over random, same round (median) |\n\
          |---|---:|---:|---:|",
-        sc.backends, sc.rounds, sc.spread_rounds
+        sc.backends,
+        sc.rounds,
+        sc.spread_rounds,
+        if sc.busy_per_backend > 0 {
+            format!(
+                " {} connections are held open to each backend throughout, so that lc, sed and \
+                 nq scan all {} backends on every connect, as under load.",
+                sc.busy_per_backend, sc.backends
+            )
+        } else {
+            String::new()
+        }
     );
     for alg in crate::schedulers::ALGORITHMS {
         let (own, over) = scheduler_costs(sc, alg);

@@ -8,10 +8,22 @@
 //!   step by step, closes one at random and opens another; after each
 //!   open, the largest backend's open connections over the mean.
 //!
-//! Rounds run the algorithms in a new shuffled order; the agent is paused
-//! meanwhile (the programs and maps need none), as in the ClusterIP
-//! experiment.
-use std::{collections::BTreeMap, fs, net::SocketAddrV4, path::Path, process::Command};
+//! Rounds run the algorithms in a new shuffled order, lc and random side
+//! by side (their difference is the goal's figure, and drift between two
+//! adjacent runs is least); the agent is paused meanwhile (the programs
+//! and maps need none), as in the ClusterIP experiment. Throughout,
+//! [`BUSY_PER_BACKEND`] connections per backend are held open (opened
+//! through rr's Service, so exactly that many each): every backend is
+//! busy, so lc, sed and nq scan all ten on every connect, as they do
+//! under real load, rather than stop at the first idle one.
+use std::{
+    collections::BTreeMap,
+    fs,
+    io::BufRead as _,
+    net::SocketAddrV4,
+    path::Path,
+    process::{Child, Command, Stdio},
+};
 
 use anyhow::{Context as _, Result};
 use integration_tests::{cgroup::CgroupGuard, cmd, Agent, AgentOpts};
@@ -33,6 +45,8 @@ pub const BACKENDS: u8 = 10;
 const GREET_PORT: u16 = rules::BACKEND_PORT + 1;
 /// Connections held open at once in the spread runs (10 a backend).
 pub const OPEN: usize = 100;
+/// Connections held open to each backend through every run.
+pub const BUSY_PER_BACKEND: usize = 2;
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct SchedulerResults {
@@ -45,6 +59,10 @@ pub struct SchedulerResults {
     pub spread_rounds: usize,
     pub costs: Vec<AlgorithmCost>,
     pub spreads: Vec<Spread>,
+    /// Connections held open to each backend throughout (0: none, as
+    /// before this was measured so).
+    #[serde(default)]
+    pub busy_per_backend: usize,
 }
 
 /// connect4's run time at one algorithm's Service, in one round.
@@ -161,12 +179,18 @@ pub fn run(opts: &Opts, bench_bin: &Path, seed: &mut u64) -> Result<SchedulerRes
         spread_rounds,
         ..Default::default()
     };
+    let rr = ALGORITHMS.iter().position(|a| *a == "rr").unwrap_or(0);
+    let _busy = Keeper::start(
+        bench_bin,
+        &client_ns,
+        cgroup.path(),
+        SocketAddrV4::new(vip(rr), rules::TARGET_PORT),
+    )?;
+    out.busy_per_backend = BUSY_PER_BACKEND;
     let pids = [agent.pid()];
     let r = while_paused(&pids, || -> Result<()> {
         for round in 0..rounds {
-            let mut order: Vec<usize> = (0..ALGORITHMS.len()).collect();
-            shuffle(&mut order, seed);
-            for i in order {
+            for i in round_order(round, seed) {
                 let alg = ALGORITHMS[i];
                 let target = SocketAddrV4::new(vip(i), rules::TARGET_PORT);
                 let (spent, run) = with_bpf_stats(&[connect4], || {
@@ -229,6 +253,76 @@ pub fn run(opts: &Opts, bench_bin: &Path, seed: &mut u64) -> Result<SchedulerRes
     drop(agent);
     r?;
     Ok(out)
+}
+
+/// A round's order: the algorithms shuffled, lc and random side by side
+/// (lc first in odd rounds) at a shuffled place.
+fn round_order(round: usize, seed: &mut u64) -> Vec<usize> {
+    let at = |name: &str| ALGORITHMS.iter().position(|a| *a == name).unwrap_or(0);
+    let (random, lc) = (at("random"), at("lc"));
+    let mut order: Vec<usize> = (0..ALGORITHMS.len())
+        .filter(|&i| i != random && i != lc)
+        .collect();
+    // A placeholder for the pair, shuffled with the rest.
+    order.push(usize::MAX);
+    shuffle(&mut order, seed);
+    let pair = if round % 2 == 0 {
+        [random, lc]
+    } else {
+        [lc, random]
+    };
+    order
+        .into_iter()
+        .flat_map(|i| {
+            if i == usize::MAX {
+                pair.to_vec()
+            } else {
+                vec![i]
+            }
+        })
+        .collect()
+}
+
+/// `lb-bench client --mode keep` holding [`BUSY_PER_BACKEND`] connections
+/// to every backend through `target` (an rr Service) until dropped.
+struct Keeper(Child);
+
+impl Keeper {
+    fn start(bench_bin: &Path, netns: &str, cgroup: &Path, target: SocketAddrV4) -> Result<Self> {
+        let open = BUSY_PER_BACKEND * BACKENDS as usize;
+        let mut c = Command::new(bench_bin);
+        c.args(["client", "--netns", netns, "--mode", "keep"])
+            .args(["--target", &target.to_string()])
+            .args(["--open", &open.to_string()])
+            // Bounded: killed when dropped, and with this process.
+            .args(["--duration-ms", "7200000", "--timeout-ms", "1000"])
+            .arg("--cgroup")
+            .arg(cgroup);
+        let line = cmd::display(&c);
+        let mut child = Keeper(
+            cmd::die_with_parent(&mut c, libc::SIGKILL)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .spawn()
+                .with_context(|| format!("cannot run `{line}`"))?,
+        );
+        let stdout = child.0.stdout.take().context("keeper's stdout")?;
+        let mut first = String::new();
+        std::io::BufReader::new(stdout).read_line(&mut first)?;
+        let per: BTreeMap<String, usize> = serde_json::from_str(first.trim())
+            .with_context(|| format!("`{line}` printed {first:?}"))?;
+        if per.len() != BACKENDS as usize || per.values().any(|&n| n != BUSY_PER_BACKEND) {
+            anyhow::bail!("`{line}`: not {BUSY_PER_BACKEND} a backend: {per:?}");
+        }
+        Ok(child)
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// One `lb-bench client --mode hold` run at `target`.
