@@ -140,6 +140,14 @@ pub struct RunArgs {
     pub outlier_max_ejection_percent: u32,
     #[arg(long, value_enum, default_value_t = RefusalArg::Auto, help = REFUSAL_HELP)]
     pub refusal: RefusalArg,
+    /// The Service CIDRs (comma-separated, both families), as the API
+    /// server's flag of that name: a connect or datagram from the node to
+    /// an address of them that no Service holds is refused at once, and a
+    /// packet from outside dropped, as kube-proxy's nftables mode does.
+    /// In cluster mode joined with the `ServiceCIDR` objects' CIDRs.
+    #[arg(long, value_delimiter = ',', value_name = "CIDRS",
+          value_parser = crate::semantics::service_cidr::parse_range)]
+    pub service_cluster_ip_range: Vec<crate::semantics::model::Cidr>,
     #[command(flatten)]
     pub capacity: Capacity,
     #[command(flatten)]
@@ -392,6 +400,9 @@ pub enum InspectWhat {
     /// frontends listen on (`LB_FRONTEND_PORTS`, for tc_ingress). Marks
     /// stay while the pins last.
     Ports(InspectArgs),
+    /// The guarded Service CIDRs (`LB_TC_CONFIG`): an address of them
+    /// that no Service holds is refused (socket path) or dropped (tc).
+    ServiceCidrs(InspectArgs),
 }
 
 #[derive(Debug, Args)]

@@ -45,6 +45,8 @@ pub struct Conntrack;
 pub struct Tc;
 /// The ports marked in `LB_LOCAL_PORTS` and `LB_FRONTEND_PORTS`.
 pub struct Ports;
+/// The guarded Service CIDRs, as `LB_TC_CONFIG` holds them.
+pub struct ServiceCidrs;
 
 /// `S` read from the pins under `dir`, as a table or as pretty JSON.
 pub fn show<S: Subject>(dir: &Path, json: bool) -> anyhow::Result<String> {
@@ -65,6 +67,7 @@ pub fn show_what(what: &InspectWhat) -> anyhow::Result<String> {
         InspectWhat::Conntrack(a) => show_args::<Conntrack>(a),
         InspectWhat::Tc(a) => show_args::<Tc>(a),
         InspectWhat::Ports(a) => show_args::<Ports>(a),
+        InspectWhat::ServiceCidrs(a) => show_args::<ServiceCidrs>(a),
     }
 }
 
@@ -884,6 +887,43 @@ impl Subject for Ports {
         }
         for ((set, proto), ports) in rows {
             COLUMNS.row(&mut out, &[&set, &proto, &ports.join(", ")]);
+        }
+        out
+    }
+}
+
+#[derive(Debug, Serialize)]
+pub struct ServiceCidrView {
+    pub cidr: String,
+}
+
+impl Subject for ServiceCidrs {
+    type View = ServiceCidrView;
+
+    fn read(dir: &Path) -> anyhow::Result<Vec<ServiceCidrView>> {
+        let name = map_names::TC_CONFIG;
+        let map: aya::maps::Array<MapData, lb_common::TcConfig> =
+            aya::maps::Array::try_from(tc::open(dir, name)?)
+                .with_context(|| format!("{name}: not a map of TcConfig"))?;
+        let cfg = map
+            .get(&0, 0)
+            .with_context(|| format!("reading {name}[0]"))?;
+        Ok(tc::service_ranges_of(&cfg.service_ranges)
+            .into_iter()
+            .map(|c| ServiceCidrView {
+                cidr: c.to_string(),
+            })
+            .collect())
+    }
+
+    fn render(views: &[ServiceCidrView]) -> String {
+        if views.is_empty() {
+            return "no guarded Service CIDRs\n".into();
+        }
+        let mut out = String::from("GUARDED SERVICE CIDRS\n");
+        for v in views {
+            out.push_str(&v.cidr);
+            out.push('\n');
         }
         out
     }

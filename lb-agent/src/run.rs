@@ -25,6 +25,7 @@ use crate::{
     semantics::health::node_eligible,
     semantics::model::{Algorithm, Cidr, Frontend},
     semantics::northsouth,
+    semantics::service_cidr,
     semantics::translate::{TranslateOptions, Translator},
     serve::health::{self, ProxyHealthHandle, Readiness},
     serve::healthcheck::{Bind, HealthCheckServers},
@@ -259,6 +260,11 @@ struct Syncer {
     quarantines: crate::datapath::outlier::QuarantineWatch,
     metrics: Metrics,
     north_south: NorthSouthArgs,
+    /// `--service-cluster-ip-range`, joined with the `ServiceCIDR`s.
+    service_cluster_ip_range: Vec<Cidr>,
+    /// The guarded Service CIDRs and their problems as last logged, so
+    /// that a change is logged once, not at every sync.
+    service_cidrs_logged: service_cidr::Guarded,
     /// The tc maps; `None` when they could not be opened (logged).
     tc: Option<crate::datapath::tc::TcMaps>,
     /// How the tc programs attach; `None` with `--no-tc`.
@@ -365,7 +371,11 @@ impl Syncer {
         let outlier_mode = self.outlier_mode;
         let translator = &mut self.translator;
         let cache = &mut self.north_south_cache;
+        let flag_cidrs = &self.service_cluster_ip_range;
+        let mut guarded = None;
         let (update, net, ranges, checks, eligible) = self.source.with_store(|store, changes| {
+            // A handful of objects: joined afresh at every sync.
+            guarded = Some(service_cidr::guarded(flag_cidrs, &store.service_cidrs));
             // A wake-up for a file that is not a manifest (an editor's
             // temporary file, say) changes nothing.
             let unchanged = !full && changes.as_ref().is_some_and(Changes::is_empty);
@@ -407,6 +417,19 @@ impl Syncer {
             (update, net, ranges, checks, eligible)
         });
         let rejections_changed = self.log_problems();
+        let guarded = guarded.unwrap_or_default();
+        if guarded != self.service_cidrs_logged {
+            for p in guarded.problems.iter() {
+                if !self.service_cidrs_logged.problems.contains(p) {
+                    tracing::warn!("guarded Service CIDRs: {p}");
+                }
+            }
+            if guarded.ranges != self.service_cidrs_logged.ranges {
+                let cidrs: Vec<String> = guarded.cidrs().iter().map(ToString::to_string).collect();
+                tracing::info!(cidrs = %cidrs.join(","), "guarded Service CIDRs");
+            }
+            self.service_cidrs_logged = guarded.clone();
+        }
         self.set_node_eligible(eligible);
         let read_translate = started.elapsed();
         let applying = Instant::now();
@@ -414,7 +437,7 @@ impl Syncer {
         // connect marks for the check meets its frontend's DENY marker and
         // a cgroup_egress that looks (fail-closed); ranges taken away go
         // first as well, which only opens the frontend a moment sooner.
-        self.sync_source_ranges(&net, &ranges);
+        self.sync_source_ranges(&net, &ranges, &guarded.cidrs());
         let desired = self.translator.state();
         warn_of_dh(&mut self.dh_services, desired);
         // Before a frontend can send a flow to a local backend, tc_egress
@@ -704,6 +727,7 @@ impl Syncer {
         &mut self,
         net: &NodeNet,
         ranges: &std::collections::BTreeMap<Frontend, Vec<Cidr>>,
+        service_ranges: &[Cidr],
     ) {
         let timeouts = self.north_south.timeouts();
         let Some(tc) = &mut self.tc else {
@@ -713,7 +737,14 @@ impl Syncer {
             tracing::error!("{e}");
         }
         let any = ranges.values().any(|r| !r.is_empty());
-        if let Err(e) = tc.write_config(net.snat_v4, net.snat_v6, &timeouts, &self.outlier, any) {
+        if let Err(e) = tc.write_config(
+            net.snat_v4,
+            net.snat_v6,
+            &timeouts,
+            &self.outlier,
+            any,
+            service_ranges,
+        ) {
             tracing::error!("{e:#}");
         }
         if let Err(e) = self.datapath.set_source_check(any) {
@@ -1135,8 +1166,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     let refusal = args.refusal.resolve(&kernel);
     log_kernel(&kernel, refusal);
     metrics.record_kernel(&kernel.by_name(), refusal.errno());
-    let (mut datapath, mut adopted) =
-        Datapath::load_detached(&args.bpffs, &args.capacity, refusal)?;
+    let mut capacity = args.capacity.clone();
+    // Only a flag or the API's ServiceCIDRs can configure the guard: with
+    // neither possible, the programs are loaded without its check.
+    capacity.service_range_guard =
+        args.manifests.is_none() || !args.service_cluster_ip_range.is_empty();
+    let (mut datapath, mut adopted) = Datapath::load_detached(&args.bpffs, &capacity, refusal)?;
     if let Some(logger) = adopted.logger.take() {
         loader::forward_kernel_logs(logger)?;
     }
@@ -1189,7 +1224,9 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         algorithm: args.algorithm.into(),
         outlier_mode: args.outlier_detection.into(),
         outlier: args.outlier_settings(),
-        capacity: args.capacity.clone(),
+        capacity,
+        service_cluster_ip_range: args.service_cluster_ip_range.clone(),
+        service_cidrs_logged: Default::default(),
         datapath,
         reconciler,
         translator: Translator::default(),

@@ -363,6 +363,7 @@ impl Fixture {
             outlier_base_ms: 10_000,
             outlier_max_ms: 300_000,
             outlier_max_percent: 50,
+            service_ranges: Default::default(),
         }
     }
 

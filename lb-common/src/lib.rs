@@ -1430,6 +1430,7 @@ impl PortBits {
 /// | 68     | `outlier_base_ms`   | first quarantine's length; the nth in a row is n times it |
 /// | 72     | `outlier_max_ms`    | longest quarantine                       |
 /// | 76     | `outlier_max_percent` | most of a frontend's backends quarantined at once |
+/// | 80     | `service_ranges`    | the guarded Service CIDRs (`ServiceRanges`, 264 bytes) |
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TcConfig {
@@ -1473,6 +1474,103 @@ pub struct TcConfig {
     /// The most of a frontend's backends quarantined at once, in percent
     /// (`--outlier-max-ejection-percent`); never the last one.
     pub outlier_max_percent: u32,
+    /// The Service CIDRs guarded (`--service-cluster-ip-range` and the
+    /// `ServiceCIDR` objects): an address in them that no Service holds is
+    /// refused on the socket path and dropped on the tc path, as
+    /// kube-proxy's `cluster-ips-check` does. Empty: nothing is guarded.
+    pub service_ranges: ServiceRanges,
+}
+
+/// How many Service CIDRs (both families together) `ServiceRanges` holds:
+/// a fixed array compared in the program, cheaper than an LPM trie's helper
+/// call, and enough for a cluster's few `ServiceCIDR`s (one or two, a
+/// prefix per family each).
+pub const SERVICE_RANGES: usize = 8;
+
+/// One guarded prefix, in the 16-byte form of addresses (IPv4 mapped),
+/// each half a native-endian view of the address's bytes: an address
+/// `a` is in it when `a & mask == net`, two words at a time.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceRange {
+    pub net: [u64; 2],
+    pub mask: [u64; 2],
+}
+
+impl ServiceRange {
+    /// The prefix of `addr` (16-byte form) of `bits` bits (of 128; an IPv4
+    /// prefix of length n is `96 + n`), `addr`'s host bits cleared.
+    pub fn prefix(addr: [u8; 16], bits: u32) -> Self {
+        let bits = bits.min(128);
+        let mask = if bits == 0 {
+            0u128
+        } else {
+            u128::MAX << (128 - bits)
+        };
+        let mask = mask.to_be_bytes();
+        let mut net = addr;
+        let mut i = 0;
+        while i < 16 {
+            net[i] &= mask[i];
+            i += 1;
+        }
+        Self {
+            net: halves(&net),
+            mask: halves(&mask),
+        }
+    }
+
+    /// The prefix's address (16-byte form) and its length in bits (of 128).
+    pub fn addr_and_bits(&self) -> ([u8; 16], u32) {
+        let mut net = [0u8; 16];
+        net[..8].copy_from_slice(&self.net[0].to_ne_bytes());
+        net[8..].copy_from_slice(&self.net[1].to_ne_bytes());
+        let mut mask = [0u8; 16];
+        mask[..8].copy_from_slice(&self.mask[0].to_ne_bytes());
+        mask[8..].copy_from_slice(&self.mask[1].to_ne_bytes());
+        (net, u128::from_be_bytes(mask).count_ones())
+    }
+}
+
+/// `addr` as two native-endian words, as `ServiceRange` holds its halves.
+#[inline(always)]
+pub fn halves(a: &[u8; 16]) -> [u64; 2] {
+    [
+        u64::from_ne_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]),
+        u64::from_ne_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]),
+    ]
+}
+
+/// The guarded Service CIDRs: the first `len` of `ranges` (at most
+/// `SERVICE_RANGES`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ServiceRanges {
+    pub len: u32,
+    pub _pad: u32,
+    pub ranges: [ServiceRange; SERVICE_RANGES],
+}
+
+impl ServiceRanges {
+    /// Whether `addr` (16-byte form) is in one of the ranges. A bounded
+    /// loop over at most `SERVICE_RANGES` prefixes, two masked compares
+    /// each; an empty set answers at its first compare.
+    #[inline(always)]
+    pub fn contains(&self, addr: &[u8; 16]) -> bool {
+        let a = halves(addr);
+        let mut i = 0;
+        while i < SERVICE_RANGES {
+            if i as u32 >= self.len {
+                return false;
+            }
+            let r = &self.ranges[i];
+            if a[0] & r.mask[0] == r.net[0] && a[1] & r.mask[1] == r.net[1] {
+                return true;
+            }
+            i += 1;
+        }
+        false
+    }
 }
 
 /// The data of an `LB_SOURCE_RANGES` key (an LPM trie; the prefix length in
@@ -1524,7 +1622,8 @@ pub mod clock {
 pub mod stat {
     /// connect/sendmsg rewritten to a backend.
     pub const TRANSLATED: u32 = 0;
-    /// Refused: frontend without backends, or a port the VIP does not serve.
+    /// Refused: frontend without backends, a port the VIP does not serve,
+    /// or an unallocated address of the guarded Service CIDRs.
     pub const REFUSED: u32 = 1;
     /// recvmsg/getpeername answers rewritten back to the frontend.
     pub const REVERSED: u32 = 2;
@@ -1627,7 +1726,15 @@ pub mod stat {
     pub const CONNECT_UNREACHABLE: u32 = 41;
     /// A backend quarantined after connects failed unreachable.
     pub const EJECTED_UNREACHABLE: u32 = 42;
-    pub const COUNT: u32 = 43;
+    /// Socket path, refused at once: a connect or sendmsg to an address
+    /// of the guarded Service CIDRs (`TcConfig::service_ranges`) that no
+    /// Service holds (kube-proxy's `cluster-ips-check` drops it); counted
+    /// in `REFUSED` too.
+    pub const SOCK_REFUSED_UNALLOCATED: u32 = 43;
+    /// tc path, dropped: a packet from outside to an address of the
+    /// guarded Service CIDRs that no Service holds.
+    pub const TC_DROP_UNALLOCATED: u32 = 44;
+    pub const COUNT: u32 = 45;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1673,6 +1780,8 @@ pub mod stat {
         "quarantine_avoided",
         "connect_unreachable",
         "ejected_unreachable",
+        "sock_refused_unallocated",
+        "tc_drop_unallocated",
     ];
 }
 
@@ -1805,7 +1914,9 @@ const _: () = {
     assert!(core::mem::size_of::<NextHop>() == 24);
     assert!(core::mem::offset_of!(NextHop, len) == 16);
     assert!(core::mem::offset_of!(NextHop, check) == 20);
-    assert!(core::mem::size_of::<TcConfig>() == 80);
+    assert!(core::mem::size_of::<TcConfig>() == 344);
+    assert!(core::mem::offset_of!(TcConfig, service_ranges) == 80);
+    assert!(core::mem::size_of::<ServiceRanges>() == 8 + 32 * SERVICE_RANGES);
     assert!(core::mem::size_of::<SourceRangeData>() == 36);
     assert!(core::mem::size_of::<FragKey>() == 40);
     assert!(core::mem::size_of::<FragEntry>() == 40);
@@ -2543,5 +2654,82 @@ mod port_bits_tests {
                 PortBits::index(proto::UDP, port)
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod service_range_tests {
+    extern crate std;
+    use super::{ipv4_mapped, ServiceRange, ServiceRanges, SERVICE_RANGES};
+    use std::vec::Vec;
+
+    fn v6(s: &str) -> [u8; 16] {
+        s.parse::<std::net::Ipv6Addr>().unwrap().octets()
+    }
+
+    fn v4(a: [u8; 4]) -> [u8; 16] {
+        ipv4_mapped(a)
+    }
+
+    fn ranges(list: &[ServiceRange]) -> ServiceRanges {
+        let mut r = ServiceRanges::default();
+        r.ranges[..list.len()].copy_from_slice(list);
+        r.len = list.len() as u32;
+        r
+    }
+
+    #[test]
+    fn an_address_is_guarded_only_inside_a_range_of_its_family() {
+        let set = ranges(&[
+            ServiceRange::prefix(v4([10, 96, 0, 0]), 96 + 16),
+            ServiceRange::prefix(v6("fd00:10:96::"), 112),
+        ]);
+        let cases: &[([u8; 16], bool)] = &[
+            (v4([10, 96, 0, 0]), true),
+            (v4([10, 96, 0, 10]), true),
+            (v4([10, 96, 255, 255]), true),
+            (v4([10, 97, 0, 1]), false),
+            (v4([10, 95, 255, 255]), false),
+            (v4([192, 168, 1, 1]), false),
+            (v6("fd00:10:96::1"), true),
+            (v6("fd00:10:96::ffff"), true),
+            (v6("fd00:10:96::1:0"), false),
+            (v6("fd00:10:97::1"), false),
+            // The IPv4 range's bits, not IPv4-mapped: another address.
+            (v6("::a60:1"), false),
+        ];
+        for (addr, guarded) in cases {
+            assert_eq!(set.contains(addr), *guarded, "{addr:?}");
+        }
+    }
+
+    #[test]
+    fn only_the_first_len_ranges_count() {
+        let mut set = ranges(&[ServiceRange::prefix(v4([10, 96, 0, 0]), 112)]);
+        set.ranges[1] = ServiceRange::prefix(v4([10, 200, 0, 0]), 112);
+        assert!(!set.contains(&v4([10, 200, 0, 1])), "past len");
+        assert!(!ServiceRanges::default().contains(&[0; 16]), "empty");
+        let full: Vec<ServiceRange> = (0..SERVICE_RANGES as u8)
+            .map(|i| ServiceRange::prefix(v4([10, i, 0, 0]), 112))
+            .collect();
+        let set = ranges(&full);
+        for i in 0..SERVICE_RANGES as u8 {
+            assert!(set.contains(&v4([10, i, 1, 2])));
+        }
+        assert!(!set.contains(&v4([10, SERVICE_RANGES as u8, 1, 2])));
+    }
+
+    #[test]
+    fn a_prefix_clears_host_bits_and_gives_them_back() {
+        let r = ServiceRange::prefix(v4([10, 96, 7, 9]), 96 + 12);
+        assert_eq!(r.addr_and_bits(), (v4([10, 96, 0, 0]), 108));
+        assert_eq!(
+            ServiceRange::prefix(v6("fd00::1"), 128).addr_and_bits().1,
+            128
+        );
+        // /0 matches everything (the agent never writes one: it rejects
+        // a prefix that would cover the other family).
+        let all = ranges(&[ServiceRange::prefix([0; 16], 0)]);
+        assert!(all.contains(&v6("2001:db8::1")) && all.contains(&v4([1, 2, 3, 4])));
     }
 }

@@ -8,8 +8,8 @@ use aya_ebpf::{
 use lb_common::{
     capacity, stat, AffinityEntry, AffinityKey, Backend, BackendHealth, BackendSlot, BackendState,
     CtEntry, CtKey, DatagramFlow, DatagramFlowKey, FragEntry, FragKey, FrontendState, MaglevEntry,
-    PortBits, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceValue, SockDraw, SockPeerEntry,
-    SockSourceCheck, SourceRangeData, TcConfig, Unprogrammed,
+    PortBits, ReverseSockKey, ReverseSockValue, ServiceKey, ServiceRanges, ServiceValue, SockDraw,
+    SockPeerEntry, SockSourceCheck, SourceRangeData, TcConfig, Unprogrammed,
 };
 
 #[btf_map]
@@ -188,6 +188,27 @@ pub fn port_marked(ports: &PortMap, proto: u8, port: u16) -> bool {
 /// `cgroup_egress` whether any frontend has source ranges.
 #[btf_map]
 pub static LB_TC_CONFIG: Array<TcConfig, 1> = Array::new();
+
+/// 1 when the agent may guard Service CIDRs (`TcConfig::service_ranges`:
+/// `--service-cluster-ip-range` given, or cluster mode, where `ServiceCIDR`
+/// objects may name them), set at load; read-only, so with 0 the verifier
+/// knows the check is never taken and removes it: a connect to no Service
+/// then pays nothing for it, not even the `LB_TC_CONFIG` lookup. The
+/// default (1) is what `lb-agent check` and the tests verify.
+#[unsafe(no_mangle)]
+static SERVICE_RANGE_GUARD: u32 = 1;
+
+/// The guarded Service CIDRs, `None` when there are none (or none can be).
+#[inline(always)]
+pub fn guarded_ranges() -> Option<&'static ServiceRanges> {
+    // SAFETY: a read of a constant the loader may have rewritten; volatile
+    // so that the compiler does not fold in the default.
+    if unsafe { core::ptr::read_volatile(&SERVICE_RANGE_GUARD) } == 0 {
+        return None;
+    }
+    let ranges = &LB_TC_CONFIG.get(0)?.service_ranges;
+    (ranges.len != 0).then_some(ranges)
+}
 
 /// tc path: the route epoch, moved by the agent whenever the node's
 /// routes, neighbours, links or addresses change; a flow's cached next hop

@@ -24,8 +24,8 @@ use lb_common::{
 use crate::{
     lb::{self, Frontend, HashOf},
     maps::{
-        count, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SOCK_BACKEND, LB_SOCK_CHECK,
-        LB_SOCK_DRAW, LB_SOCK_PEER,
+        count, guarded_ranges, sock_peer_slots, this_cpu, LB_REV_SOCK, LB_SOCK_BACKEND,
+        LB_SOCK_CHECK, LB_SOCK_DRAW, LB_SOCK_PEER,
     },
 };
 
@@ -267,7 +267,7 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
         Frontend::Served(svc) => svc,
         // A live VIP on a port it does not serve: refuse, as kube-proxy does.
         Frontend::PortNotServed => return R::refuse(ctx),
-        Frontend::NotOurs => return PROCEED,
+        Frontend::NotOurs => return unallocated::<R>(ctx, &dst.addr),
     };
     let chosen = if proto == proto::TCP {
         choose(ctx, &svc, &dst)
@@ -309,6 +309,22 @@ pub fn forward<R: Refusal>(ctx: &SockAddrContext, family: Family) -> i32 {
     }
     count(stat::TRANSLATED);
     PROCEED
+}
+
+/// A destination no Service holds: refused at once if it is in the
+/// guarded Service CIDRs (an unallocated ClusterIP, which kube-proxy's
+/// `cluster-ips-check` drops), so that it never leaves the node; else
+/// none of ours. Without guarded CIDRs the check is not in the program
+/// (`guarded_ranges`).
+#[inline(always)]
+fn unallocated<R: Refusal>(ctx: &SockAddrContext, addr: &[u8; 16]) -> i32 {
+    match guarded_ranges() {
+        Some(ranges) if ranges.contains(addr) => {
+            count(stat::SOCK_REFUSED_UNALLOCATED);
+            R::refuse(ctx)
+        }
+        _ => PROCEED,
+    }
 }
 
 /// The source of a connect is chosen by the kernel after this hook, so

@@ -24,7 +24,8 @@
 //!
 //! In modules: `icmp` (answers sent from here: REJECT of Services without
 //! endpoints, fragmentation needed / packet too big; ICMPv6 errors),
-//! `frag` (IPv6 extension headers, fragments), `route` (the FIB lookup).
+//! `frag` (IPv6 extension headers, fragments), `route` (the FIB lookup),
+//! `guard` (the guarded Service CIDRs: unallocated ClusterIPs dropped).
 use aya_ebpf::{
     bindings::{
         __sk_buff, bpf_fib_lookup, BPF_ANY, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_NOEXIST,
@@ -50,6 +51,7 @@ use crate::{
 };
 
 mod frag;
+mod guard;
 mod icmp;
 mod route;
 
@@ -1461,6 +1463,11 @@ pub(crate) fn quoted_flow(key: &CtKey) -> Option<&'static CtEntry> {
 /// that one packet is parsed three times and looked up once more.
 #[inline(always)]
 pub fn ingress(ctx: &TcContext) -> i32 {
+    // Before anything else, as kube-proxy's PREROUTING check: any packet
+    // to an unallocated address of the Service CIDRs, whatever its port.
+    if guard::ranges().is_some() && guard::tc_ingress_guard(ctx.skb.skb) == TC_ACT_SHOT {
+        return TC_ACT_SHOT;
+    }
     if surely_not_ours(ctx) {
         return TC_ACT_UNSPEC;
     }

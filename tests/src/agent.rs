@@ -527,6 +527,12 @@ impl Agent {
         self.inspect_list("ports")
     }
 
+    /// `lb-agent inspect service-cidrs --bpffs PIN --json`, parsed: the
+    /// guarded Service CIDRs as `LB_TC_CONFIG` holds them.
+    pub fn inspect_service_cidrs(&self) -> Result<Vec<serde_json::Value>> {
+        self.inspect_list("service-cidrs")
+    }
+
     /// `lb-agent inspect datagram-flows --bpffs PIN --json`, parsed.
     pub fn inspect_datagram_flows(&self) -> Result<Vec<serde_json::Value>> {
         self.inspect_list("datagram-flows")

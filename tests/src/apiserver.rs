@@ -2,7 +2,10 @@
 //!
 //! No real kube-apiserver can be had here, so [`ApiServer`] serves the three
 //! resources the agent follows — `v1 Service`, `discovery.k8s.io/v1
-//! EndpointSlice`, `v1 Node` — over plain HTTP/1.1 on `127.0.0.1`, with
+//! EndpointSlice`, `v1 Node` — and, once asked to
+//! ([`ApiServer::serve_service_cidrs`]), `networking.k8s.io/v1 ServiceCIDR`
+//! (without it a 404, as an API server before Kubernetes 1.33 answers),
+//! over plain HTTP/1.1 on `127.0.0.1`, with
 //! kube-apiserver's list/watch semantics as kube-rs' `watcher` relies on them:
 //!
 //! - one global resourceVersion counter; every object carries
@@ -86,10 +89,22 @@ pub enum Kind {
     EndpointSlice,
     /// `v1 Node`, cluster-scoped, `/api/v1/nodes`.
     Node,
+    /// `networking.k8s.io/v1 ServiceCIDR`, cluster-scoped,
+    /// `/apis/networking.k8s.io/v1/servicecidrs`: served only after
+    /// [`ApiServer::serve_service_cidrs`].
+    ServiceCIDR,
 }
 
 impl Kind {
+    /// The kinds served from the start.
     pub const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+    /// Every kind the fixture knows, [`Kind::ServiceCIDR`] included.
+    pub const EVERY: [Kind; 4] = [
+        Kind::Service,
+        Kind::EndpointSlice,
+        Kind::Node,
+        Kind::ServiceCIDR,
+    ];
 
     fn index(self) -> usize {
         self as usize
@@ -101,6 +116,7 @@ impl Kind {
             Kind::Service => "Service",
             Kind::EndpointSlice => "EndpointSlice",
             Kind::Node => "Node",
+            Kind::ServiceCIDR => "ServiceCIDR",
         }
     }
 
@@ -108,6 +124,7 @@ impl Kind {
     pub fn group(self) -> &'static str {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io",
+            Kind::ServiceCIDR => "networking.k8s.io",
             _ => "",
         }
     }
@@ -120,6 +137,7 @@ impl Kind {
     pub fn api_version(self) -> &'static str {
         match self {
             Kind::EndpointSlice => "discovery.k8s.io/v1",
+            Kind::ServiceCIDR => "networking.k8s.io/v1",
             _ => "v1",
         }
     }
@@ -130,6 +148,7 @@ impl Kind {
             Kind::Service => "services",
             Kind::EndpointSlice => "endpointslices",
             Kind::Node => "nodes",
+            Kind::ServiceCIDR => "servicecidrs",
         }
     }
 
@@ -138,6 +157,7 @@ impl Kind {
             Kind::Service => "service",
             Kind::EndpointSlice => "endpointslice",
             Kind::Node => "node",
+            Kind::ServiceCIDR => "servicecidr",
         }
     }
 
@@ -146,11 +166,12 @@ impl Kind {
             Kind::Service => &["svc"],
             Kind::EndpointSlice => &[],
             Kind::Node => &["no"],
+            Kind::ServiceCIDR => &[],
         }
     }
 
     pub fn namespaced(self) -> bool {
-        !matches!(self, Kind::Node)
+        !matches!(self, Kind::Node | Kind::ServiceCIDR)
     }
 
     /// `ServiceList`, ...
@@ -168,13 +189,13 @@ impl Kind {
 
     /// The kind of an object given its `apiVersion` and `kind`.
     pub fn from_type(api_version: &str, kind: &str) -> Option<Kind> {
-        Kind::ALL
+        Kind::EVERY
             .into_iter()
             .find(|k| k.api_version() == api_version && k.kind() == kind)
     }
 
     fn from_resource(group: &str, version: &str, plural: &str) -> Option<Kind> {
-        Kind::ALL
+        Kind::EVERY
             .into_iter()
             .find(|k| k.group() == group && k.version() == version && k.plural() == plural)
     }
@@ -192,7 +213,7 @@ impl FromStr for Kind {
     /// `Service`/`services`/`svc`, `EndpointSlice`/`endpointslices`, `Node`/`nodes`.
     fn from_str(s: &str) -> Result<Self> {
         let l = s.to_ascii_lowercase();
-        Kind::ALL
+        Kind::EVERY
             .into_iter()
             .find(|k| {
                 l == k.kind().to_ascii_lowercase()
@@ -247,7 +268,9 @@ struct Tunables {
 struct Shared {
     store: Mutex<Store>,
     tunables: Mutex<Tunables>,
-    counters: [Counters; 3],
+    counters: [Counters; 4],
+    /// Whether `ServiceCIDR`s are served (else their paths answer 404).
+    service_cidrs: std::sync::atomic::AtomicBool,
     requests: Mutex<VecDeque<String>>,
     conns: Mutex<HashMap<u64, AbortHandle>>,
     next_conn: AtomicU64,
@@ -322,6 +345,7 @@ impl ApiServer {
                 bookmark_interval: Duration::from_secs(1),
             }),
             counters: Default::default(),
+            service_cidrs: Default::default(),
             requests: Mutex::new(VecDeque::new()),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
@@ -514,6 +538,13 @@ impl ApiServer {
             drop(conns);
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+
+    /// Serves `networking.k8s.io/v1 ServiceCIDR` from now on (or no
+    /// more: 404, as before Kubernetes 1.33): list, watch and get, as the
+    /// other kinds. Objects can be applied either way.
+    pub fn serve_service_cidrs(&self, serve: bool) {
+        self.shared.service_cidrs.store(serve, Ordering::SeqCst);
     }
 
     /// Delays every resource request (LIST, GET, and WATCH before its

@@ -76,6 +76,14 @@ pub struct Capacity {
     /// entries each): what a SYN flood can fill, apart from the others.
     #[arg(long, default_value_t = lb_common::capacity::CONNTRACK_SYN)]
     pub max_conntrack_syn: u32,
+    /// Whether the programs check a destination no Service holds against
+    /// the guarded Service CIDRs (`SERVICE_RANGE_GUARD`): the agent turns
+    /// it off when nothing can configure them (no
+    /// `--service-cluster-ip-range`, manifests mode), and the check is then
+    /// not in the programs at all. Not a size, but fixed at load as they
+    /// are.
+    #[arg(skip = true)]
+    pub service_range_guard: bool,
 }
 
 impl Default for Capacity {
@@ -91,6 +99,7 @@ impl Default for Capacity {
             max_datagram_flows: lb_common::capacity::DGRAM_FLOWS,
             max_conntrack: lb_common::capacity::CONNTRACK,
             max_conntrack_syn: lb_common::capacity::CONNTRACK_SYN,
+            service_range_guard: true,
         }
     }
 }
@@ -110,6 +119,7 @@ impl Capacity {
             max_datagram_flows: 64,
             max_conntrack: 64,
             max_conntrack_syn: 64,
+            service_range_guard: true,
         }
     }
 }
@@ -1166,6 +1176,15 @@ fn sized_loader(capacity: &Capacity) -> EbpfLoader<'_> {
     loader
         // The programs index `LB_SOCK_PEER` by its length.
         .override_global("SOCK_PEER_SLOTS", &capacity.max_sock_peers, true)
+        .override_global(
+            "SERVICE_RANGE_GUARD",
+            if capacity.service_range_guard {
+                &1u32
+            } else {
+                &0u32
+            },
+            true,
+        )
         .map_max_entries(map_names::SERVICES, capacity.max_services)
         .map_max_entries(
             map_names::SLOTS,

@@ -28,7 +28,7 @@ use aya::{
 };
 use lb_common::{
     conntrack, ct_flags, ct_state, map_names, proto, source_range, CtEntry, CtKey, PortBits,
-    SourceRangeData, TcConfig,
+    ServiceRange, ServiceRanges, SourceRangeData, TcConfig,
 };
 
 use crate::{
@@ -826,8 +826,48 @@ impl Timeouts {
             outlier_base_ms: 0,
             outlier_max_ms: 0,
             outlier_max_percent: 0,
+            service_ranges: ServiceRanges::default(),
         }
     }
+}
+
+/// `ranges` as the programs compare with them (`TcConfig::service_ranges`):
+/// the first `lb_common::SERVICE_RANGES` (the caller cuts the list to
+/// that, reporting the rest).
+pub fn kernel_service_ranges(ranges: &[Cidr]) -> ServiceRanges {
+    let mut out = ServiceRanges::default();
+    for (slot, c) in out.ranges.iter_mut().zip(ranges) {
+        let bits = match c.addr {
+            IpAddr::V4(_) => 96 + c.prefix as u32,
+            IpAddr::V6(_) => c.prefix as u32,
+        };
+        *slot = ServiceRange::prefix(addr_bytes(c.addr), bits);
+        out.len += 1;
+    }
+    out
+}
+
+/// The prefixes of `ranges`, as the agent wrote them.
+pub fn service_ranges_of(ranges: &ServiceRanges) -> Vec<Cidr> {
+    ranges
+        .ranges
+        .iter()
+        .take(ranges.len as usize)
+        .map(|r| {
+            let (addr, bits) = r.addr_and_bits();
+            // `ip_from_bytes` gives an IPv4-mapped prefix back as IPv4.
+            let addr = ip_from_bytes(&addr);
+            let prefix = if addr.is_ipv4() {
+                bits.saturating_sub(96)
+            } else {
+                bits
+            };
+            Cidr {
+                addr,
+                prefix: prefix as u8,
+            }
+        })
+        .collect()
 }
 
 /// Whether a conntrack entry is still live at `now`, by the kernel's own
@@ -921,8 +961,9 @@ impl TcMaps {
     }
 
     /// Writes the masquerade addresses, the timeouts, the outlier
-    /// detection settings and whether any frontend has source ranges
-    /// (`TcConfig::source_ranges`), when they changed.
+    /// detection settings, whether any frontend has source ranges
+    /// (`TcConfig::source_ranges`) and the guarded Service CIDRs, when
+    /// they changed.
     pub fn write_config(
         &mut self,
         snat_v4: Option<Ipv4Addr>,
@@ -930,10 +971,12 @@ impl TcMaps {
         t: &Timeouts,
         outlier: &OutlierSettings,
         source_ranges: bool,
+        service_ranges: &[Cidr],
     ) -> anyhow::Result<()> {
         let mut cfg = t.config();
         outlier.apply(&mut cfg);
         cfg.source_ranges = source_ranges.into();
+        cfg.service_ranges = kernel_service_ranges(service_ranges);
         cfg.snat_v4 = snat_v4.map_or([0; 16], |a| addr_bytes(IpAddr::V4(a)));
         cfg.snat_v6 = snat_v6.map_or([0; 16], |a| addr_bytes(IpAddr::V6(a)));
         cfg.snat_port_min = self.snat_ports.0;
@@ -944,6 +987,15 @@ impl TcMaps {
             self.last_config = Some(cfg);
         }
         Ok(())
+    }
+
+    /// The guarded Service CIDRs as last written (`inspect` reads them
+    /// from the map: [`service_ranges_of`]).
+    pub fn service_ranges(&self) -> Vec<Cidr> {
+        self.last_config
+            .as_ref()
+            .map(|c| service_ranges_of(&c.service_ranges))
+            .unwrap_or_default()
     }
 
     /// Deletes expired entries of both tables: (entries left, entries
@@ -1444,6 +1496,21 @@ mod tests {
         };
         assert!(live_at(9 * s, &off));
         assert!(!live_at(11 * s, &off));
+    }
+
+    #[test]
+    fn service_ranges_round_trip_through_the_kernel_form() {
+        let cidrs: Vec<Cidr> = ["10.96.0.0/16", "fd00:10:96::/112", "192.168.0.0/24"]
+            .iter()
+            .map(|s| s.parse().unwrap())
+            .collect();
+        let k = kernel_service_ranges(&cidrs);
+        assert_eq!(k.len, 3);
+        assert_eq!(service_ranges_of(&k), cidrs);
+        assert!(k.contains(&addr_bytes("10.96.1.2".parse().unwrap())));
+        assert!(!k.contains(&addr_bytes("10.97.1.2".parse().unwrap())));
+        assert!(k.contains(&addr_bytes("fd00:10:96::5".parse().unwrap())));
+        assert_eq!(service_ranges_of(&kernel_service_ranges(&[])), vec![]);
     }
 
     #[test]

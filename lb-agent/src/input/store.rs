@@ -82,6 +82,9 @@ pub struct Store {
     pub endpoints: BTreeMap<ObjectKey, Endpoints>,
     /// Nodes are cluster-scoped: keyed by name only.
     pub nodes: BTreeMap<String, Node>,
+    /// The `ServiceCIDR`s' `spec.cidrs` by name (cluster-scoped), as
+    /// given: `semantics::service_cidr` validates them.
+    pub service_cidrs: BTreeMap<String, Vec<String>>,
 }
 
 /// What translation reads of a Service. The API type (~530 bytes inline,

@@ -20,7 +20,7 @@ use crate::{
 };
 use anyhow::Context as _;
 use futures::{Stream, StreamExt as _};
-use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::api::{core::v1::Node, networking::v1::ServiceCIDR};
 use kube::{
     api::ObjectMeta,
     runtime::{watcher, WatchStreamExt as _},
@@ -78,6 +78,12 @@ pub struct ClusterState {
     pub store: Store,
     /// This node, keyed like the other kinds; copied into `store.nodes`.
     node_objects: BTreeMap<ObjectKey, Node>,
+    /// The `ServiceCIDR`s' `spec.cidrs`, keyed like the other kinds;
+    /// copied into `store.service_cidrs`.
+    service_cidr_objects: BTreeMap<ObjectKey, Vec<String>>,
+    /// Listed, or the API has none (404). Not waited for: an API without
+    /// them, or an agent without the RBAC for them, must still serve.
+    pub service_cidrs_listed: bool,
     pub services_listed: bool,
     pub slices_listed: bool,
     pub node_listed: bool,
@@ -159,6 +165,10 @@ stored!(WatchedSlice, kept: Slice = |w: WatchedSlice| w.slice, objects: store.sl
 // loop generic and `Store::nodes` is refreshed from it.
 stored!(Node, kept: Node = std::convert::identity, objects: node_objects,
     listed: node_listed, note: |c, k| { c.nodes.insert(k.name.to_string()); });
+// Only their `spec.cidrs`; translation does not read them (each sync
+// reads the union afresh), so a change notes nothing.
+stored!(ServiceCIDR, kept: Vec<String> = |s: ServiceCIDR| s.spec.and_then(|s| s.cidrs).unwrap_or_default(),
+    objects: service_cidr_objects, listed: service_cidrs_listed, note: |_, _| {});
 
 fn after_change<K: Stored>(state: &mut ClusterState) {
     if K::KIND == "Node" {
@@ -167,6 +177,37 @@ fn after_change<K: Stored>(state: &mut ClusterState) {
             .iter()
             .map(|(k, n)| (k.name.to_string(), n.clone()))
             .collect();
+    }
+    if K::KIND == "ServiceCIDR" {
+        state.store.service_cidrs = state
+            .service_cidr_objects
+            .iter()
+            .map(|(k, c)| (k.name.to_string(), c.clone()))
+            .collect();
+    }
+}
+
+/// Whether a watch failed because the API does not serve the resource
+/// (its list answered 404).
+fn not_served(e: &watcher::Error) -> bool {
+    match e {
+        watcher::Error::InitialListFailed(kube::Error::Api(s))
+        | watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s.code == 404,
+        _ => false,
+    }
+}
+
+/// The API has no objects of kind `K` (`not_served`): none are kept, and
+/// the syncer is woken if that changed what it had.
+fn absent<K: Stored>(state: &SharedState, on_change: &OnChange) {
+    let mut st = state.lock().expect("cluster state lock");
+    let had = !K::objects(&mut st).is_empty();
+    K::objects(&mut st).clear();
+    *K::listed(&mut st) = true;
+    after_change::<K>(&mut st);
+    drop(st);
+    if had {
+        on_change();
     }
 }
 
@@ -225,8 +266,16 @@ fn kind_label(kind: &'static str) -> crate::base::metrics::KindLabel {
     }
 }
 
-async fn follow<K, S>(stream: S, state: SharedState, on_change: OnChange, metrics: Metrics)
-where
+/// Follows one kind's watch, applying its events to the store. With
+/// `optional`, an API that does not serve the kind (`not_served`) ends it:
+/// the kind is then empty, and the caller decides when to ask again.
+async fn follow<K, S>(
+    stream: S,
+    state: SharedState,
+    on_change: OnChange,
+    metrics: Metrics,
+    optional: bool,
+) where
     K: Stored + std::fmt::Debug + serde::de::DeserializeOwned,
     S: Stream<Item = Result<watcher::Event<K>, watcher::Error>>,
 {
@@ -261,6 +310,10 @@ where
                     on_change();
                 }
             }
+            Err(e) if optional && not_served(&e) => {
+                absent::<K>(&state, &on_change);
+                return;
+            }
             Err(e) => {
                 metrics
                     .watch_errors
@@ -276,7 +329,12 @@ where
 /// is left out of `/metrics` altogether, so without this the restarts and
 /// errors of the watches would only appear after the first one.
 fn init_watch_metrics(metrics: &Metrics) {
-    for kind in [WatchedService::KIND, WatchedSlice::KIND, Node::KIND] {
+    for kind in [
+        WatchedService::KIND,
+        WatchedSlice::KIND,
+        Node::KIND,
+        ServiceCIDR::KIND,
+    ] {
         let _ = metrics.watch_restarts.get_or_create(&kind_label(kind));
         let _ = metrics.watch_errors.get_or_create(&kind_label(kind));
     }
@@ -290,7 +348,46 @@ fn configs() -> (watcher::Config, watcher::Config) {
     (cfg, labelled)
 }
 
-/// Starts the three watchers. Each change calls `on_change`.
+/// How long the agent waits before it asks again an API that served no
+/// `ServiceCIDR`s: an upgrade of the API server may bring them.
+const SERVICE_CIDR_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// Follows the `ServiceCIDR`s (`networking.k8s.io/v1`, Kubernetes 1.33),
+/// the guarded Service CIDRs with `--service-cluster-ip-range`. An API
+/// without them (404) is no error: said once at info, asked again every
+/// [`SERVICE_CIDR_RECHECK`], never in a loop.
+async fn follow_service_cidrs(
+    api: Api<ServiceCIDR>,
+    cfg: watcher::Config,
+    state: SharedState,
+    on_change: OnChange,
+    metrics: Metrics,
+) {
+    let mut told = false;
+    loop {
+        let stream = watcher(api.clone(), cfg.clone()).default_backoff();
+        follow(
+            stream,
+            state.clone(),
+            on_change.clone(),
+            metrics.clone(),
+            true,
+        )
+        .await;
+        if !told {
+            told = true;
+            tracing::info!(
+                "the API server serves no networking.k8s.io/v1 ServiceCIDR (404): the guarded \
+                 Service CIDRs are --service-cluster-ip-range's alone; asking again every {}s",
+                SERVICE_CIDR_RECHECK.as_secs()
+            );
+        }
+        tokio::time::sleep(SERVICE_CIDR_RECHECK).await;
+    }
+}
+
+/// Starts the watchers: Services, EndpointSlices, this Node, and the
+/// `ServiceCIDR`s. Each change calls `on_change`.
 pub fn start(
     client: Client,
     node_name: &str,
@@ -301,16 +398,26 @@ pub fn start(
     init_watch_metrics(&metrics);
     let services: Api<WatchedService> = Api::all(client.clone());
     let slices: Api<WatchedSlice> = Api::all(client.clone());
-    let nodes: Api<Node> = Api::all(client);
+    let nodes: Api<Node> = Api::all(client.clone());
+    let service_cidrs: Api<ServiceCIDR> = Api::all(client);
     let (cfg, labelled) = configs();
     tokio::spawn(follow(
         watcher(services, labelled.clone()).default_backoff(),
         state.clone(),
         on_change.clone(),
         metrics.clone(),
+        false,
     ));
     tokio::spawn(follow(
         watcher(slices, labelled).default_backoff(),
+        state.clone(),
+        on_change.clone(),
+        metrics.clone(),
+        false,
+    ));
+    tokio::spawn(follow_service_cidrs(
+        service_cidrs,
+        cfg.clone(),
         state.clone(),
         on_change.clone(),
         metrics.clone(),
@@ -320,6 +427,7 @@ pub fn start(
         state,
         on_change,
         metrics,
+        false,
     ));
 }
 

@@ -419,6 +419,34 @@ impl Cidr {
             _ => false,
         }
     }
+
+    /// The prefix with its address's host bits cleared.
+    pub fn network(&self) -> Cidr {
+        let addr = match self.addr {
+            IpAddr::V4(a) => {
+                let mask = u32::MAX.checked_shl(32 - self.prefix as u32).unwrap_or(0);
+                IpAddr::V4((u32::from(a) & mask).into())
+            }
+            IpAddr::V6(a) => {
+                let mask = u128::MAX.checked_shl(128 - self.prefix as u32).unwrap_or(0);
+                IpAddr::V6((u128::from(a) & mask).into())
+            }
+        };
+        Cidr { addr, ..*self }
+    }
+
+    /// Whether every address of `other` is in this prefix (of one family,
+    /// IPv4-mapped IPv6 addresses taken as IPv6).
+    pub fn contains_cidr(&self, other: &Cidr) -> bool {
+        self.addr.is_ipv4() == other.addr.is_ipv4()
+            && other.prefix >= self.prefix
+            && Cidr {
+                prefix: self.prefix,
+                ..*other
+            }
+            .network()
+                == self.network()
+    }
 }
 
 impl FromStr for Cidr {

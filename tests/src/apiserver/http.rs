@@ -231,6 +231,14 @@ pub(super) async fn handle(
         _ => match parse_resource(&segs) {
             None => not_found("the server could not find the requested resource"),
             Some(Err(resp)) => resp,
+            Some(Ok(t))
+                if t.kind == Kind::ServiceCIDR
+                    && !shared
+                        .service_cidrs
+                        .load(std::sync::atomic::Ordering::SeqCst) =>
+            {
+                not_found("the server could not find the requested resource (servicecidrs)")
+            }
             Some(Ok(t)) => resource(shared, t, q).await,
         },
     };

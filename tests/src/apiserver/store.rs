@@ -191,7 +191,7 @@ pub struct Watcher {
 
 pub struct Store {
     pub rv: u64,
-    pub kinds: [KindState; 3],
+    pub kinds: [KindState; 4],
     pub watchers: Vec<Watcher>,
     pub history_limit: usize,
     uid_counter: u64,
@@ -261,7 +261,7 @@ impl Store {
         };
         Self {
             rv: INITIAL_RV,
-            kinds: [ks(), ks(), ks()],
+            kinds: [ks(), ks(), ks(), ks()],
             watchers: Vec::new(),
             history_limit: 10_000,
             uid_counter: 0,
