@@ -5,7 +5,109 @@ use anyhow::{Context as _, Result};
 
 use crate::{schedulers::SchedulerResults, ArmKind, ClusterStart, Mode, Results, Setup};
 
+#[cfg(test)]
+mod fixture;
 mod goals;
+mod summary;
+
+/// Headings other parts of the report link to.
+const AA_HEADING: &str = "Connect+close: the A/A control";
+const NODEPORT_HEADING: &str = "NodePort through the tc path";
+const SCHEDULERS_HEADING: &str = "Schedulers (issue 39)";
+const CONTROL_PLANE_HEADING: &str = "Control plane, from empty";
+
+/// A table of rates per point and arm in one test, and its row in the
+/// summary.
+struct RateTable {
+    /// The table's heading, which the summary links to.
+    heading: &'static str,
+    /// The path and test, as the summary names them.
+    path: &'static str,
+    mode: Mode,
+    unit: &'static str,
+    latency: bool,
+}
+
+const CLUSTER_IP_TABLES: [RateTable; 4] = [
+    RateTable {
+        heading: "Connect+close (connections per second)",
+        path: "ClusterIP connect+close",
+        mode: Mode::Cc,
+        unit: "conn/s",
+        latency: true,
+    },
+    RateTable {
+        heading: "TCP_CRR (transactions per second)",
+        path: "ClusterIP TCP_CRR",
+        mode: Mode::Crr,
+        unit: "trans/s",
+        latency: true,
+    },
+    RateTable {
+        heading: "Request/response on one connection (control)",
+        path: "ClusterIP request/response, established",
+        mode: Mode::Rr,
+        unit: "trans/s",
+        latency: false,
+    },
+    RateTable {
+        heading: "UDP request/response through the ClusterIP",
+        path: "ClusterIP UDP request/response",
+        mode: Mode::Udp,
+        unit: "trans/s",
+        latency: false,
+    },
+];
+
+const NODEPORT_TABLES: [RateTable; 3] = [
+    RateTable {
+        heading: "NodePort connect+close (connections per second)",
+        path: "NodePort connect+close",
+        mode: Mode::Cc,
+        unit: "conn/s",
+        latency: true,
+    },
+    RateTable {
+        heading: "NodePort TCP_CRR (transactions per second)",
+        path: "NodePort TCP_CRR",
+        mode: Mode::Crr,
+        unit: "trans/s",
+        latency: true,
+    },
+    RateTable {
+        heading: "NodePort request/response on one connection (control)",
+        path: "NodePort request/response, established",
+        mode: Mode::Rr,
+        unit: "trans/s",
+        latency: false,
+    },
+];
+
+/// The anchor GitHub gives a heading: lower case, each space a hyphen,
+/// everything but letters, digits, hyphens and underscores left out.
+fn anchor(heading: &str) -> String {
+    heading
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            '-' | '_' => Some(c),
+            c if c.is_alphanumeric() => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The lowest and highest of `v`, as "a", or "a–b" where they read apart.
+fn span_of(v: &[f64], fmt: impl Fn(f64) -> String) -> Option<String> {
+    let lo = v.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if !lo.is_finite() {
+        return None;
+    }
+    let (a, b) = (fmt(lo), fmt(hi));
+    Some(if a == b { a } else { format!("{a}–{b}") })
+}
 
 /// The DejaVu font Debian's `fonts-dejavu-core` installs (`cargo xtask
 /// setup` installs it); the chart is drawn without text if it is missing.
@@ -225,7 +327,7 @@ fn noise_floor_section(o: &mut String, r: &Results) {
         .join(", ");
     let _ = write!(
         o,
-        "## Connect+close: the A/A control\n\n\
+        "## {AA_HEADING}\n\n\
          After the main rounds of each point ({points} Services), {} more rounds of \
          connect+close only ({} ms per arm), with the point's direct and lb (ours) arms, a \
          second direct arm (its own client and backend namespaces, the same test) and, where \
@@ -427,6 +529,21 @@ fn scheduler_costs(sc: &SchedulerResults, alg: &str) -> (Option<Stat>, Option<St
     (own, over)
 }
 
+/// One figure of an algorithm's spread runs, over rounds.
+fn spread_stat(
+    sc: &SchedulerResults,
+    alg: &str,
+    figure: fn(&crate::schedulers::Spread) -> f64,
+) -> Option<Stat> {
+    Stat::of(
+        sc.spreads
+            .iter()
+            .filter(|s| s.algorithm == alg)
+            .map(figure)
+            .collect(),
+    )
+}
+
 /// The schedulers experiment: connect4's cost per algorithm and the spread
 /// of long-lived connections.
 fn schedulers_section(o: &mut String, r: &Results) {
@@ -438,7 +555,7 @@ fn schedulers_section(o: &mut String, r: &Results) {
     let measured_under_load = sc.busy_per_backend > 0;
     let _ = writeln!(
         o,
-        "## Schedulers (issue 39)\n\n\
+        "## {SCHEDULERS_HEADING}\n\n\
          One agent, one ClusterIP Service per algorithm (`lb-agent.dev/lb-algorithm`), each on the \
          same {} backend addresses; {} rounds, the algorithms in a new shuffled order each round\
          {} (the spread in the first {}).{}\n\n\
@@ -480,15 +597,10 @@ fn schedulers_section(o: &mut String, r: &Results) {
          |---|---:|---:|---:|\n",
     );
     for alg in crate::schedulers::BALANCED {
-        let runs: Vec<&crate::schedulers::Spread> =
-            sc.spreads.iter().filter(|s| s.algorithm == *alg).collect();
-        let stat = |f: fn(&crate::schedulers::Spread) -> f64| {
-            Stat::of(runs.iter().map(|s| f(s)).collect())
-        };
         let (Some(mean), Some(p99), Some(worst)) = (
-            stat(|s| s.mean_ratio),
-            stat(|s| s.p99_ratio),
-            stat(|s| s.max_ratio),
+            spread_stat(sc, alg, |s| s.mean_ratio),
+            spread_stat(sc, alg, |s| s.p99_ratio),
+            spread_stat(sc, alg, |s| s.max_ratio),
         ) else {
             continue;
         };
@@ -625,7 +737,7 @@ fn nodeport_section(o: &mut String, r: &Results) {
     let pts: Vec<String> = np.points.iter().map(|n| thousands(*n)).collect();
     let _ = writeln!(
         o,
-        "## NodePort through the tc path\n\n\
+        "## {NODEPORT_HEADING}\n\n\
          ### Method\n\n\
          An external client reaches a NodePort of a node; the Service's endpoints are on another \
          node, so the entry node must DNAT and masquerade (`externalTrafficPolicy: Cluster`, the \
@@ -673,12 +785,10 @@ fn nodeport_section(o: &mut String, r: &Results) {
         durs.join(", "),
         np.rounds
     );
-    o.push_str("### NodePort connect+close (connections per second)\n\n");
-    mode_table(o, &v, Mode::Cc, "conn/s", true);
-    o.push_str("### NodePort TCP_CRR (transactions per second)\n\n");
-    mode_table(o, &v, Mode::Crr, "trans/s", true);
-    o.push_str("### NodePort request/response on one connection (control)\n\n");
-    mode_table(o, &v, Mode::Rr, "trans/s", false);
+    for t in &NODEPORT_TABLES {
+        let _ = writeln!(o, "### {}\n", t.heading);
+        mode_table(o, &v, t.mode, t.unit, t.latency);
+    }
     o.push_str(
         "### Our tc programs' cost\n\n\
          Per run (one packet), and runs per connect+close connection (SYN, SYN-ACK, ACK and RST, \
@@ -849,21 +959,20 @@ fn markdown(r: &Results) -> String {
         m.nft,
         r.elapsed_s
     );
+    summary::summary(&mut o, r);
+    let goals = goals::goals(r);
+    o.push_str("## Goals (issues 6, 13 and 39)\n\n");
+    goals::goals_table(&mut o, &goals);
+    o.push_str(
+        "**met within noise**: the median is below the goal, but the goal lies inside the 90 % \
+         interval of that median and no point lies below it beyond the noise (the A/A control \
+         tells). Each row's notes give every figure behind it, why it is what it is, and its \
+         history.\n\n",
+    );
     o.push_str("![connect+close rate against the number of Services](docs/bench.png)\n\n\
         The chart plots each arm's median per-round ratio to direct, times direct's median rate over \
         the whole run, so that drift of the machine between rounds does not show as a slope.\n\n");
-    o.push_str(
-        "## Goals (issues 6 and 13)\n\n| goal | result | measured | what limits it |\n|---|---|---|---|\n",
-    );
-    for g in goals::goals(r) {
-        let res = match g.met {
-            Some(true) => "**met**",
-            Some(false) => "**missed**",
-            None => "not measured",
-        };
-        let _ = writeln!(o, "| {} | {res} | {} | {} |", g.what, g.measured, g.limit);
-    }
-    o.push('\n');
+    goals::notes(&mut o, &goals);
     let durs: Vec<String> = r
         .durations_ms
         .iter()
@@ -927,15 +1036,13 @@ fn markdown(r: &Results) -> String {
          be ~1.0 there, and the width of its spread is the noise floor. Latencies are medians over \
          rounds of each round's percentile.\n\n",
     );
-    o.push_str("## Connect+close (connections per second)\n\n");
-    mode_table(&mut o, r, Mode::Cc, "conn/s", true);
-    noise_floor_section(&mut o, r);
-    o.push_str("## TCP_CRR (transactions per second)\n\n");
-    mode_table(&mut o, r, Mode::Crr, "trans/s", true);
-    o.push_str("## Request/response on one connection (control)\n\n");
-    mode_table(&mut o, r, Mode::Rr, "trans/s", false);
-    o.push_str("## UDP request/response through the ClusterIP\n\n");
-    mode_table(&mut o, r, Mode::Udp, "trans/s", false);
+    for t in &CLUSTER_IP_TABLES {
+        let _ = writeln!(o, "## {}\n", t.heading);
+        mode_table(&mut o, r, t.mode, t.unit, t.latency);
+        if t.mode == Mode::Cc {
+            noise_floor_section(&mut o, r);
+        }
+    }
     o.push_str("## Our program cost (connect4)\n\nThe floor is an empty connect4 program (`r0 = 1; exit`) attached to the same cgroup during the same runs: what `BPF_ENABLE_STATS` charges a program that does nothing (its clock reads and the call), on the same connects.\n\n| Services | ns per run (median) | min–max | floor: empty program, ns per run (median) | runs per measurement |\n|---:|---:|---:|---:|---:|\n");
     for &n in &r.points {
         if let Some(s) = cost(r, n) {
@@ -965,7 +1072,7 @@ fn markdown(r: &Results) -> String {
     if let Some(cp) = &r.control {
         let _ = writeln!(
             o,
-            "## Control plane: {} Services × {} endpoints, from empty\n",
+            "## {CONTROL_PLANE_HEADING}\n\n{} Services × {} endpoints.\n",
             thousands(cp.services),
             cp.endpoints
         );
@@ -1175,6 +1282,127 @@ fn loading_table(o: &mut String, heading: &str, setups: &[Setup]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The rows of the first table after the line that starts with
+    /// `heading`, its header and separator first.
+    fn table_after<'a>(md: &'a str, heading: &str) -> Vec<&'a str> {
+        md.lines()
+            .skip_while(|l| !l.starts_with(heading))
+            .skip(1)
+            .skip_while(|l| !l.starts_with('|'))
+            .take_while(|l| l.starts_with('|'))
+            .collect()
+    }
+
+    fn cells(row: &str) -> Vec<&str> {
+        row.strip_prefix('|')
+            .and_then(|r| r.strip_suffix('|'))
+            .unwrap_or(row)
+            .split('|')
+            .map(str::trim)
+            .collect()
+    }
+
+    /// The anchor of every heading, repeats numbered as GitHub numbers
+    /// them.
+    fn anchors_of(md: &str) -> Vec<String> {
+        let mut seen: Vec<String> = Vec::new();
+        for line in md.lines() {
+            let Some(text) = line
+                .strip_prefix('#')
+                .and_then(|t| t.trim_start_matches('#').strip_prefix(' '))
+            else {
+                continue;
+            };
+            let first = anchor(text);
+            let mut a = first.clone();
+            for k in 1.. {
+                if !seen.contains(&a) {
+                    break;
+                }
+                a = format!("{first}-{k}");
+            }
+            seen.push(a);
+        }
+        seen
+    }
+
+    /// Every link of `text` to a heading of the same page.
+    fn links(text: &str) -> Vec<&str> {
+        text.split("](#")
+            .skip(1)
+            .map(|rest| &rest[..rest.find(')').unwrap_or(rest.len())])
+            .collect()
+    }
+
+    /// A reader takes the summary and the goals in at a glance: each row
+    /// one line, each cell but the link to the notes short. The old
+    /// goals table held up to a page of text in a cell.
+    #[test]
+    fn the_summary_and_the_goals_are_a_short_line_a_row() {
+        const CELL: usize = 200;
+        let md = markdown(&fixture::whole_run());
+        // Every ClusterIP and NodePort table, the control plane and the
+        // schedulers; every goal the whole run judges.
+        for (heading, rows_wanted) in [("## Summary", 9), ("## Goals", 14)] {
+            let table = table_after(&md, heading);
+            assert_eq!(
+                table.len(),
+                2 + rows_wanted,
+                "{heading}:\n{}",
+                table.join("\n")
+            );
+            let columns = cells(table[0]).len();
+            for row in &table[2..] {
+                let row_cells = cells(row);
+                assert_eq!(row_cells.len(), columns, "{row}");
+                for cell in row_cells.iter().filter(|c| !c.starts_with("[notes](#")) {
+                    let n = cell.chars().count();
+                    assert!(n <= CELL, "{heading}: a cell of {n} characters: {cell}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_goal_links_its_note_and_every_link_names_a_heading() {
+        let r = fixture::whole_run();
+        let md = markdown(&r);
+        let anchors = anchors_of(&md);
+        for row in &table_after(&md, "## Goals")[2..] {
+            let last = *cells(row).last().unwrap();
+            assert!(last.starts_with("[notes](#note-"), "{row}");
+        }
+        let all = links(&md);
+        assert!(all.len() >= 14 + 9, "{all:?}");
+        for link in all {
+            assert!(
+                anchors.iter().any(|a| a == link),
+                "#{link} names no heading"
+            );
+        }
+        // The long texts moved to the notes, none lost.
+        for g in goals::goals(&r) {
+            assert!(md.contains(g.measured.trim_end()), "{}", g.what);
+            assert!(md.contains(&g.explanation), "{}", g.what);
+        }
+    }
+
+    #[test]
+    fn anchors_are_the_ones_github_gives_headings() {
+        for (heading, want) in [
+            ("Schedulers (issue 39)", "schedulers-issue-39"),
+            (AA_HEADING, "connectclose-the-aa-control"),
+            ("Note: tc_ingress", "note-tc_ingress"),
+            ("Note: connect4's cost", "note-connect4s-cost"),
+            (
+                "NodePort TCP_CRR (transactions per second)",
+                "nodeport-tcp_crr-transactions-per-second",
+            ),
+        ] {
+            assert_eq!(anchor(heading), want);
+        }
+    }
 
     #[test]
     fn quantiles_interpolate_between_neighbours() {
