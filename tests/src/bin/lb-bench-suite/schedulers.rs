@@ -266,7 +266,7 @@ fn round_order(round: usize, seed: &mut u64) -> Vec<usize> {
     // A placeholder for the pair, shuffled with the rest.
     order.push(usize::MAX);
     shuffle(&mut order, seed);
-    let pair = if round % 2 == 0 {
+    let pair = if round.is_multiple_of(2) {
         [random, lc]
     } else {
         [lc, random]
