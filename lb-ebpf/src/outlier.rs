@@ -178,8 +178,8 @@ pub fn note_tc_failure(addr: &[u8; 16], port: u16, proto: u8, id: u32, reason: u
 /// socket path (`connect_failed`). A global function, which the verifier
 /// checks once on its own rather than along each of the tc path's many
 /// paths, where the cap's scan of the frontend's backends
-/// (`lb::ejection_allowed`) passed its budget; called from `tc_ingress`'s
-/// own small frame.
+/// (`lb::ejection_allowed`) passed its budget; called from the small
+/// frames of `tc_ingress` and `tc_egress`.
 #[no_mangle]
 #[inline(never)]
 pub extern "C" fn tc_failed_connect() -> i32 {

@@ -698,13 +698,11 @@ fn established(key: &CtKey, e: &CtEntry, p: &Pkt, now: u64) {
 /// that late packets still translate. A half-closed flow (one FIN) keeps
 /// its established timeout.
 ///
-/// `OUTLIERS` (tc_ingress): connects' outcomes are counted for outlier
-/// detection (`outlier`): a remote backend's answer or RST, the client's
-/// SYN sent again. Not at egress, whose frame leaves no room for the
-/// call: a local backend's RST is not counted on this path (its
-/// unanswered SYNs are, at ingress).
+/// Connects' outcomes are counted for outlier detection (`outlier`): a
+/// backend's answer or RST (a remote backend's at ingress, a local one's
+/// at egress), the client's SYN sent again (at ingress, for both).
 #[inline(always)]
-fn track<const OUTLIERS: bool>(
+fn track(
     table: Table,
     key: &CtKey,
     ptr: *mut CtEntry,
@@ -726,8 +724,7 @@ fn track<const OUTLIERS: bool>(
             // The backend's first RST in the handshake: it refused the
             // connect (outlier detection; its frontend is where the reply
             // comes from).
-            if OUTLIERS
-                && table == Table::Syn
+            if table == Table::Syn
                 && e.flags & (ct_flags::REPLY | ct_flags::WATCHED)
                     == ct_flags::REPLY | ct_flags::WATCHED
                 && e.state[ct_state::CLOSING] == 0
@@ -750,7 +747,7 @@ fn track<const OUTLIERS: bool>(
                 count(stat::TC_DROP_INVALID);
                 return None;
             }
-            if OUTLIERS && handshake && p.tcp_flags & TCP_SYN != 0 && syn_timed_out(e, now) {
+            if handshake && p.tcp_flags & TCP_SYN != 0 && syn_timed_out(e, now) {
                 unsafe { (*ptr).syn_timed_out = 1 };
                 failed = outlier::note_tc_failure(
                     &p.dst,
@@ -800,7 +797,7 @@ fn track<const OUTLIERS: bool>(
         Table::Syn if reply => {
             if p.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN | TCP_ACK {
                 answered(e, p);
-                if OUTLIERS && e.flags & ct_flags::WATCHED != 0 {
+                if e.flags & ct_flags::WATCHED != 0 {
                     outlier::succeeded(e.backend_id);
                 }
             }
@@ -1423,7 +1420,7 @@ fn follow<const AT_INGRESS: bool>(
         let _ = table.map().remove(key);
         return None;
     }
-    let Some(failed) = track::<AT_INGRESS>(table, key, ptr, &e, p, now) else {
+    let Some(failed) = track(table, key, ptr, &e, p, now) else {
         return Some(TC_ACT_SHOT);
     };
     let verdict = finish(ctx, p, (&e, ptr), now, at_ingress);
@@ -1494,9 +1491,10 @@ pub fn ingress(ctx: &TcContext) -> i32 {
     verdict
 }
 
-/// Added to `tc_ingress_flow`'s verdict (a `TC_ACT_*`, -1 to 8) when the
-/// packet told of a failed connect (`outlier::note_tc_failure`), for
-/// `ingress` to act on (`outlier::tc_failed_connect`).
+/// Added to `tc_ingress_flow`'s and `tc_egress_flow`'s verdict (a
+/// `TC_ACT_*`, -1 to 8) when the packet told of a failed connect
+/// (`outlier::note_tc_failure`), for `ingress` and `egress` to act on
+/// (`outlier::tc_failed_connect`).
 const FAILED_CONNECT_NOTED: i32 = 1 << 20;
 /// `tc_ingress_flow`: not a TCP or UDP packet with ports.
 const NOT_PARSED: i32 = -1000;
@@ -1628,6 +1626,24 @@ pub fn egress(ctx: &TcContext) -> i32 {
     if surely_not_a_reply(ctx) {
         return TC_ACT_UNSPEC;
     }
+    let verdict = tc_egress_flow(ctx.skb.skb);
+    // A local backend's RST to a SYN: acted on here, in the smallest
+    // frame, as at ingress.
+    if verdict >= FAILED_CONNECT_NOTED / 2 {
+        outlier::tc_failed_connect();
+        return verdict - FAILED_CONNECT_NOTED;
+    }
+    verdict
+}
+
+/// A packet that may be a local backend's reply: translated as its flow's
+/// reply entry says. A global function, so that `egress` can act on a
+/// failed connect (`FAILED_CONNECT_NOTED`) beside a small frame rather
+/// than this one.
+#[no_mangle]
+#[inline(never)]
+pub extern "C" fn tc_egress_flow(skb: *mut __sk_buff) -> i32 {
+    let ctx = &TcContext::new(skb);
     let Some(p) = parse(ctx) else {
         return frag::later(ctx, false).unwrap_or(TC_ACT_UNSPEC);
     };

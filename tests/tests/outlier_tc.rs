@@ -3,7 +3,9 @@
 //! another node. A backend that refuses (its server died: the backend's
 //! RST to the SYN) or does not answer (its link is down: the client's SYN
 //! sent again a second later) is quarantined after three failures and
-//! new flows avoid it. Each backend answers with its name.
+//! new flows avoid it. Each backend answers with its name. One test goes
+//! through node 1 to its own refusing pod (the RST leaves through
+//! tc_egress).
 use serde_json::{json, Value};
 
 use integration_tests::{
@@ -58,7 +60,12 @@ fn failures(attempts: &[Attempt]) -> Vec<usize> {
 /// The quarantines node 3's agent shows on the NodePort's frontends, by
 /// backend address.
 fn quarantines(c: &Cluster) -> Vec<(String, Value)> {
-    let all = c.agents[2].inspect_services().unwrap();
+    quarantines_on(c, 2)
+}
+
+/// The same, of the agent of node `agent + 1`.
+fn quarantines_on(c: &Cluster, agent: usize) -> Vec<(String, Value)> {
+    let all = c.agents[agent].inspect_services().unwrap();
     let mut out: Vec<(String, Value)> = all
         .as_array()
         .unwrap()
@@ -101,6 +108,31 @@ fn a_refusing_backend_behind_a_node_port_is_quarantined_and_avoided() {
         "{answered:?}"
     );
     let q = quarantines(&c);
+    let n1p1 = c.pod("n1p1").ipv4.to_string();
+    assert_eq!(q.len(), 1, "{q:?}");
+    assert_eq!(q[0].0, n1p1, "{q:?}");
+    assert_eq!(q[0].1["reason"], "refused", "{q:?}");
+}
+
+/// A local backend's RST leaves the node through tc_egress, not
+/// tc_ingress: it is counted there. Node 1's NodePort, whose refusing
+/// backend n1p1 is its own pod.
+#[test]
+fn a_refusing_local_backend_behind_a_node_port_is_quarantined_and_avoided() {
+    require_root!();
+    let c = cluster("outl-np-local");
+    c.stop_server("n1p1").unwrap();
+    let target = format!("{}:{NODEPORT}", node_v4(1));
+    let attempts = c.from_client("tcp", &target, 120);
+    let failed = failures(&attempts);
+    eprintln!("120 connects through node 1, its own n1p1 refusing: failed at {failed:?}");
+    assert_eq!(failed.len(), 3, "{failed:?}");
+    let answered = Spread::of(&attempts);
+    assert!(
+        answered.count("n1p0") > 20 && answered.count("n2p0") > 20,
+        "{answered:?}"
+    );
+    let q = quarantines_on(&c, 0);
     let n1p1 = c.pod("n1p1").ipv4.to_string();
     assert_eq!(q.len(), 1, "{q:?}");
     assert_eq!(q[0].0, n1p1, "{q:?}");
