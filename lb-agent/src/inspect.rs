@@ -22,7 +22,7 @@ use crate::{
     base::addr::ip_from_bytes,
     base::clock::monotonic_now_ns,
     cli::{InspectArgs, InspectWhat},
-    datapath::{loader::PinnedMaps, tc},
+    datapath::{devices, loader::PinnedMaps, tc},
     semantics::model::{Protocol, Scope},
 };
 
@@ -782,7 +782,7 @@ impl Subject for Tc {
     /// In this network namespace: TCX programs as the kernel lists them,
     /// clsact filters as the agent recorded them.
     fn read(dir: &Path) -> anyhow::Result<Vec<TcView>> {
-        let mut views: Vec<TcView> = tc::attachments(dir)
+        let mut views: Vec<TcView> = devices::attachments(dir)
             .into_iter()
             .map(|a| TcView {
                 device: a.device,
@@ -796,7 +796,7 @@ impl Subject for Tc {
         views.sort_by(|a, b| {
             (&a.device, a.direction, a.mode).cmp(&(&b.device, b.direction, b.mode))
         });
-        if let Some(reason) = tc::unattached(dir) {
+        if let Some(reason) = devices::unattached(dir) {
             views.push(TcView {
                 device: String::new(),
                 direction: "",

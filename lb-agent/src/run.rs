@@ -268,7 +268,7 @@ struct Syncer {
     /// The tc maps; `None` when they could not be opened (logged).
     tc: Option<crate::datapath::tc::TcMaps>,
     /// How the tc programs attach; `None` with `--no-tc`.
-    tc_attach: Option<crate::datapath::tc::AttachMode>,
+    tc_attach: Option<crate::datapath::devices::AttachMode>,
     /// Devices the tc programs are attached to; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
     /// Devices the tc programs are asked for while attaching them failed:
@@ -789,7 +789,7 @@ impl Syncer {
     /// unready, shows in `/readyz` and `lb_tc_attach_failing`, and is
     /// retried (`retry_tc_attach`): a device may appear later.
     fn attach_tc(&mut self, devices: &[String], node_addresses: &[std::net::IpAddr]) {
-        use crate::datapath::tc;
+        use crate::datapath::devices as tc;
         let pin_dir = self.datapath.pin_dir().to_path_buf();
         // With --no-tc, no device: what an earlier run attached, of either
         // kind, is removed.
@@ -1079,8 +1079,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             requested = ?args.north_south.tc_attach,
             "the tc programs attach through {}",
             match mode {
-                crate::datapath::tc::AttachMode::Tcx => "TCX links",
-                crate::datapath::tc::AttachMode::Netlink => "clsact qdisc filters (netlink)",
+                crate::datapath::devices::AttachMode::Tcx => "TCX links",
+                crate::datapath::devices::AttachMode::Netlink => "clsact qdisc filters (netlink)",
             }
         ),
         None => tracing::info!("--no-tc: the tc programs are attached to no device"),
@@ -1332,7 +1332,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     if args.cleanup_on_exit {
         tracing::info!("signal received: detaching and removing pins");
-        let _ = crate::datapath::tc::detach_filters(syncer.datapath.pin_dir())?;
+        let _ = crate::datapath::clsact::detach_filters(syncer.datapath.pin_dir())?;
         syncer.datapath.unload()
     } else {
         tracing::info!(
