@@ -75,9 +75,28 @@ pub(crate) fn wire_eth0(
     ipv4: Ipv4Addr,
     ipv6: Ipv6Addr,
 ) -> Result<()> {
-    cmd::ip(&[
-        "-n", at, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns,
-    ])?;
+    wire_eth0_with_mac(at, bridge, port, netns, ipv4, ipv6, None)
+}
+
+/// [`wire_eth0`], `eth0` with MAC address `mac` when given (a device
+/// re-created as it was).
+pub(crate) fn wire_eth0_with_mac(
+    at: &str,
+    bridge: &str,
+    port: &str,
+    netns: &str,
+    ipv4: Ipv4Addr,
+    ipv6: Ipv6Addr,
+    mac: Option<&str>,
+) -> Result<()> {
+    let mut args = vec![
+        "-n", at, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+    ];
+    if let Some(mac) = mac {
+        args.extend(["address", mac]);
+    }
+    args.extend(["netns", netns]);
+    cmd::ip(&args)?;
     cmd::ip(&["-n", at, "link", "set", port, "master", bridge, "up"])?;
     cmd::ip(&["-n", netns, "link", "set", "lo", "up"])?;
     add_addrs(netns, "eth0", &format!("{ipv4}/24"), &format!("{ipv6}/64"))?;

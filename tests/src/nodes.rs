@@ -33,7 +33,7 @@ use crate::{
     cgroup::CgroupGuard,
     cleanup::{self, CleanupHandle},
     cmd,
-    netns::{add_addrs, add_routes, add_switch, lock, wire_eth0},
+    netns::{add_addrs, add_routes, add_switch, lock, wire_eth0, wire_eth0_with_mac},
     probe::{parse_attempts, Attempt},
 };
 
@@ -242,24 +242,57 @@ impl Cluster {
                 "net.ipv4.conf.default.rp_filter=0",
             ],
         )?;
+        self.nodes.push(Node {
+            name,
+            index: i,
+            netns: ns,
+        });
+        self.add_node_routes(i, total)
+    }
+
+    /// Node `i`'s routes to the other nodes' pod CIDRs, through `eth0`.
+    fn add_node_routes(&self, i: u8, total: u8) -> Result<()> {
+        let ns = &self.nodes[i as usize - 1].netns;
         for j in 1..=total {
             if j == i {
                 continue;
             }
             add_routes(
-                &ns,
+                ns,
                 &format!("10.244.{j}.0/24"),
                 &node_v4(j).to_string(),
                 &format!("fd00:244:{j}::/64"),
                 &node_v6(j).to_string(),
             )?;
         }
-        self.nodes.push(Node {
-            name,
-            index: i,
-            netns: ns,
-        });
         Ok(())
+    }
+
+    /// Deletes node `node`'s `eth0` (and its switch end, the other end of
+    /// the veth pair), as a NIC reset or a re-created bond does: its MAC
+    /// address, for [`replug_node`](Self::replug_node).
+    pub fn unplug_node(&self, node: u8) -> Result<String> {
+        let ns = self.nodes[node as usize - 1].netns.clone();
+        let mac = eth0_mac(&ns)?;
+        ip(&["-n", &ns, "link", "del", "eth0"])?;
+        Ok(mac)
+    }
+
+    /// Creates node `node`'s `eth0` again as it was: the same name, MAC
+    /// address (so that the neighbours' caches still hold), addresses and
+    /// routes, a new ifindex.
+    pub fn replug_node(&self, node: u8, mac: &str) -> Result<()> {
+        let n = self.nodes[node as usize - 1].clone();
+        wire_eth0_with_mac(
+            &self.switch,
+            "br0",
+            &format!("v{}", n.name),
+            &n.netns,
+            node_v4(node),
+            node_v6(node),
+            Some(mac),
+        )?;
+        self.add_node_routes(node, self.nodes.len() as u8)
     }
 
     fn add_pod(&mut self, node: u8, k: u8) -> Result<()> {
