@@ -66,21 +66,9 @@ pub(crate) fn add_routes(
 
 /// A veth pair from bridge `bridge` of namespace `at` (its end `port`, up)
 /// to `eth0` in `netns`, with `lo` up and `eth0` = `ipv4`/24 and
-/// `ipv6`/64, up.
+/// `ipv6`/64, up; with MAC address `mac` when given (a device created
+/// again as it was).
 pub(crate) fn wire_eth0(
-    at: &str,
-    bridge: &str,
-    port: &str,
-    netns: &str,
-    ipv4: Ipv4Addr,
-    ipv6: Ipv6Addr,
-) -> Result<()> {
-    wire_eth0_with_mac(at, bridge, port, netns, ipv4, ipv6, None)
-}
-
-/// [`wire_eth0`], `eth0` with MAC address `mac` when given (a device
-/// re-created as it was).
-pub(crate) fn wire_eth0_with_mac(
     at: &str,
     bridge: &str,
     port: &str,
@@ -285,7 +273,7 @@ impl Topology {
         let netns = format!("{}-{name}", self.name);
         self.add_netns(&netns)?;
         let port = format!("v{}", self.hosts.len() + 1);
-        wire_eth0(&self.switch, "br0", &port, &netns, ipv4, ipv6)?;
+        wire_eth0(&self.switch, "br0", &port, &netns, ipv4, ipv6, None)?;
         self.hosts.push(Host {
             name: name.to_string(),
             netns,

@@ -33,7 +33,7 @@ use crate::{
     cgroup::CgroupGuard,
     cleanup::{self, CleanupHandle},
     cmd,
-    netns::{add_addrs, add_routes, add_switch, lock, wire_eth0, wire_eth0_with_mac},
+    netns::{add_addrs, add_routes, add_switch, lock, wire_eth0},
     probe::{parse_attempts, Attempt},
 };
 
@@ -217,7 +217,7 @@ impl Cluster {
     }
 
     fn wire_to_switch(&self, ns: &str, port: &str, v4: Ipv4Addr, v6: Ipv6Addr) -> Result<()> {
-        wire_eth0(&self.switch, "br0", port, ns, v4, v6)
+        wire_eth0(&self.switch, "br0", port, ns, v4, v6, None)
     }
 
     fn add_node(&mut self, i: u8, total: u8) -> Result<()> {
@@ -283,7 +283,7 @@ impl Cluster {
     /// routes, a new ifindex.
     pub fn replug_node(&self, node: u8, mac: &str) -> Result<()> {
         let n = self.nodes[node as usize - 1].clone();
-        wire_eth0_with_mac(
+        wire_eth0(
             &self.switch,
             "br0",
             &format!("v{}", n.name),
@@ -303,7 +303,7 @@ impl Cluster {
         let host_end = format!("vp{k}");
         let v4 = Ipv4Addr::new(10, 244, node, 10 + k);
         let v6 = Ipv6Addr::new(0xfd00, 0x244, node as u16, 0, 0, 0, 0, 0x10 + k as u16);
-        wire_eth0(&node_ns, "cbr0", &host_end, &ns, v4, v6)?;
+        wire_eth0(&node_ns, "cbr0", &host_end, &ns, v4, v6, None)?;
         // Towards the node only; the node has no route out.
         add_routes(
             &ns,
@@ -396,6 +396,18 @@ impl Cluster {
                 })
             })
             .collect()
+    }
+
+    /// NodePort Service `demo/{name}` at ClusterIP `cluster_ip`: port
+    /// `http` 80/TCP to the pods' 8080, on node port `node_port`.
+    pub fn node_port_service(name: &str, cluster_ip: &str, node_port: u16) -> Value {
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "demo"},
+            "spec": {"type": "NodePort", "clusterIP": cluster_ip,
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": POD_PORT,
+                    "nodePort": node_port}]},
+        })
     }
 
     /// An EndpointSlice of `service` (namespace `demo`) with `pods`, port

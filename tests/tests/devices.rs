@@ -10,7 +10,7 @@
 //! address and addresses, inside the test's namespaces.
 use std::{process::Command, time::Duration};
 
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use integration_tests::{
     nodes::{node_v4, Cluster},
@@ -32,13 +32,7 @@ fn node_port(tag: &str, mode: &str) -> Cluster {
     let pod = c.pod("n1p0").clone();
     let mut docs = c.node_objects();
     docs.extend([
-        json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "web", "namespace": "demo"},
-            "spec": {"type": "NodePort", "clusterIP": "10.96.0.50",
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080,
-                    "nodePort": NODEPORT}]},
-        }),
+        Cluster::node_port_service("web", "10.96.0.50", NODEPORT),
         c.slice("web", &[&pod], false, "TCP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
@@ -71,6 +65,15 @@ fn served_again(c: &Cluster) -> bool {
 
 fn metrics(c: &Cluster) -> String {
     c.agents[0].metrics().expect("metrics").1
+}
+
+/// `lb_device_attach_failing` is `v` for both of `eth0`'s hooks.
+fn eth0_failing(metrics: &str, v: u8) -> bool {
+    ["tc_ingress", "tc_egress"].iter().all(|hook| {
+        metrics.contains(&format!(
+            "lb_device_attach_failing{{device=\"eth0\",hook=\"{hook}\"}} {v}"
+        ))
+    })
 }
 
 /// `lb-agent inspect tc`'s rows for `eth0`: (hook, attached, mode).
@@ -152,14 +155,7 @@ fn re_created_device_gets_its_programs_back(tag: &str, mode: &str) -> Cluster {
         "{log}"
     );
     let m = metrics(&c);
-    for hook in ["tc_ingress", "tc_egress"] {
-        assert!(
-            m.contains(&format!(
-                "lb_device_attach_failing{{device=\"eth0\",hook=\"{hook}\"}} 0"
-            )),
-            "{m}"
-        );
-    }
+    assert!(eth0_failing(&m, 0), "{m}");
     assert!(
         m.contains("lb_device_reattachments_total{device=\"eth0\"} 1"),
         "{m}"
@@ -232,14 +228,7 @@ fn an_absent_device_is_reported_per_device_until_it_is_back() {
         "{last:?}"
     );
     let m = metrics(&c);
-    for hook in ["tc_ingress", "tc_egress"] {
-        assert!(
-            m.contains(&format!(
-                "lb_device_attach_failing{{device=\"eth0\",hook=\"{hook}\"}} 1"
-            )),
-            "{m}"
-        );
-    }
+    assert!(eth0_failing(&m, 1), "{m}");
     assert!(m.contains("lb_tc_attach_failing 1"), "{m}");
     let rows = c.agents[0].inspect_tc().expect("inspect tc");
     let eth0: Vec<&Value> = rows.iter().filter(|v| v["device"] == "eth0").collect();
@@ -259,10 +248,6 @@ fn an_absent_device_is_reported_per_device_until_it_is_back() {
         last.0 == 200
     });
     assert!(ready, "/readyz: {last:?}");
-    let m = metrics(&c);
-    assert!(
-        m.contains("lb_device_attach_failing{device=\"eth0\",hook=\"tc_ingress\"} 0"),
-        "{m}"
-    );
+    assert!(eth0_failing(&metrics(&c), 0));
     assert_eq!(eth0_rows(&c), both_attached("tcx"));
 }

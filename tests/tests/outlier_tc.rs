@@ -4,7 +4,7 @@
 //! RST to the SYN) or does not answer (its link is down: the client's SYN
 //! sent again a second later) is quarantined after three failures and
 //! new flows avoid it. Each backend answers with its name.
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use integration_tests::{
     nodes::{node_v4, Cluster},
@@ -32,13 +32,7 @@ fn cluster_with(tag: &str, args: &[&str]) -> Cluster {
     let all: Vec<_> = pods.iter().collect();
     let mut docs = c.node_objects();
     docs.extend([
-        json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "web", "namespace": "demo"},
-            "spec": {"type": "NodePort", "clusterIP": "10.96.0.40",
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080,
-                    "nodePort": NODEPORT}]},
-        }),
+        Cluster::node_port_service("web", "10.96.0.40", NODEPORT),
         c.slice("web", &all, false, "TCP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");
