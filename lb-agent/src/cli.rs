@@ -282,8 +282,8 @@ pub enum TcAttachArg {
 impl NorthSouthArgs {
     /// How the tc programs attach, `None` with `--no-tc`; `auto` probes
     /// the kernel ([`tcx_supported`](crate::datapath::features::tcx_supported)).
-    pub fn tc_attach_mode(&self) -> Option<crate::datapath::tc::AttachMode> {
-        use crate::datapath::tc::AttachMode;
+    pub fn tc_attach_mode(&self) -> Option<crate::datapath::devices::AttachMode> {
+        use crate::datapath::devices::AttachMode;
         if self.no_tc {
             return None;
         }
@@ -513,7 +513,7 @@ mod tests {
 
     #[test]
     fn the_tc_path_is_opted_out_explicitly_and_its_attach_mode_chosen() {
-        use crate::datapath::tc::AttachMode;
+        use crate::datapath::devices::AttachMode;
         let a = run_args(&["--tc-attach", "netlink"]);
         assert_eq!(a.north_south.tc_attach_mode(), Some(AttachMode::Netlink));
         let a = run_args(&["--tc-attach=tcx", "--devices", "eth0"]);

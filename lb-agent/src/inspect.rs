@@ -22,7 +22,7 @@ use crate::{
     base::addr::ip_from_bytes,
     base::clock::monotonic_now_ns,
     cli::{InspectArgs, InspectWhat},
-    datapath::{loader::PinnedMaps, tc},
+    datapath::{devices, loader::PinnedMaps, tc},
     semantics::model::{Protocol, Scope},
 };
 
@@ -762,16 +762,22 @@ impl Subject for Conntrack {
     }
 }
 
-/// A tc program on a device, or (`reason`, nothing else) why the agent
-/// could not attach them where they are asked for.
+/// A hook of a device: our program attached there (TCX links as the
+/// kernel lists them on every device, clsact filters the agent recorded
+/// that the kernel still has), or a hook of a device the agent is asked
+/// for that lacks it, and why.
 #[derive(Debug, Serialize)]
 pub struct TcView {
     pub device: String,
+    /// `None`: no such device in this network namespace.
+    pub ifindex: Option<u32>,
+    /// The hook, named by its program: "tc_ingress", "tc_egress".
+    pub hook: &'static str,
     pub direction: &'static str,
     /// "tcx" or "netlink" (a clsact filter).
-    pub mode: &'static str,
-    pub program: String,
+    pub mode: String,
     pub program_id: Option<u32>,
+    pub attached: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
@@ -779,49 +785,77 @@ pub struct TcView {
 impl Subject for Tc {
     type View = TcView;
 
-    /// In this network namespace: TCX programs as the kernel lists them,
-    /// clsact filters as the agent recorded them.
+    /// In this network namespace: what the kernel has, then what the
+    /// devices the agent is asked for lack, with the reason it recorded.
     fn read(dir: &Path) -> anyhow::Result<Vec<TcView>> {
-        let mut views: Vec<TcView> = tc::attachments(dir)
+        let mut views: Vec<TcView> = devices::attachments(dir)
             .into_iter()
             .map(|a| TcView {
                 device: a.device,
-                direction: a.direction,
-                mode: a.mode.name(),
-                program: a.program,
+                ifindex: a.ifindex,
+                hook: a.hook.name(),
+                direction: a.hook.direction(),
+                mode: a.mode.name().to_owned(),
                 program_id: a.program_id,
+                attached: true,
                 reason: None,
             })
             .collect();
-        views.sort_by(|a, b| {
-            (&a.device, a.direction, a.mode).cmp(&(&b.device, b.direction, b.mode))
-        });
-        if let Some(reason) = tc::unattached(dir) {
-            views.push(TcView {
-                device: String::new(),
-                direction: "",
-                mode: "",
-                program: String::new(),
-                program_id: None,
-                reason: Some(reason),
-            });
+        for wanted in devices::recorded_status(dir) {
+            let ifindex = devices::ifindex(&wanted.device);
+            for hook in devices::Hook::TC {
+                let there = views.iter().any(|v| {
+                    v.attached
+                        && v.device == wanted.device
+                        && v.hook == hook.name()
+                        && v.mode == wanted.mode
+                });
+                if there {
+                    continue;
+                }
+                let reason = match (ifindex, wanted.lacking.get(hook.name())) {
+                    (None, _) => "device absent".to_owned(),
+                    (Some(_), Some(why)) => why.clone(),
+                    (Some(_), None) => {
+                        "missing (the agent re-attaches it at its next sweep)".to_owned()
+                    }
+                };
+                views.push(TcView {
+                    device: wanted.device.clone(),
+                    ifindex,
+                    hook: hook.name(),
+                    direction: hook.direction(),
+                    mode: wanted.mode.clone(),
+                    program_id: None,
+                    attached: false,
+                    reason: Some(reason),
+                });
+            }
         }
+        views.sort_by(|a, b| (&a.device, a.hook, &a.mode).cmp(&(&b.device, b.hook, &b.mode)));
         Ok(views)
     }
 
     fn render(views: &[TcView]) -> String {
-        const COLUMNS: Columns =
-            Columns(&[(16, Left), (9, Left), (8, Left), (12, Left), (8, Right)]);
-        let mut out = COLUMNS.header(&["DEVICE", "DIRECTION", "MODE", "PROGRAM", "ID"]);
+        const COLUMNS: Columns = Columns(&[
+            (16, Left),
+            (8, Right),
+            (11, Left),
+            (8, Left),
+            (8, Right),
+            (0, Left),
+        ]);
+        let mut out = COLUMNS.header(&["DEVICE", "IFINDEX", "HOOK", "MODE", "ID", "STATE"]);
         for v in views {
-            if let Some(reason) = &v.reason {
-                let _ = writeln!(out, "not attached: {reason}");
-                continue;
-            }
+            let ifindex = v.ifindex.map_or("-".to_string(), |i| i.to_string());
             let id = v.program_id.map_or("-".to_string(), |i| i.to_string());
+            let state = match &v.reason {
+                None => "attached".to_owned(),
+                Some(why) => format!("NOT ATTACHED: {why}"),
+            };
             COLUMNS.row(
                 &mut out,
-                &[&v.device, &v.direction, &v.mode, &v.program, &id],
+                &[&v.device, &ifindex, &v.hook, &v.mode, &id, &state],
             );
         }
         out

@@ -59,7 +59,7 @@ fn main() -> anyhow::Result<()> {
         Command::Check(args) => check::check(&args),
         Command::Cleanup { bpffs } => {
             let links = loader::detach_pinned_links(&bpffs)?;
-            let (filters, elsewhere) = lb_agent::datapath::tc::detach_filters(&bpffs)?;
+            let (filters, elsewhere) = lb_agent::datapath::clsact::detach_filters(&bpffs)?;
             if !elsewhere.is_empty() {
                 eprintln!(
                     "warning: clsact filters recorded on {elsewhere:?}, devices not in this \

@@ -268,12 +268,14 @@ struct Syncer {
     /// The tc maps; `None` when they could not be opened (logged).
     tc: Option<crate::datapath::tc::TcMaps>,
     /// How the tc programs attach; `None` with `--no-tc`.
-    tc_attach: Option<crate::datapath::tc::AttachMode>,
-    /// Devices the tc programs are attached to; `None` before the first sync.
+    tc_attach: Option<crate::datapath::devices::AttachMode>,
+    /// Devices the tc programs are asked for; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
-    /// Devices the tc programs are asked for while attaching them failed:
-    /// retried every sweep, not only when the next change comes.
-    tc_failed: Option<Vec<String>>,
+    /// Each of them as the last attach left it (at a change of them, or a
+    /// sweep's check).
+    tc_status: std::collections::BTreeMap<String, crate::datapath::devices::DeviceStatus>,
+    /// What the tc path lacks, as last told to `/readyz`.
+    tc_lack: Option<String>,
     ready: Readiness,
     health_checks: HealthCheckServers,
     /// As last told to `health`.
@@ -301,6 +303,9 @@ struct NorthSouthInputs {
 struct NodeNet {
     /// Devices that get the tc programs.
     devices: Vec<String>,
+    /// The Node object's addresses, which select the devices without
+    /// `--devices`.
+    node_ips: Vec<std::net::IpAddr>,
     /// Addresses NodePorts are served on (after `--nodeport-addresses`).
     node_addresses: Vec<std::net::IpAddr>,
     snat_v4: Option<std::net::Ipv4Addr>,
@@ -320,15 +325,7 @@ fn node_net(
         .get(node_name)
         .map(northsouth::node_object_addresses)
         .unwrap_or_default();
-    let devices: Vec<String> = if !args.devices.is_empty() {
-        args.devices.clone()
-    } else {
-        interfaces
-            .iter()
-            .filter(|(_, addrs)| addrs.iter().any(|a| node_ips.contains(a)))
-            .map(|(name, _)| name.clone())
-            .collect()
-    };
+    let devices = select_devices(&args.devices, &node_ips, interfaces);
     let device_addrs: Vec<std::net::IpAddr> = devices
         .iter()
         .flat_map(|d| interfaces.get(d).into_iter().flatten().copied())
@@ -350,7 +347,24 @@ fn node_net(
             _ => None,
         }),
         devices,
+        node_ips,
     }
+}
+
+/// `--devices`, else the devices carrying one of `node_ips`.
+fn select_devices(
+    flag: &[String],
+    node_ips: &[std::net::IpAddr],
+    interfaces: &std::collections::BTreeMap<String, Vec<std::net::IpAddr>>,
+) -> Vec<String> {
+    if !flag.is_empty() {
+        return flag.to_vec();
+    }
+    interfaces
+        .iter()
+        .filter(|(_, addrs)| addrs.iter().any(|a| node_ips.contains(a)))
+        .map(|(name, _)| name.clone())
+        .collect()
 }
 
 impl Syncer {
@@ -781,60 +795,120 @@ impl Syncer {
             }
         }
         if self.tc_devices.as_ref() != Some(&net.devices) {
-            self.attach_tc(&net.devices, &net.node_addresses);
+            self.attach_tc(&net.devices, Some(&net.node_addresses));
         }
     }
 
-    /// Attaches the tc programs to `devices`. A failure keeps the agent
-    /// unready, shows in `/readyz` and `lb_tc_attach_failing`, and is
-    /// retried (`retry_tc_attach`): a device may appear later.
-    fn attach_tc(&mut self, devices: &[String], node_addresses: &[std::net::IpAddr]) {
-        use crate::datapath::tc;
+    /// Attaches the tc programs to `devices`, at a change of them
+    /// (`changed`: the node addresses, logged) or at a sweep's check
+    /// (`None`), and reports each device: a re-attach in the log and
+    /// `lb_device_reattachments`; what a device lacks in `/readyz` (503:
+    /// its NodePorts, LoadBalancer IPs and externalIPs are not served from
+    /// outside), the log and `lb_device_attach_failing`; all of it in
+    /// `lb-agent inspect tc`.
+    fn attach_tc(&mut self, devices: &[String], changed: Option<&[std::net::IpAddr]>) {
+        use crate::base::metrics::{DeviceHookLabel, DeviceLabel};
+        use crate::datapath::devices::{self as dev, HookState};
         let pin_dir = self.datapath.pin_dir().to_path_buf();
         // With --no-tc, no device: what an earlier run attached, of either
         // kind, is removed.
         let (wanted, mode) = match self.tc_attach {
             Some(mode) => (devices, mode),
-            None => (&[][..], tc::AttachMode::Tcx),
+            None => (&[][..], dev::AttachMode::Tcx),
         };
-        match tc::attach(self.datapath.ebpf_mut(), &pin_dir, wanted, mode) {
-            Ok(replaced) => {
-                tracing::info!(
-                    devices = ?wanted,
-                    mode = mode.name(),
-                    node_addresses = ?node_addresses,
-                    replaced_links = replaced,
-                    "tc programs attached"
+        let report = dev::attach(self.datapath.ebpf_mut(), &pin_dir, wanted, mode);
+        if let Some(node_addresses) = changed {
+            tracing::info!(
+                devices = ?wanted,
+                mode = mode.name(),
+                node_addresses = ?node_addresses,
+                replaced_links = report.replaced,
+                "tc programs attached"
+            );
+        }
+        let mut status = std::collections::BTreeMap::new();
+        for st in &report.devices {
+            let before = self.tc_status.get(&st.device);
+            if let Some(why) = before.and_then(|b| st.reattached_because(b, mode)) {
+                let hooks: Vec<&str> = st.attached_now().map(dev::Hook::name).collect();
+                tracing::warn!(
+                    device = %st.device,
+                    ifindex = ?st.ifindex,
+                    hooks = %hooks.join(","),
+                    why = %why,
+                    "tc programs re-attached"
                 );
-                self.tc_devices = Some(devices.to_vec());
-                // Also what an earlier process recorded.
-                tc::record_unattached(&pin_dir, None);
-                if self.tc_failed.take().is_some() {
-                    self.ready.set_unattached(None);
-                    self.metrics.tc_attach_failing.set(0);
-                }
+                self.metrics
+                    .device_reattachments
+                    .get_or_create(&DeviceLabel::of(&st.device))
+                    .inc();
             }
-            Err(e) => {
-                let why = format!("tc programs not attached to {devices:?}: {e:#}");
-                if self.tc_failed.as_deref() != Some(devices) {
-                    tracing::error!("{why}; retried every sweep");
+            let lack = st.lack();
+            if lack.is_some() && lack != before.and_then(dev::DeviceStatus::lack) {
+                tracing::error!("{}; retried every sweep", lack.unwrap_or_default());
+            }
+            for (hook, state) in &st.hooks {
+                self.metrics
+                    .device_attach_failing
+                    .get_or_create(&DeviceHookLabel::of(&st.device, hook.name()))
+                    .set(i64::from(matches!(state, HookState::Failed(_))));
+            }
+            status.insert(st.device.clone(), st.clone());
+        }
+        for (gone, before) in &self.tc_status {
+            if !status.contains_key(gone) {
+                for (hook, _) in &before.hooks {
+                    self.metrics
+                        .device_attach_failing
+                        .remove(&DeviceHookLabel::of(gone, hook.name()));
                 }
-                tc::record_unattached(&pin_dir, Some(&why));
-                self.ready.set_unattached(Some(why));
-                self.metrics.tc_attach_failing.set(1);
-                self.tc_failed = Some(devices.to_vec());
             }
         }
+        let lack = report.lack();
+        if let (Some(e), true) = (&report.cleanup_error, lack != self.tc_lack) {
+            tracing::error!("removing earlier tc attachments: {e}; retried every sweep");
+        }
+        let shown = |s: &std::collections::BTreeMap<String, dev::DeviceStatus>| -> Vec<_> {
+            s.values().map(|d| (d.ifindex, d.lack())).collect()
+        };
+        if changed.is_some() || shown(&status) != shown(&self.tc_status) {
+            dev::record_status(&pin_dir, mode, &report);
+        }
+        self.metrics
+            .tc_attach_failing
+            .set(i64::from(lack.is_some()));
+        self.ready.set_unattached(lack.clone());
+        self.tc_lack = lack;
+        self.tc_status = status;
+        self.tc_devices = Some(devices.to_vec());
     }
 
-    fn retry_tc_attach(&mut self) {
-        if let Some(devices) = self.tc_failed.clone() {
-            let addresses = self
-                .north_south_cache
-                .as_ref()
-                .map(|c| c.net.node_addresses.clone());
-            self.attach_tc(&devices, &addresses.unwrap_or_default());
+    /// Every sweep: without `--devices`, which devices carry the Node's
+    /// addresses now; then each device's programs, re-attached where they
+    /// went (the device deleted and created again, its link or filter
+    /// removed) and attached where it appeared.
+    fn check_tc(&mut self) {
+        let Some(devices) = self.tc_devices.clone() else {
+            return;
+        };
+        if self.tc_attach.is_none() {
+            return;
         }
+        let Some(net) = self.north_south_cache.as_ref().map(|c| c.net.clone()) else {
+            return;
+        };
+        if self.north_south.devices.is_empty() {
+            match crate::datapath::tc::interface_addresses() {
+                Ok(interfaces) => {
+                    let now = select_devices(&[], &net.node_ips, &interfaces);
+                    if now != devices {
+                        return self.attach_tc(&now, Some(&net.node_addresses));
+                    }
+                }
+                Err(e) => tracing::debug!("listing the network devices: {e:#}"),
+            }
+        }
+        self.attach_tc(&devices, None);
     }
 
     /// Reports outlier detection's new quarantines and releases (log) and
@@ -1079,8 +1153,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             requested = ?args.north_south.tc_attach,
             "the tc programs attach through {}",
             match mode {
-                crate::datapath::tc::AttachMode::Tcx => "TCX links",
-                crate::datapath::tc::AttachMode::Netlink => "clsact qdisc filters (netlink)",
+                crate::datapath::devices::AttachMode::Tcx => "TCX links",
+                crate::datapath::devices::AttachMode::Netlink => "clsact qdisc filters (netlink)",
             }
         ),
         None => tracing::info!("--no-tc: the tc programs are attached to no device"),
@@ -1246,7 +1320,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         },
         tc_attach,
         tc_devices: None,
-        tc_failed: None,
+        tc_status: Default::default(),
+        tc_lack: None,
         ready: ready.clone(),
         health_checks: HealthCheckServers::new(proxy_health.clone(), limits),
         node_eligible: true,
@@ -1310,7 +1385,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
                 None
             }
             _ = sweep.tick() => {
-                syncer.retry_tc_attach();
+                syncer.check_tc();
                 syncer.sweep_affinity();
                 syncer.sweep_flows();
                 syncer.record_datapath_events();
@@ -1332,7 +1407,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     if args.cleanup_on_exit {
         tracing::info!("signal received: detaching and removing pins");
-        let _ = crate::datapath::tc::detach_filters(syncer.datapath.pin_dir())?;
+        let _ = crate::datapath::clsact::detach_filters(syncer.datapath.pin_dir())?;
         syncer.datapath.unload()
     } else {
         tracing::info!(

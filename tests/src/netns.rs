@@ -66,7 +66,8 @@ pub(crate) fn add_routes(
 
 /// A veth pair from bridge `bridge` of namespace `at` (its end `port`, up)
 /// to `eth0` in `netns`, with `lo` up and `eth0` = `ipv4`/24 and
-/// `ipv6`/64, up.
+/// `ipv6`/64, up; with MAC address `mac` when given (a device created
+/// again as it was).
 pub(crate) fn wire_eth0(
     at: &str,
     bridge: &str,
@@ -74,10 +75,16 @@ pub(crate) fn wire_eth0(
     netns: &str,
     ipv4: Ipv4Addr,
     ipv6: Ipv6Addr,
+    mac: Option<&str>,
 ) -> Result<()> {
-    cmd::ip(&[
-        "-n", at, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", netns,
-    ])?;
+    let mut args = vec![
+        "-n", at, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+    ];
+    if let Some(mac) = mac {
+        args.extend(["address", mac]);
+    }
+    args.extend(["netns", netns]);
+    cmd::ip(&args)?;
     cmd::ip(&["-n", at, "link", "set", port, "master", bridge, "up"])?;
     cmd::ip(&["-n", netns, "link", "set", "lo", "up"])?;
     add_addrs(netns, "eth0", &format!("{ipv4}/24"), &format!("{ipv6}/64"))?;
@@ -266,7 +273,7 @@ impl Topology {
         let netns = format!("{}-{name}", self.name);
         self.add_netns(&netns)?;
         let port = format!("v{}", self.hosts.len() + 1);
-        wire_eth0(&self.switch, "br0", &port, &netns, ipv4, ipv6)?;
+        wire_eth0(&self.switch, "br0", &port, &netns, ipv4, ipv6, None)?;
         self.hosts.push(Host {
             name: name.to_string(),
             netns,

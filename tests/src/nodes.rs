@@ -217,7 +217,7 @@ impl Cluster {
     }
 
     fn wire_to_switch(&self, ns: &str, port: &str, v4: Ipv4Addr, v6: Ipv6Addr) -> Result<()> {
-        wire_eth0(&self.switch, "br0", port, ns, v4, v6)
+        wire_eth0(&self.switch, "br0", port, ns, v4, v6, None)
     }
 
     fn add_node(&mut self, i: u8, total: u8) -> Result<()> {
@@ -242,24 +242,57 @@ impl Cluster {
                 "net.ipv4.conf.default.rp_filter=0",
             ],
         )?;
+        self.nodes.push(Node {
+            name,
+            index: i,
+            netns: ns,
+        });
+        self.add_node_routes(i, total)
+    }
+
+    /// Node `i`'s routes to the other nodes' pod CIDRs, through `eth0`.
+    fn add_node_routes(&self, i: u8, total: u8) -> Result<()> {
+        let ns = &self.nodes[i as usize - 1].netns;
         for j in 1..=total {
             if j == i {
                 continue;
             }
             add_routes(
-                &ns,
+                ns,
                 &format!("10.244.{j}.0/24"),
                 &node_v4(j).to_string(),
                 &format!("fd00:244:{j}::/64"),
                 &node_v6(j).to_string(),
             )?;
         }
-        self.nodes.push(Node {
-            name,
-            index: i,
-            netns: ns,
-        });
         Ok(())
+    }
+
+    /// Deletes node `node`'s `eth0` (and its switch end, the other end of
+    /// the veth pair), as a NIC reset or a re-created bond does: its MAC
+    /// address, for [`replug_node`](Self::replug_node).
+    pub fn unplug_node(&self, node: u8) -> Result<String> {
+        let ns = self.nodes[node as usize - 1].netns.clone();
+        let mac = eth0_mac(&ns)?;
+        ip(&["-n", &ns, "link", "del", "eth0"])?;
+        Ok(mac)
+    }
+
+    /// Creates node `node`'s `eth0` again as it was: the same name, MAC
+    /// address (so that the neighbours' caches still hold), addresses and
+    /// routes, a new ifindex.
+    pub fn replug_node(&self, node: u8, mac: &str) -> Result<()> {
+        let n = self.nodes[node as usize - 1].clone();
+        wire_eth0(
+            &self.switch,
+            "br0",
+            &format!("v{}", n.name),
+            &n.netns,
+            node_v4(node),
+            node_v6(node),
+            Some(mac),
+        )?;
+        self.add_node_routes(node, self.nodes.len() as u8)
     }
 
     fn add_pod(&mut self, node: u8, k: u8) -> Result<()> {
@@ -270,7 +303,7 @@ impl Cluster {
         let host_end = format!("vp{k}");
         let v4 = Ipv4Addr::new(10, 244, node, 10 + k);
         let v6 = Ipv6Addr::new(0xfd00, 0x244, node as u16, 0, 0, 0, 0, 0x10 + k as u16);
-        wire_eth0(&node_ns, "cbr0", &host_end, &ns, v4, v6)?;
+        wire_eth0(&node_ns, "cbr0", &host_end, &ns, v4, v6, None)?;
         // Towards the node only; the node has no route out.
         add_routes(
             &ns,
@@ -363,6 +396,18 @@ impl Cluster {
                 })
             })
             .collect()
+    }
+
+    /// NodePort Service `demo/{name}` at ClusterIP `cluster_ip`: port
+    /// `http` 80/TCP to the pods' 8080, on node port `node_port`.
+    pub fn node_port_service(name: &str, cluster_ip: &str, node_port: u16) -> Value {
+        json!({
+            "apiVersion": "v1", "kind": "Service",
+            "metadata": {"name": name, "namespace": "demo"},
+            "spec": {"type": "NodePort", "clusterIP": cluster_ip,
+                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": POD_PORT,
+                    "nodePort": node_port}]},
+        })
     }
 
     /// An EndpointSlice of `service` (namespace `demo`) with `pods`, port

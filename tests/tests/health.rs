@@ -259,11 +259,13 @@ fn health_check_node_ports_bind_the_node_addresses() {
 
 /// A datapath part that was asked for and cannot be attached is no silent
 /// half-start: with a `--devices` entry that does not exist, `/readyz`
-/// answers 503 naming it, `lb_tc_attach_failing` is 1 and `lb-agent
-/// inspect tc` gives the reason, while the socket path serves and the
-/// device that exists (`eth0`) has its programs; once the device appears, a
-/// later sweep attaches the tc programs and the agent turns ready. On
-/// either attach path (`mode`).
+/// answers 503 naming it and what it lacks, `lb_tc_attach_failing` is 1 and
+/// `lb_device_attach_failing` 1 for each of its hooks (0 for `eth0`'s), and
+/// `lb-agent inspect tc` gives the reason per hook, while the socket path
+/// serves and the device that exists (`eth0`) has its programs; once the
+/// device appears, a later sweep attaches the tc programs (logged and
+/// counted as a re-attach) and the agent turns ready. On either attach
+/// path (`mode`).
 fn unattached_device_keeps_the_agent_unready(tag: &str, mode: &str) {
     let mut env = Env::new(tag, 2).unwrap();
     env.manifests.write("web.yaml", &web(&env)).unwrap();
@@ -286,18 +288,36 @@ fn unattached_device_keeps_the_agent_unready(tag: &str, mode: &str) {
     let mut last = (0, String::new());
     let unready = wait_until(Duration::from_secs(20), Duration::from_millis(100), || {
         last = agent.get("/readyz").unwrap_or((0, String::new()));
-        last.0 == 503 && last.1.contains("lbmissing0")
+        last.0 == 503
+            && last
+                .1
+                .contains("lbmissing0 (absent): tc_ingress, tc_egress")
     });
     assert!(unready, "/readyz: {last:?}\n{}", agent.log());
+    assert!(!last.1.contains("eth0"), "{last:?}");
     let (_, m) = agent.metrics().unwrap();
     assert!(m.contains("lb_tc_attach_failing 1"), "{m}");
+    let failing = |m: &str, dev: &str, v: u8| {
+        ["tc_ingress", "tc_egress"].iter().all(|hook| {
+            m.contains(&format!(
+                "lb_device_attach_failing{{device=\"{dev}\",hook=\"{hook}\"}} {v}"
+            ))
+        })
+    };
+    assert!(
+        failing(&m, "lbmissing0", 1) && failing(&m, "eth0", 0),
+        "{m}"
+    );
     let shown = |agent: &Agent| -> Vec<(String, String)> {
         agent
             .inspect_tc()
             .unwrap()
             .iter()
             .map(|v| match v["reason"].as_str() {
-                Some(r) => ("reason".to_owned(), r.to_owned()),
+                Some(r) => (
+                    format!("reason {}", v["device"].as_str().unwrap()),
+                    r.to_owned(),
+                ),
                 None => (
                     v["device"].as_str().unwrap().to_owned(),
                     format!("{} {}", v["mode"].as_str().unwrap(), v["direction"]),
@@ -309,7 +329,9 @@ fn unattached_device_keeps_the_agent_unready(tag: &str, mode: &str) {
     assert!(
         views
             .iter()
-            .any(|(k, r)| k == "reason" && r.contains("lbmissing0")),
+            .filter(|(k, r)| k == "reason lbmissing0" && r == "device absent")
+            .count()
+            == 2,
         "{views:?}"
     );
     // The device that exists is served meanwhile.
@@ -341,8 +363,20 @@ fn unattached_device_keeps_the_agent_unready(tag: &str, mode: &str) {
     assert!(ready, "/readyz: {last:?}\n{}", agent.log());
     let (_, m) = agent.metrics().unwrap();
     assert!(m.contains("lb_tc_attach_failing 0"), "{m}");
+    assert!(
+        failing(&m, "lbmissing0", 0) && failing(&m, "eth0", 0),
+        "{m}"
+    );
+    assert!(
+        m.contains("lb_device_reattachments_total{device=\"lbmissing0\"} 1"),
+        "{m}"
+    );
+    assert!(agent.log().contains("appeared"), "{}", agent.log());
     let views = shown(agent);
-    assert!(views.iter().all(|(k, _)| k != "reason"), "{views:?}");
+    assert!(
+        views.iter().all(|(k, _)| !k.starts_with("reason")),
+        "{views:?}"
+    );
     assert_eq!(on(&views, "lbmissing0"), 2, "{views:?}");
     assert_eq!(on(&views, "eth0"), 2, "{views:?}");
 }

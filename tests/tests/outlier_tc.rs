@@ -6,7 +6,7 @@
 //! new flows avoid it. Each backend answers with its name. One test goes
 //! through node 1 to its own refusing pod (the RST leaves through
 //! tc_egress).
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use integration_tests::{
     nodes::{node_v4, Cluster},
@@ -34,13 +34,7 @@ fn cluster_with(tag: &str, args: &[&str]) -> Cluster {
     let all: Vec<_> = pods.iter().collect();
     let mut docs = c.node_objects();
     docs.extend([
-        json!({
-            "apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": "web", "namespace": "demo"},
-            "spec": {"type": "NodePort", "clusterIP": "10.96.0.40",
-                "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080,
-                    "nodePort": NODEPORT}]},
-        }),
+        Cluster::node_port_service("web", "10.96.0.40", NODEPORT),
         c.slice("web", &all, false, "TCP"),
     ]);
     c.manifests.write("cluster.yaml", &docs).expect("manifests");

@@ -35,6 +35,37 @@ pub struct FeatureLabel {
     pub feature: String,
 }
 
+/// A network device the agent attaches programs to.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeviceLabel {
+    pub device: String,
+}
+
+impl DeviceLabel {
+    pub fn of(device: &str) -> Self {
+        Self {
+            device: device.to_owned(),
+        }
+    }
+}
+
+/// A hook of a device, named by the program attached there (`tc_ingress`,
+/// `tc_egress`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DeviceHookLabel {
+    pub device: String,
+    pub hook: String,
+}
+
+impl DeviceHookLabel {
+    pub fn of(device: &str, hook: &str) -> Self {
+        Self {
+            device: device.to_owned(),
+            hook: hook.to_owned(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MapLabel {
     pub map: String,
@@ -107,6 +138,8 @@ pub struct Metrics {
     pub conntrack_expired: Counter,
     pub conntrack_udp_purged: Counter,
     pub tc_attach_failing: Gauge,
+    pub device_attach_failing: Family<DeviceHookLabel, Gauge>,
+    pub device_reattachments: Family<DeviceLabel, Counter>,
     pub kernel_features: Family<FeatureLabel, Gauge>,
     pub refusal_errno: Gauge,
     pub datapath_events: Family<EventLabel, Counter>,
@@ -155,6 +188,8 @@ impl Metrics {
             udp_sockets_destroyed: Counter::default(),
             conntrack_entries: Gauge::default(),
             tc_attach_failing: Gauge::default(),
+            device_attach_failing: Family::default(),
+            device_reattachments: Family::default(),
             kernel_features: Family::default(),
             refusal_errno: Gauge::default(),
             conntrack_expired: Counter::default(),
@@ -275,8 +310,18 @@ impl Metrics {
         );
         registry.register(
             "tc_attach_failing",
-            "1 while the tc programs could not be attached to a device they are asked for (the reason is in /readyz and the log; retried every sweep)",
+            "1 while a device the tc programs are asked for lacks one of them (lb_device_attach_failing says which; the reason is in /readyz and the log; retried every sweep)",
             m.tc_attach_failing.clone(),
+        );
+        registry.register(
+            "device_attach_failing",
+            "1 while a device the agent is asked for lacks our program at a hook (absent, or the attach failed; retried every sweep), 0 while it has it",
+            m.device_attach_failing.clone(),
+        );
+        registry.register(
+            "device_reattachments",
+            "Programs attached again to a device that lacked them after its first attach: the device deleted and created again (a new ifindex), its TCX link or clsact filter removed, or it appeared later",
+            m.device_reattachments.clone(),
         );
         registry.register(
             "kernel_feature",

@@ -1146,7 +1146,7 @@ impl Datapath {
         &mut self.maps
     }
 
-    /// The loaded object, for the tc programs (`tc::attach`).
+    /// The loaded object, for the tc programs (`devices::attach`).
     pub fn ebpf_mut(&mut self) -> &mut Ebpf {
         &mut self._ebpf
     }

@@ -2,8 +2,9 @@
 //! pinning its maps (`loader`), writing the difference between desired and
 //! programmed state (`reconcile`, through `batch` and, for the two arrays
 //! it fills in bulk, `mapped`, placing backend sets with
-//! `slot_ranges`), the tc programs and their
-//! conntrack (`tc`), the ageing of what the kernel records (`sweep`, for
+//! `slot_ranges`), the tc path's maps and conntrack (`tc`), the devices
+//! its programs are attached to (`devices`, through `clsact` filters
+//! before TCX), the ageing of what the kernel records (`sweep`, for
 //! sessionAffinity in `affinity` and unconnected UDP flows in
 //! `datagram_flows`) and destruction of connected UDP sockets whose backend
 //! left (`sockets`), the tc path's flow counts of each backend
@@ -13,7 +14,9 @@
 pub mod affinity;
 pub mod backend_state;
 pub mod batch;
+pub mod clsact;
 pub mod datagram_flows;
+pub mod devices;
 pub mod features;
 #[cfg(test)]
 mod fuzz;
