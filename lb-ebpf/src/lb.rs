@@ -249,10 +249,10 @@ pub fn choose<const OUTLINE_IPVS: bool>(
 
 /// `choose`, the backend's id only (a caller that copies the backend
 /// elsewhere itself). A frontend that avoids quarantined backends
-/// (`service_flags::OUTLIER_AVOID`) chooses again when its scheduler's
-/// pick is quarantined (`avoid_quarantined`: the quarantine is checked
-/// only for the pick, not per backend of lc's first scan, which would
-/// cost every connect a clock read).
+/// (`service_flags::OUTLIER_AVOID`) draws again when its scheduler's pick
+/// is quarantined (`avoid_quarantined`; lc, sed and nq too, so their
+/// substitute is drawn, not the least loaded: a quarantine check per
+/// scanned backend cost each socket program seconds of verification).
 #[inline(always)]
 pub fn choose_id<const OUTLINE_IPVS: bool>(
     svc: &ServiceValue,
@@ -322,24 +322,16 @@ pub fn quarantined(id: u32) -> bool {
 }
 
 /// `first`, the scheduler's pick, unless its frontend avoids quarantine
-/// and it is quarantined; then another. lc, sed and nq scan again with
-/// every quarantined backend counted as fuller than any other
-/// (`least_loaded_answering`): their pick is quarantined mostly because a
-/// refusing backend holds no connection, and a random substitute would
-/// leave the others unbalanced for as long as the quarantine lasts. The
-/// others: `outlier::REDRAWS` draws (table schedulers: positions of the
-/// flow's `hash` drawn again, so that a client keeps its substitute; rr
-/// and random: random slots), then the first unquarantined of up to
-/// `CAP_SCAN` slots in a row; `first` if all are quarantined (never
-/// none). A function of its own: the hooks' frames have no room for its
-/// loops.
+/// and it is quarantined; then another:
+/// `outlier::REDRAWS` draws (table schedulers: positions of the flow's
+/// `hash` drawn again, so that a client keeps its substitute; the others:
+/// random slots), then the first unquarantined of up to `CAP_SCAN` slots
+/// in a row; `first` if all are quarantined (never none). A function of
+/// its own: the hooks' frames have no room for its loops.
 #[inline(never)]
 fn avoid_quarantined(svc: &ServiceValue, first: u32, hash: u32) -> u32 {
     if !avoids(svc) || !quarantined(first) {
         return first;
-    }
-    if algorithm::counts(svc.algorithm()) {
-        return least_loaded_answering(svc).unwrap_or(first);
     }
     let by_table = hash != 0;
     let mut i = 1;
@@ -385,34 +377,6 @@ fn avoid_quarantined(svc: &ServiceValue, first: u32, hash: u32) -> u32 {
         j += 1;
     }
     first
-}
-
-/// lc's pick (`select::least_loaded`) with a quarantined backend's open
-/// connections given the top bit, so that it is taken only when every
-/// scanned backend is quarantined. Without a branch on the quarantine
-/// (as `ejection_allowed`): a branch per scanned backend gives the
-/// verifier a path per combination of them. `open` is below 2^31
-/// (`BackendState::open` clamps an i32), so the bit orders alone.
-#[inline(always)]
-fn least_loaded_answering(svc: &ServiceValue) -> Option<u32> {
-    // SAFETY: plain helper calls.
-    let (now, random) = unsafe { (bpf_ktime_get_ns(), bpf_get_prandom_u32()) };
-    let slot = select::least_loaded(svc, random, |slot| {
-        let id = slot_backend(svc, slot)?;
-        let until = match LB_BACKEND_HEALTH.get_ptr(id) {
-            // SAFETY: a valid element; one aligned word.
-            Some(health) => unsafe { core::ptr::read_volatile(&(*health).until_ns) },
-            None => 0,
-        };
-        // 1 while quarantined (until ahead of now; both < 2^63).
-        let ahead = (now.wrapping_sub(until) >> 63) as u32;
-        Some(open_of(id) | ahead << 31)
-    })?;
-    let id = slot_backend(svc, slot)?;
-    if !quarantined(id) {
-        count(stat::QUARANTINE_AVOIDED);
-    }
-    Some(id)
 }
 
 /// Whether one more of `svc`'s backends may be quarantined at `now`,
@@ -481,9 +445,7 @@ fn ipvs_slot(svc: &ServiceValue, random: u32) -> u32 {
     } else {
         // A quarantined pick is replaced by `avoid_quarantined`: a check
         // here, per backend, costs each socket program seconds of
-        // verification. Each slot's backend is checked (`slot_backend`):
-        // read unchecked (as `ejection_allowed` does), the scan took
-        // connect4 past the verifier's million instructions.
+        // verification.
         select::least_loaded(svc, random, |slot| slot_backend(svc, slot).map(open_of))
     };
     slot.unwrap_or(NO_SLOT)
