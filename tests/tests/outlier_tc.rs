@@ -80,13 +80,28 @@ fn quarantines_on(c: &Cluster, agent: usize) -> Vec<(String, Value)> {
 
 #[test]
 fn a_refusing_backend_behind_a_node_port_is_quarantined_and_avoided() {
+    refusing_n1p1_is_quarantined_through("outl-np-rst", 3);
+}
+
+/// A local backend's RST leaves the node through tc_egress, not
+/// tc_ingress: it is counted there. Node 1's NodePort, whose refusing
+/// backend n1p1 is its own pod.
+#[test]
+fn a_refusing_local_backend_behind_a_node_port_is_quarantined_and_avoided() {
+    refusing_n1p1_is_quarantined_through("outl-np-local", 1);
+}
+
+/// 120 connects through node `node`'s NodePort while n1p1 refuses: three
+/// fail (refused at once), then n1p1 is quarantined on that node and the
+/// others answer.
+fn refusing_n1p1_is_quarantined_through(tag: &str, node: u8) {
     require_root!();
-    let c = cluster("outl-np-rst");
+    let c = cluster(tag);
     c.stop_server("n1p1").unwrap();
-    let target = format!("{}:{NODEPORT}", node_v4(3));
+    let target = format!("{}:{NODEPORT}", node_v4(node));
     let attempts = c.from_client("tcp", &target, 120);
     let failed = failures(&attempts);
-    eprintln!("120 connects through node 3, n1p1 refusing: failed at {failed:?}");
+    eprintln!("120 connects through node {node}, n1p1 refusing: failed at {failed:?}");
     assert_eq!(failed.len(), 3, "{failed:?}");
     for i in failed {
         assert_eq!(
@@ -101,32 +116,7 @@ fn a_refusing_backend_behind_a_node_port_is_quarantined_and_avoided() {
         answered.count("n1p0") > 20 && answered.count("n2p0") > 20,
         "{answered:?}"
     );
-    let q = quarantines(&c);
-    let n1p1 = c.pod("n1p1").ipv4.to_string();
-    assert_eq!(q.len(), 1, "{q:?}");
-    assert_eq!(q[0].0, n1p1, "{q:?}");
-    assert_eq!(q[0].1["reason"], "refused", "{q:?}");
-}
-
-/// A local backend's RST leaves the node through tc_egress, not
-/// tc_ingress: it is counted there. Node 1's NodePort, whose refusing
-/// backend n1p1 is its own pod.
-#[test]
-fn a_refusing_local_backend_behind_a_node_port_is_quarantined_and_avoided() {
-    require_root!();
-    let c = cluster("outl-np-local");
-    c.stop_server("n1p1").unwrap();
-    let target = format!("{}:{NODEPORT}", node_v4(1));
-    let attempts = c.from_client("tcp", &target, 120);
-    let failed = failures(&attempts);
-    eprintln!("120 connects through node 1, its own n1p1 refusing: failed at {failed:?}");
-    assert_eq!(failed.len(), 3, "{failed:?}");
-    let answered = Spread::of(&attempts);
-    assert!(
-        answered.count("n1p0") > 20 && answered.count("n2p0") > 20,
-        "{answered:?}"
-    );
-    let q = quarantines_on(&c, 0);
+    let q = quarantines_on(&c, usize::from(node) - 1);
     let n1p1 = c.pod("n1p1").ipv4.to_string();
     assert_eq!(q.len(), 1, "{q:?}");
     assert_eq!(q[0].0, n1p1, "{q:?}");
