@@ -33,8 +33,11 @@ impl CheckReport {
         let refusal = args.refusal.resolve(&kernel);
         Self {
             cgroup2: loader::cgroup2_root().ok(),
-            programs: loader::verify_programs(refusal, &[tc::INGRESS, tc::EGRESS])
-                .map_err(|e| format!("{e:#}")),
+            programs: loader::verify_programs(
+                refusal,
+                &[tc::INGRESS, tc::EGRESS, crate::datapath::devices::XDP],
+            )
+            .map_err(|e| format!("{e:#}")),
             kernel,
             refusal,
         }

@@ -217,6 +217,14 @@ pub struct NorthSouthArgs {
     /// kernel has it (probed at start), else netlink.
     #[arg(long, value_enum, default_value_t = TcAttachArg::Auto)]
     pub tc_attach: TcAttachArg,
+    /// The XDP stage on the same devices: packets of established flows
+    /// that leave the node again (to a backend on another node, and its
+    /// replies) are translated and sent on from the driver; everything
+    /// else goes to the tc programs as before. `native`: a device whose
+    /// driver refuses native XDP is not ready; `best-effort`: it is served
+    /// by tc alone, said in the log and `lb-agent inspect tc`.
+    #[arg(long, value_enum, default_value_t = crate::datapath::devices::Acceleration::Off)]
+    pub acceleration: crate::datapath::devices::Acceleration,
     /// Serve NodePorts only on node addresses within these prefixes
     /// (comma-separated), like kube-proxy's --nodeport-addresses.
     #[arg(long, value_delimiter = ',')]

@@ -795,7 +795,7 @@ impl Subject for Tc {
                 ifindex: a.ifindex,
                 hook: a.hook.name(),
                 direction: a.hook.direction(),
-                mode: a.mode.name().to_owned(),
+                mode: a.mode.to_owned(),
                 program_id: a.program_id,
                 attached: true,
                 reason: None,
@@ -803,12 +803,17 @@ impl Subject for Tc {
             .collect();
         for wanted in devices::recorded_status(dir) {
             let ifindex = devices::ifindex(&wanted.device);
-            for hook in devices::Hook::TC {
+            let xdp = wanted.xdp.then_some(devices::Hook::Xdp);
+            for hook in devices::Hook::TC.into_iter().chain(xdp) {
+                let mode = match hook {
+                    devices::Hook::Xdp => "native",
+                    _ => wanted.mode.as_str(),
+                };
                 let there = views.iter().any(|v| {
                     v.attached
                         && v.device == wanted.device
                         && v.hook == hook.name()
-                        && v.mode == wanted.mode
+                        && v.mode == mode
                 });
                 if there {
                     continue;
@@ -825,7 +830,7 @@ impl Subject for Tc {
                     ifindex,
                     hook: hook.name(),
                     direction: hook.direction(),
-                    mode: wanted.mode.clone(),
+                    mode: mode.to_owned(),
                     program_id: None,
                     attached: false,
                     reason: Some(reason),

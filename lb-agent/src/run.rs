@@ -269,6 +269,8 @@ struct Syncer {
     tc: Option<crate::datapath::tc::TcMaps>,
     /// How the tc programs attach; `None` with `--no-tc`.
     tc_attach: Option<crate::datapath::devices::AttachMode>,
+    /// `--acceleration`: the XDP stage on the same devices.
+    acceleration: crate::datapath::devices::Acceleration,
     /// Devices the tc programs are asked for; `None` before the first sync.
     tc_devices: Option<Vec<String>>,
     /// Each of them as the last attach left it (at a change of them, or a
@@ -816,7 +818,13 @@ impl Syncer {
             Some(mode) => (devices, mode),
             None => (&[][..], dev::AttachMode::Tcx),
         };
-        let report = dev::attach(self.datapath.ebpf_mut(), &pin_dir, wanted, mode);
+        let report = dev::attach(
+            self.datapath.ebpf_mut(),
+            &pin_dir,
+            wanted,
+            mode,
+            self.acceleration,
+        );
         if let Some(node_addresses) = changed {
             tracing::info!(
                 devices = ?wanted,
@@ -846,6 +854,19 @@ impl Syncer {
             let lack = st.lack();
             if lack.is_some() && lack != before.and_then(dev::DeviceStatus::lack) {
                 tracing::error!("{}; retried every sweep", lack.unwrap_or_default());
+            }
+            for (hook, state) in &st.hooks {
+                let HookState::Unaccelerated(why) = state else {
+                    continue;
+                };
+                let logged = before.is_some_and(|b| b.hooks.contains(&(*hook, state.clone())));
+                if !logged {
+                    tracing::warn!(
+                        device = %st.device,
+                        "--acceleration best-effort: no XDP on this device, the tc programs \
+                         serve it alone: {why}"
+                    );
+                }
             }
             for (hook, state) in &st.hooks {
                 self.metrics
@@ -1159,6 +1180,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
         ),
         None => tracing::info!("--no-tc: the tc programs are attached to no device"),
     }
+    let acceleration = args.north_south.acceleration;
+    if tc_attach.is_some() {
+        tracing::info!(
+            acceleration = acceleration.name(),
+            "the XDP stage (established flows of the tc path sent on from the driver)"
+        );
+    }
     let outlier = args.outlier_settings();
     tracing::info!(
         mode = crate::semantics::model::OutlierMode::from(args.outlier_detection).name(),
@@ -1319,6 +1347,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<()> {
             }
         },
         tc_attach,
+        acceleration,
         tc_devices: None,
         tc_status: Default::default(),
         tc_lack: None,

@@ -1734,7 +1734,11 @@ pub mod stat {
     /// tc path, dropped: a packet from outside to an address of the
     /// guarded Service CIDRs that no Service holds.
     pub const TC_DROP_UNALLOCATED: u32 = 44;
-    pub const COUNT: u32 = 45;
+    /// tc path's XDP stage (`--acceleration`): packets of established
+    /// flows translated and sent out in the driver (not counted in
+    /// `TC_TRANSLATED`).
+    pub const XDP_TRANSLATED: u32 = 45;
+    pub const COUNT: u32 = 46;
     /// Each counter's name, as `/metrics` and `inspect` show it.
     pub const NAMES: [&str; COUNT as usize] = [
         "translated",
@@ -1782,6 +1786,7 @@ pub mod stat {
         "ejected_unreachable",
         "sock_refused_unallocated",
         "tc_drop_unallocated",
+        "xdp_translated",
     ];
 }
 

@@ -15,6 +15,8 @@
 //!
 //! The tc programs (`tc_ingress`, `tc_egress`) serve north-south traffic on
 //! the node's external devices: NodePorts, LoadBalancer IPs, externalIPs.
+//! `lb_xdp`, with `--acceleration`, sends their established flows' packets
+//! on from the driver (`tc::xdp`).
 #![no_std]
 #![feature(core_intrinsics)]
 #![allow(internal_features)]
@@ -28,8 +30,10 @@ mod sock;
 mod tc;
 
 use aya_ebpf::{
-    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, classifier, sock_ops},
-    programs::{SkBuffContext, SockAddrContext, SockContext, SockOpsContext, TcContext},
+    macros::{cgroup_skb, cgroup_sock, cgroup_sock_addr, classifier, sock_ops, xdp},
+    programs::{
+        SkBuffContext, SockAddrContext, SockContext, SockOpsContext, TcContext, XdpContext,
+    },
 };
 
 #[classifier]
@@ -40,6 +44,11 @@ pub fn tc_ingress(ctx: TcContext) -> i32 {
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
     tc::egress(&ctx)
+}
+
+#[xdp]
+pub fn lb_xdp(ctx: XdpContext) -> u32 {
+    tc::xdp::serve(&ctx)
 }
 
 #[cgroup_sock_addr(connect4)]

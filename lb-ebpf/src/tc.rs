@@ -54,6 +54,7 @@ mod frag;
 mod guard;
 mod icmp;
 mod route;
+pub mod xdp;
 
 /// Not ours: let the next program (or the stack) decide.
 pub const TC_ACT_UNSPEC: i32 = -1;

@@ -35,6 +35,7 @@ pub mod nodes;
 pub mod pinned;
 pub mod probe;
 pub mod tcpflow;
+pub mod xdp_pass;
 
 use std::{
     net::IpAddr,

@@ -108,6 +108,9 @@ pub struct Cluster {
     cgroups: Vec<CgroupGuard>,
     pub manifests: crate::manifests::Manifests,
     switch: String,
+    /// Made ready for the XDP stage ([`accelerate`](Self::accelerate)):
+    /// the pass program on the nodes' switch ports.
+    xdp_pass: Option<crate::xdp_pass::XdpPass>,
     state: Arc<Mutex<State>>,
     _cleanup: CleanupHandle,
     pub dir: tempfile::TempDir,
@@ -124,6 +127,31 @@ impl Drop for Cluster {
 
 fn ip(args: &[&str]) -> Result<String> {
     cmd::ip(args)
+}
+
+fn ethtool(netns: &str, args: &[&str]) -> Result<()> {
+    let mut c = Command::new("nsenter");
+    c.arg(format!("--net=/run/netns/{netns}"))
+        .arg("ethtool")
+        .args(args);
+    cmd::run(&mut c).map(|_| ())
+}
+
+/// A node's port on the switch, made ready for the XDP stage on its
+/// `eth0` (see [`Cluster::accelerate`]).
+fn switch_port_for_xdp(switch: &str, node: &str, pass: &crate::xdp_pass::XdpPass) -> Result<()> {
+    let port = format!("v{node}");
+    pass.attach(switch, &port)?;
+    ethtool(switch, &["-K", &port, "tx", "off", "gso", "off"])
+}
+
+/// `LB_TEST_ACCELERATION` (`native`, `best-effort`): every agent of a
+/// [`Cluster`] starts with `--acceleration` that, on a test bed made ready
+/// for it; unset or `off`: as asked by the test.
+pub fn acceleration_from_env() -> Option<String> {
+    std::env::var("LB_TEST_ACCELERATION")
+        .ok()
+        .filter(|v| !v.is_empty() && v != "off")
 }
 
 fn sysctl(netns: &str, settings: &[&str]) -> Result<()> {
@@ -151,6 +179,7 @@ impl Cluster {
         let manifests = crate::manifests::Manifests::new(dir.path().join("manifests"))?;
         let mut c = Cluster {
             switch: format!("{prefix}-sw"),
+            xdp_pass: None,
             prefix,
             nodes: Vec::new(),
             pods: Vec::new(),
@@ -268,6 +297,43 @@ impl Cluster {
         Ok(())
     }
 
+    /// Makes the veths carry what the XDP stage sends, and deliver to it
+    /// what a NIC would:
+    /// - a node's `eth0` sends with `XDP_TX` into its switch port, which
+    ///   receives such frames at once only when it runs an XDP program
+    ///   itself (with GRO alone they wait in its ring until the next
+    ///   packet sent the ordinary way): a pass program
+    ///   ([`XdpPass`](crate::xdp_pass::XdpPass));
+    /// - what GRO merges there must not reach the other node's `eth0` as
+    ///   one large frame (a NIC delivers none over the MTU to XDP, and
+    ///   veth drops one over a page when the program takes no fragments):
+    ///   the switch ports segment what they send (`gso off`);
+    /// - XDP cannot tell a partial checksum (a veth's sender offloads it)
+    ///   from a complete one and updates it as complete, as a NIC
+    ///   delivers it: every sender computes it in full (`tx off`: the
+    ///   clients, the pods and the switch ports).
+    pub fn accelerate(&mut self) -> Result<()> {
+        if self.xdp_pass.is_some() {
+            return Ok(());
+        }
+        crate::agent::ensure_bpffs()?;
+        let pin = Path::new(crate::agent::BPFFS_ROOT).join(format!("{}-xdp-pass", self.prefix));
+        let pass = crate::xdp_pass::XdpPass::load(&pin)?;
+        for n in &self.nodes {
+            switch_port_for_xdp(&self.switch, &n.name, &pass)?;
+        }
+        self.xdp_pass = Some(pass);
+        let senders = self
+            .pods
+            .iter()
+            .map(|p| p.netns.clone())
+            .chain([self.client_netns.clone(), self.client2_netns.clone()]);
+        for ns in senders {
+            ethtool(&ns, &["-K", "eth0", "tx", "off"])?;
+        }
+        Ok(())
+    }
+
     /// Deletes node `node`'s `eth0` (and its switch end, the other end of
     /// the veth pair), as a NIC reset or a re-created bond does: its MAC
     /// address, for [`replug_node`](Self::replug_node).
@@ -292,6 +358,9 @@ impl Cluster {
             node_v6(node),
             Some(mac),
         )?;
+        if let Some(pass) = &self.xdp_pass {
+            switch_port_for_xdp(&self.switch, &n.name, pass)?;
+        }
         self.add_node_routes(node, self.nodes.len() as u8)
     }
 
@@ -491,6 +560,9 @@ impl Cluster {
         let ns = format!("{}-{tag}", self.prefix);
         self.add_netns(&ns)?;
         self.wire_to_switch(&ns, &format!("v{tag}"), node_v4(index), node_v6(index))?;
+        if self.xdp_pass.is_some() {
+            ethtool(&ns, &["-K", "eth0", "tx", "off"])?;
+        }
         Ok(ns)
     }
 
@@ -554,6 +626,21 @@ impl Cluster {
         mut opts: AgentOpts,
         start: impl FnOnce(&Path, AgentOpts) -> Result<Agent>,
     ) -> Result<()> {
+        // One argument, `--acceleration=MODE`, so that a test can drop it
+        // for a restart (`Agent::remove_arg`).
+        let asked = |a: &String| a.starts_with("--acceleration");
+        if !opts.extra_args.iter().any(asked) {
+            if let Some(mode) = acceleration_from_env() {
+                opts.extra_args.push(format!("--acceleration={mode}"));
+            }
+        }
+        if opts
+            .extra_args
+            .iter()
+            .any(|a| asked(a) && a != "--acceleration=off")
+        {
+            self.accelerate()?;
+        }
         let cg = CgroupGuard::create(&format!("{}-{}", self.prefix, n.name))?;
         opts.node_name = n.name.clone();
         opts.netns = Some(n.netns.clone());

@@ -23,6 +23,9 @@ const COMMANDS: &[(&str, &str)] = &[
     ("iptables", "iptables"),
     // The agent with the DaemonSet's capabilities only (tests/tests/privilege.rs).
     ("setpriv", "util-linux"),
+    // The XDP stage on veth: GRO on a peer, checksum offload off
+    // (tests/src/nodes.rs, `Cluster::accelerate`).
+    ("ethtool", "ethtool"),
     // pip, for the PyPI tools below.
     ("python3", "python3"),
 ];

@@ -1,6 +1,7 @@
 //! The devices the tc programs are attached to: TCX links pinned in
-//! `<bpffs>/links`, or before Linux 6.6 clsact filters (`clsact`); what is
-//! attached where, for `lb-agent inspect tc`.
+//! `<bpffs>/links`, or before Linux 6.6 clsact filters (`clsact`); with
+//! `--acceleration`, the XDP stage too (`lb_xdp`, native mode, a pinned
+//! XDP link); what is attached where, for `lb-agent inspect tc`.
 use std::{
     collections::{BTreeMap, BTreeSet},
     ffi::CStr,
@@ -13,7 +14,8 @@ use aya::{
     programs::{
         links::{FdLink, LinkOrder, PinnedLink},
         tc::TcAttachOptions,
-        SchedClassifier, TcAttachType,
+        xdp::XdpLink,
+        SchedClassifier, TcAttachType, Xdp, XdpMode,
     },
     Ebpf,
 };
@@ -29,6 +31,50 @@ use crate::datapath::{
 
 /// Prefix of the pinned tc links in `<bpffs>/links`.
 const PIN_PREFIX: &str = "tc_";
+/// Prefix of the pinned XDP links in `<bpffs>/links`: `xdp_<device>_<ifindex>`.
+/// The ifindex tells a link of a device deleted since (defunct: the
+/// kernel detached it) from one of the device there now.
+const XDP_PIN_PREFIX: &str = "xdp_";
+
+fn xdp_pin_name(device: &str, ifindex: u32) -> String {
+    format!("{XDP_PIN_PREFIX}{}_{ifindex}", device.replace('.', "_"))
+}
+
+/// The XDP program: the tc path's first stage (`lb-ebpf/src/tc/xdp.rs`).
+pub const XDP: &str = "lb_xdp";
+
+/// `--acceleration`: the XDP stage on the tc path's devices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Acceleration {
+    /// tc programs only.
+    #[default]
+    Off,
+    /// XDP in the driver on every device; a device whose driver refuses
+    /// lacks it (`/readyz` says so).
+    Native,
+    /// XDP in the driver where it takes it; elsewhere tc alone, said in
+    /// the log and `lb-agent inspect tc`, not a failure.
+    BestEffort,
+}
+
+impl Acceleration {
+    pub fn name(self) -> &'static str {
+        match self {
+            Acceleration::Off => "off",
+            Acceleration::Native => "native",
+            Acceleration::BestEffort => "best-effort",
+        }
+    }
+
+    /// What a device whose driver refused the XDP program has at its XDP
+    /// hook.
+    fn refused(self, why: String) -> HookState {
+        match self {
+            Acceleration::BestEffort => HookState::Unaccelerated(why),
+            _ => HookState::Failed(why),
+        }
+    }
+}
 
 fn pin_name(direction: &str, device: &str) -> String {
     // bpffs refuses dots in names.
@@ -55,12 +101,13 @@ impl AttachMode {
 }
 
 /// A hook of a device where one of our programs is attached: each device
-/// the tc path serves wants [`Hook::TC`]; an XDP program would be one
-/// more hook with its own attach mode.
+/// the tc path serves wants [`Hook::TC`], and with `--acceleration`
+/// [`Hook::Xdp`] too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Hook {
     TcIngress,
     TcEgress,
+    Xdp,
 }
 
 impl Hook {
@@ -73,25 +120,28 @@ impl Hook {
         match self {
             Hook::TcIngress => INGRESS,
             Hook::TcEgress => EGRESS,
+            Hook::Xdp => XDP,
         }
     }
 
     pub fn direction(self) -> &'static str {
         match self {
-            Hook::TcIngress => "ingress",
+            Hook::TcIngress | Hook::Xdp => "ingress",
             Hook::TcEgress => "egress",
         }
     }
 
     fn attach_type(self) -> TcAttachType {
         match self {
-            Hook::TcIngress => TcAttachType::Ingress,
+            Hook::TcIngress | Hook::Xdp => TcAttachType::Ingress,
             Hook::TcEgress => TcAttachType::Egress,
         }
     }
 
     pub fn from_name(name: &str) -> Option<Hook> {
-        Hook::TC.into_iter().find(|h| h.name() == name)
+        [Hook::TcIngress, Hook::TcEgress, Hook::Xdp]
+            .into_iter()
+            .find(|h| h.name() == name)
     }
 }
 
@@ -105,6 +155,9 @@ pub enum HookState {
     Attached { replaced: bool },
     /// Not attached: why.
     Failed(String),
+    /// `--acceleration best-effort`: the driver refused XDP (why); the tc
+    /// programs serve the device alone. Not a failure.
+    Unaccelerated(String),
 }
 
 /// A device asked for, after [`attach`].
@@ -252,6 +305,7 @@ pub fn attach(
     pin_dir: &Path,
     devices: &[String],
     mode: AttachMode,
+    acceleration: Acceleration,
 ) -> AttachReport {
     let links_dir = pin_dir.join("links");
     let filters_dir = pin_dir.join(FILTERS_DIR);
@@ -300,7 +354,7 @@ pub fn attach(
                 attached.unwrap_or_else(|e| HookState::Failed(format!("{e:#}")))
             };
             match state {
-                HookState::Failed(_) => {}
+                HookState::Failed(_) | HookState::Unaccelerated(_) => {}
                 HookState::Attached { replaced } => {
                     report.replaced += usize::from(replaced);
                     keep.insert(pin_base);
@@ -329,12 +383,107 @@ pub fn attach(
             &complement(&filters_dir, &none),
         ),
     };
-    report.replaced += unpin_links_except(&links_dir, keep_links);
+    report.replaced += unpin_links_except(&links_dir, PIN_PREFIX, keep_links);
     match detach_filters_except(&filters_dir, keep_filters) {
         Ok((n, _)) => report.replaced += n,
         Err(e) => report.cleanup_error = Some(format!("{e:#}")),
     }
+    // The XDP stage after the tc programs, which set up the flows it
+    // serves; its links of devices gone, or all of them with acceleration
+    // off, go.
+    let keep_xdp = if acceleration == Acceleration::Off || devices.is_empty() {
+        BTreeSet::new()
+    } else {
+        attach_xdp_all(ebpf, &links_dir, &mut report.devices, acceleration)
+    };
+    report.replaced += unpin_links_except(&links_dir, XDP_PIN_PREFIX, &keep_xdp);
     report
+}
+
+/// Attaches the XDP stage to every device of `statuses` (which get their
+/// [`Hook::Xdp`] state); the pin names of the links now in place.
+fn attach_xdp_all(
+    ebpf: &mut Ebpf,
+    links_dir: &Path,
+    statuses: &mut [DeviceStatus],
+    acceleration: Acceleration,
+) -> BTreeSet<String> {
+    let mut keep = BTreeSet::new();
+    let program = match xdp_program(ebpf) {
+        Ok(p) => p,
+        Err(e) => {
+            for st in statuses {
+                st.hooks
+                    .push((Hook::Xdp, acceleration.refused(format!("{e:#}"))));
+            }
+            return keep;
+        }
+    };
+    let program_id = program.info().map(|i| i.id()).ok();
+    for st in statuses {
+        let state = match st.ifindex {
+            None => HookState::Failed("device absent".into()),
+            Some(ifindex) => attach_xdp(program, program_id, &st.device, ifindex, links_dir)
+                .unwrap_or_else(|e| acceleration.refused(format!("{e:#}"))),
+        };
+        if let (Some(ifindex), HookState::Kept | HookState::Attached { .. }) = (st.ifindex, &state)
+        {
+            keep.insert(xdp_pin_name(&st.device, ifindex));
+        }
+        st.hooks.push((Hook::Xdp, state));
+    }
+    keep
+}
+
+/// The XDP program, loaded (verified) if it is not yet: only with
+/// `--acceleration`, so that without it no time goes into its checks.
+fn xdp_program(ebpf: &mut Ebpf) -> anyhow::Result<&mut Xdp> {
+    let program: &mut Xdp = ebpf
+        .program_mut(XDP)
+        .with_context(|| format!("program {XDP} missing from the object"))?
+        .try_into()
+        .with_context(|| format!("program {XDP} is not an XDP program"))?;
+    if program.fd().is_err() {
+        crate::datapath::loader::verify(|| program.load())
+            .with_context(|| format!("verifying program {XDP}"))?;
+    }
+    Ok(program)
+}
+
+/// `program` (kernel id `program_id`) in native mode on `dev`: kept if
+/// our pinned link of this ifindex runs it; the program swapped in place
+/// (`bpf_link_update`: the device is never without one) if the link runs
+/// an earlier run's; else a new link, pinned.
+fn attach_xdp(
+    program: &mut Xdp,
+    program_id: Option<u32>,
+    dev: &str,
+    ifindex: u32,
+    links_dir: &Path,
+) -> anyhow::Result<HookState> {
+    let name = xdp_pin_name(dev, ifindex);
+    let what = format!("{XDP} on {dev}");
+    if let Ok(pinned) = PinnedLink::from_pin(links_dir.join(&name)) {
+        let link = FdLink::from(pinned);
+        let running = link.info().map(|i| i.program_id()).ok();
+        if running.is_some() && running == program_id {
+            return Ok(HookState::Kept);
+        }
+        let link = XdpLink::try_from(link).with_context(|| format!("pinned link {name}"))?;
+        let id = program
+            .attach_to_link(link)
+            .with_context(|| format!("replacing the program of {what}"))?;
+        // Still pinned: dropping this handle leaves it attached.
+        drop(program.take_link(id)?);
+        return Ok(HookState::Attached { replaced: true });
+    }
+    let id = program
+        .attach_to_if_index(ifindex, XdpMode::Driver)
+        .with_context(|| format!("attaching {what} (native XDP)"))?;
+    let link = FdLink::try_from(program.take_link(id)?)
+        .with_context(|| format!("link of {what} (XDP links need Linux 5.9)"))?;
+    let replaced = pin_replacing(link, links_dir, &name, &what)?;
+    Ok(HookState::Attached { replaced })
 }
 
 /// `hook`'s program, loaded (verified) if it is not yet.
@@ -435,7 +584,8 @@ pub struct Attachment {
     pub device: String,
     pub ifindex: Option<u32>,
     pub hook: Hook,
-    pub mode: AttachMode,
+    /// "tcx", "netlink" ([`AttachMode::name`]), or "native" (XDP).
+    pub mode: &'static str,
     /// The kernel's program id.
     pub program_id: Option<u32>,
 }
@@ -456,7 +606,7 @@ pub fn attachments(pin_dir: &Path) -> Vec<Attachment> {
                         device: dev.clone(),
                         ifindex: ifindex(&dev),
                         hook,
-                        mode: AttachMode::Tcx,
+                        mode: AttachMode::Tcx.name(),
                         program_id: Some(p.id()),
                     });
                 }
@@ -474,12 +624,57 @@ pub fn attachments(pin_dir: &Path) -> Vec<Attachment> {
                 ifindex: ifindex(&device),
                 device,
                 hook,
-                mode: AttachMode::Netlink,
+                mode: AttachMode::Netlink.name(),
                 program_id: Some(id),
             });
         }
     }
+    // Our XDP links whose device is there.
+    for entry in fs::read_dir(pin_dir.join("links"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(ifindex) = name
+            .strip_prefix(XDP_PIN_PREFIX)
+            .and_then(|rest| rest.rsplit_once('_'))
+            .and_then(|(_, i)| i.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Some(device) = device_name(ifindex) else {
+            continue;
+        };
+        let program_id = PinnedLink::from_pin(entry.path())
+            .ok()
+            .and_then(|l| FdLink::from(l).info().ok())
+            .map(|i| i.program_id());
+        out.push(Attachment {
+            device,
+            ifindex: Some(ifindex),
+            hook: Hook::Xdp,
+            mode: "native",
+            program_id,
+        });
+    }
     out
+}
+
+/// The name of the device of `ifindex`, if there is one.
+fn device_name(ifindex: u32) -> Option<String> {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: a buffer of IF_NAMESIZE bytes, as if_indextoname wants.
+    let name = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if name.is_null() {
+        return None;
+    }
+    // SAFETY: NUL-terminated by if_indextoname.
+    Some(
+        unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned(),
+    )
 }
 
 /// Every network device of this network namespace (if_nameindex).
@@ -503,13 +698,14 @@ fn device_names() -> Vec<String> {
     out
 }
 
-/// Unpins the TCX links in `links_dir` not in `keep`; how many.
-fn unpin_links_except(links_dir: &Path, keep: &BTreeSet<String>) -> usize {
+/// Unpins the links in `links_dir` whose names start with `prefix`, but
+/// those in `keep`; how many.
+fn unpin_links_except(links_dir: &Path, prefix: &str, keep: &BTreeSet<String>) -> usize {
     let mut n = 0;
     if let Ok(entries) = fs::read_dir(links_dir) {
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(PIN_PREFIX) && !keep.contains(&name) {
+            if name.starts_with(prefix) && !keep.contains(&name) {
                 if let Ok(link) = PinnedLink::from_pin(entry.path()) {
                     drop(link.unpin());
                 } else {
@@ -536,12 +732,23 @@ pub struct Recorded {
     /// [`AttachMode::name`].
     pub mode: String,
     pub ifindex: Option<u32>,
-    /// Hook name → why it lacks our program.
+    /// Hook name → why it lacks our program (for the XDP hook under
+    /// `--acceleration best-effort`, why the driver refused it).
     pub lacking: BTreeMap<String, String>,
+    /// The XDP stage was asked for (`--acceleration`).
+    #[serde(default)]
+    pub xdp: bool,
 }
 
 impl Recorded {
     fn of(status: &DeviceStatus, mode: AttachMode) -> Self {
+        let unaccelerated = status.hooks.iter().filter_map(|(h, s)| match s {
+            HookState::Unaccelerated(why) => Some((
+                h.name().to_owned(),
+                format!("not accelerated (best-effort): {why}"),
+            )),
+            _ => None,
+        });
         Self {
             device: status.device.clone(),
             mode: mode.name().to_owned(),
@@ -549,7 +756,9 @@ impl Recorded {
             lacking: status
                 .lacking()
                 .map(|(h, why)| (h.name().to_owned(), why.to_owned()))
+                .chain(unaccelerated)
                 .collect(),
+            xdp: status.hooks.iter().any(|(h, _)| *h == Hook::Xdp),
         }
     }
 }

@@ -1296,6 +1296,7 @@ pub fn verify_programs(refusal: Refusal, optional: &[&str]) -> anyhow::Result<Ve
             Program::CgroupSock(p) => verify(|| p.load()),
             Program::SockOps(p) => verify(|| p.load()),
             Program::SchedClassifier(p) => verify(|| p.load()),
+            Program::Xdp(p) => verify(|| p.load()),
             _ => bail!("program {name} is of a type the agent does not load"),
         };
         let (rejected, log) = match loaded {

@@ -66,7 +66,7 @@ pub struct Flow<'a> {
 
 /// What a cached hop is good for: the route epoch and the second.
 #[inline(always)]
-fn stamp(now: u64) -> [u32; 2] {
+pub(super) fn stamp(now: u64) -> [u32; 2] {
     [
         LB_ROUTE_EPOCH.get(0).copied().unwrap_or(0),
         (now >> 30) as u32,
