@@ -627,11 +627,13 @@ impl Cluster {
         start: impl FnOnce(&Path, AgentOpts) -> Result<Agent>,
     ) -> Result<()> {
         // One argument, `--acceleration=MODE`, so that a test can drop it
-        // for a restart (`Agent::remove_arg`).
+        // for a restart (`Agent::remove_arg`); first, so that a test that
+        // swaps the value of a flag at the end (`remove_arg`, `add_args`)
+        // keeps the pair together.
         let asked = |a: &String| a.starts_with("--acceleration");
         if !opts.extra_args.iter().any(asked) {
             if let Some(mode) = acceleration_from_env() {
-                opts.extra_args.push(format!("--acceleration={mode}"));
+                opts.extra_args.insert(0, format!("--acceleration={mode}"));
             }
         }
         if opts

@@ -991,14 +991,15 @@ fn clsact_filters(netns: &str) -> (usize, usize) {
     (count("ingress", "tc_ingress"), count("egress", "tc_egress"))
 }
 
-/// The programs `lb-agent inspect tc` finds on `eth0`: (mode, direction)
-/// of each, sorted; TCX links as the kernel lists them.
+/// The tc programs `lb-agent inspect tc` finds on `eth0`: (mode,
+/// direction) of each, sorted; TCX links as the kernel lists them. (The
+/// XDP stage, under `LB_TEST_ACCELERATION`, is not one of them.)
 fn attached(c: &Cluster, node: usize) -> Vec<(String, String)> {
     let mut out: Vec<(String, String)> = c.agents[node]
         .inspect_tc()
         .expect("inspect tc")
         .iter()
-        .filter(|v| v["device"] == "eth0")
+        .filter(|v| v["device"] == "eth0" && v["hook"] != "lb_xdp")
         .map(|v| {
             (
                 v["mode"].as_str().unwrap().to_owned(),
