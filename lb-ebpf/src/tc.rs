@@ -176,15 +176,30 @@ fn parse_into(ctx: &TcContext, p: &mut Pkt) -> Option<()> {
     let head: [u8; 14] = if p.proto == proto::TCP {
         l4_head(ctx, p.l4)?
     } else {
-        let h: [u8; 4] = l4_head(ctx, p.l4)?;
-        [h[0], h[1], h[2], h[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        Pkt::udp_head(l4_head(ctx, p.l4)?)
     };
-    p.sport = u16::from_be_bytes([head[0], head[1]]);
-    p.dport = u16::from_be_bytes([head[2], head[3]]);
-    p.seq = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
-    p.ack = u32::from_be_bytes([head[8], head[9], head[10], head[11]]);
-    p.tcp_flags = head[13];
+    p.set_l4_head(head);
     Some(())
+}
+
+impl Pkt {
+    /// A UDP header's ports as the first bytes of a TCP header's (no
+    /// sequence numbers, no flags).
+    #[inline(always)]
+    fn udp_head(h: [u8; 4]) -> [u8; 14] {
+        [h[0], h[1], h[2], h[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    }
+
+    /// The ports, sequence numbers and flags from the transport header's
+    /// first 14 bytes (`udp_head` for UDP).
+    #[inline(always)]
+    fn set_l4_head(&mut self, head: [u8; 14]) {
+        self.sport = u16::from_be_bytes([head[0], head[1]]);
+        self.dport = u16::from_be_bytes([head[2], head[3]]);
+        self.seq = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
+        self.ack = u32::from_be_bytes([head[8], head[9], head[10], head[11]]);
+        self.tcp_flags = head[13];
+    }
 }
 
 #[inline(always)]

@@ -13,7 +13,7 @@ use std::{process::Command, time::Duration};
 use serde_json::Value;
 
 use integration_tests::{
-    nodes::{node_v4, Cluster},
+    nodes::{acceleration_from_env, node_v4, Cluster},
     probe::Attempt,
     require_root, wait_until,
 };
@@ -95,11 +95,16 @@ fn eth0_rows(c: &Cluster) -> Vec<(String, bool, String)> {
     out
 }
 
+/// Every hook of `eth0` attached: both tc programs, in `mode`, and with
+/// `LB_TEST_ACCELERATION` the XDP stage too (sorted as `eth0_rows`).
 fn both_attached(mode: &str) -> Vec<(String, bool, String)> {
-    vec![
-        ("tc_egress".to_owned(), true, mode.to_owned()),
-        ("tc_ingress".to_owned(), true, mode.to_owned()),
-    ]
+    let xdp = acceleration_from_env().map(|_| ("lb_xdp".to_owned(), true, "native".to_owned()));
+    xdp.into_iter()
+        .chain([
+            ("tc_egress".to_owned(), true, mode.to_owned()),
+            ("tc_ingress".to_owned(), true, mode.to_owned()),
+        ])
+        .collect()
 }
 
 /// The ifindex `lb-agent inspect tc` shows for `eth0`.
@@ -232,7 +237,7 @@ fn an_absent_device_is_reported_per_device_until_it_is_back() {
     assert!(m.contains("lb_tc_attach_failing 1"), "{m}");
     let rows = c.agents[0].inspect_tc().expect("inspect tc");
     let eth0: Vec<&Value> = rows.iter().filter(|v| v["device"] == "eth0").collect();
-    assert_eq!(eth0.len(), 2, "{rows:?}");
+    assert_eq!(eth0.len(), both_attached("tcx").len(), "{rows:?}");
     assert!(
         eth0.iter().all(|v| v["attached"] == Value::Bool(false)
             && v["ifindex"].is_null()

@@ -92,21 +92,11 @@ fn parse(ctx: &XdpContext, p: &mut Pkt) -> Option<()> {
     let head: [u8; 14] = match p.proto {
         proto::TCP if p.v6 => at(ctx, L4_V6)?,
         proto::TCP => at(ctx, L4_V4)?,
-        proto::UDP => {
-            let h: [u8; 4] = if p.v6 {
-                at(ctx, L4_V6)?
-            } else {
-                at(ctx, L4_V4)?
-            };
-            [h[0], h[1], h[2], h[3], 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-        }
+        proto::UDP if p.v6 => Pkt::udp_head(at(ctx, L4_V6)?),
+        proto::UDP => Pkt::udp_head(at(ctx, L4_V4)?),
         _ => return None,
     };
-    p.sport = u16::from_be_bytes([head[0], head[1]]);
-    p.dport = u16::from_be_bytes([head[2], head[3]]);
-    p.seq = u32::from_be_bytes([head[4], head[5], head[6], head[7]]);
-    p.ack = u32::from_be_bytes([head[8], head[9], head[10], head[11]]);
-    p.tcp_flags = head[13];
+    p.set_l4_head(head);
     Some(())
 }
 
