@@ -136,6 +136,9 @@ pub enum ArmKind {
     /// [`NoiseFloor`]).
     DirectBeside,
     Ours,
+    /// Ours with its XDP stage (`--acceleration=native`) on a test bed
+    /// made ready for it: only in the NodePort experiment, the tc path's.
+    OursXdp,
     IptablesNft,
     IptablesLegacy,
     Nftables,
@@ -150,12 +153,24 @@ impl ArmKind {
         ArmKind::Nftables,
     ];
 
+    /// The NodePort experiment's arms: [`ALL`](Self::ALL) and ours with
+    /// its XDP stage, in the report's order.
+    pub const NODEPORT: [ArmKind; 6] = [
+        ArmKind::Direct,
+        ArmKind::Ours,
+        ArmKind::OursXdp,
+        ArmKind::IptablesNft,
+        ArmKind::IptablesLegacy,
+        ArmKind::Nftables,
+    ];
+
     pub fn label(self) -> &'static str {
         match self {
             ArmKind::Direct => "direct",
             ArmKind::DirectAgain => "direct (again)",
             ArmKind::DirectBeside => "direct (ours' namespaces)",
             ArmKind::Ours => "lb (ours)",
+            ArmKind::OursXdp => "lb (ours, XDP)",
             ArmKind::IptablesNft => "iptables (nft)",
             ArmKind::IptablesLegacy => "iptables (legacy)",
             ArmKind::Nftables => "nftables",
@@ -168,6 +183,7 @@ impl ArmKind {
             ArmKind::DirectAgain => "direct2",
             ArmKind::DirectBeside => "direct-o",
             ArmKind::Ours => "ours",
+            ArmKind::OursXdp => "oursx",
             ArmKind::IptablesNft => "iptnft",
             ArmKind::IptablesLegacy => "iptleg",
             ArmKind::Nftables => "nft",
@@ -549,6 +565,7 @@ fn run(opts: &Opts) -> Result<()> {
             costs: Vec::new(),
             rr_costs: Vec::new(),
             ours_stats: Vec::new(),
+            xdp_tallies: Vec::new(),
             notes: Vec::new(),
         };
         let mut seed = seed();
@@ -1177,6 +1194,7 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(Arm, Setup)> {
     };
     match kind {
         ArmKind::DirectBeside => bail!("direct (ours' namespaces) is a view of ours, not an arm"),
+        ArmKind::OursXdp => bail!("ours with XDP is an arm of the NodePort experiment only"),
         ArmKind::Direct | ArmKind::DirectAgain => {
             let b = SocketAddrV4::new(Ipv4Addr::new(10, 244, 1, 1), BACKEND_PORT);
             arm.tcp = b;
@@ -1237,9 +1255,15 @@ fn datapath_point(
         rules::target_endpoints(opts.target_endpoints),
     );
     let at = ArmCtx::new(opts, &scenario, cache, bench_bin);
-    let mut arms = set_up_arms("", services, bench_bin, skip, &mut results.setups, |kind| {
-        setup_arm(&at, kind)
-    })?;
+    let mut arms = set_up_arms(
+        "",
+        &ArmKind::ALL,
+        services,
+        bench_bin,
+        skip,
+        &mut results.setups,
+        |kind| setup_arm(&at, kind),
+    )?;
     // The datapath needs no agent (programs and maps are pinned). Paused,
     // its periodic full resync of the manifests directory (seconds of CPU
     // at 100 000 Services) cannot take one of the two cores from whichever
@@ -1556,6 +1580,7 @@ pub fn check_sanity(kind: ArmKind, mode: Mode, r: Run) -> Result<()> {
 /// is measured.
 pub fn set_up_arms<A: Measured>(
     label: &str,
+    kinds: &[ArmKind],
     services: usize,
     bench_bin: &Path,
     skip: &mut Vec<ArmKind>,
@@ -1563,7 +1588,7 @@ pub fn set_up_arms<A: Measured>(
     mut set_up: impl FnMut(ArmKind) -> Result<(A, Setup)>,
 ) -> Result<Vec<A>> {
     let mut arms = Vec::new();
-    for kind in ArmKind::ALL {
+    for &kind in kinds {
         if skip.contains(&kind) {
             say(format!("{label}{}: {SKIPPED_EARLIER}", kind.label()));
             setups.push(Setup::skipped_earlier(services, kind));

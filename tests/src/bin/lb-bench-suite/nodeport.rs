@@ -14,18 +14,24 @@
 //!
 //! Arms: direct (the client routes the pod addresses via n1: the same two
 //! forwarding hops, no load balancer), ours (`lb-agent run` in n1 with its
-//! tc programs on n1's `eth0`), kube-proxy's iptables NodePort shape
-//! through iptables-nft and iptables-legacy, its nftables shape; all rules
-//! go into n1 only. Every arm has its own namespaces, torn down with it.
+//! tc programs on n1's `eth0`), ours with its XDP stage
+//! (`--acceleration=native`: established packets that leave n1 again are
+//! translated and sent back out in XDP), kube-proxy's iptables NodePort
+//! shape through iptables-nft and iptables-legacy, its nftables shape; all
+//! rules go into n1 only. Every arm has its own namespaces, torn down with
+//! it, and every arm's test bed is made ready for XDP
+//! ([`Cluster::accelerate`]: a pass program on the switch ports, checksum
+//! offload off on the senders), so that the arms differ only in n1.
 use std::{
     fs,
     net::{Ipv4Addr, SocketAddrV4},
     path::{Path, PathBuf},
     process::Command,
+    sync::Mutex,
     time::{Duration, Instant},
 };
 
-use anyhow::{anyhow, Context as _, Result};
+use anyhow::{anyhow, bail, Context as _, Result};
 use integration_tests::{
     cmd,
     nodes::{node_v4, Cluster},
@@ -66,7 +72,23 @@ pub struct NodePortResults {
     /// flows dropped for want of a free SNAT port).
     #[serde(default)]
     pub ours_stats: Vec<(usize, u64, u64)>,
+    /// Ours with XDP: what translated its packets, per point and test,
+    /// summed over the rounds' runs (`LB_STATS` read around each run).
+    #[serde(default)]
+    pub xdp_tallies: Vec<XdpTally>,
     pub notes: Vec<String>,
+}
+
+/// Packets of the XDP arm's runs in one test at one point, over all
+/// rounds: how many the XDP stage translated and how many tc did, beside
+/// the operations (connections or transactions) the runs made.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct XdpTally {
+    pub services: usize,
+    pub mode: Mode,
+    pub ops: u64,
+    pub xdp_translated: u64,
+    pub tc_translated: u64,
 }
 
 /// One tc program's run-time statistics over one run (connect+close, or
@@ -121,6 +143,8 @@ struct NpArm {
     targets: Vec<SocketAddrV4>,
     /// Ours: (pinned link name, program id) of the tc programs.
     tc_progs: Vec<(String, u32)>,
+    /// Ours with XDP: its packets per test so far at this point.
+    xdp_tallies: Option<Mutex<Vec<XdpTally>>>,
 }
 
 impl NpArm {
@@ -140,7 +164,33 @@ impl Measured for NpArm {
         } else {
             &self.targets[..1]
         };
-        run_bench_client(bench_bin, self.client_ns(), None, targets, mode, ms)
+        let Some(tallies) = &self.xdp_tallies else {
+            return run_bench_client(bench_bin, self.client_ns(), None, targets, mode, ms);
+        };
+        // Read outside the timed run: bpftool takes a few ms.
+        let pins = self.cluster.agents[0].pin_dir();
+        let before = translated(pins)?;
+        let run = run_bench_client(bench_bin, self.client_ns(), None, targets, mode, ms)?;
+        let after = translated(pins)?;
+        let mut tallies = tallies.lock().unwrap_or_else(|e| e.into_inner());
+        let t = match tallies.iter().position(|t| t.mode == mode) {
+            Some(i) => &mut tallies[i],
+            None => {
+                // `services` is set when the point's rounds are over.
+                tallies.push(XdpTally {
+                    services: 0,
+                    mode,
+                    ops: 0,
+                    xdp_translated: 0,
+                    tc_translated: 0,
+                });
+                tallies.last_mut().expect("just pushed")
+            }
+        };
+        t.ops += run.ops;
+        t.xdp_translated += after.0.saturating_sub(before.0);
+        t.tc_translated += after.1.saturating_sub(before.1);
+        Ok(run)
     }
 
     fn sanity(&self, bench_bin: &Path) -> Result<()> {
@@ -165,6 +215,15 @@ fn ruleset_file(kind: ArmKind, scenario: &Scenario, cache: &Path) -> Result<Path
 /// `lb_common::stat` indices (this crate does not depend on lb-common).
 const STAT_TC_TRANSLATED: u32 = 4;
 const STAT_TC_DROP_SNAT_EXHAUSTED: u32 = 6;
+const STAT_XDP_TRANSLATED: u32 = 45;
+
+/// (packets translated in XDP, in tc) so far.
+fn translated(pin_dir: &Path) -> Result<(u64, u64)> {
+    Ok((
+        lb_stat(pin_dir, STAT_XDP_TRANSLATED)?,
+        lb_stat(pin_dir, STAT_TC_TRANSLATED)?,
+    ))
+}
 
 /// Counter `index` of the pinned per-CPU `LB_STATS`, summed over CPUs.
 fn lb_stat(pin_dir: &Path, index: u32) -> Result<u64> {
@@ -236,7 +295,12 @@ fn tc_programs(pin_dir: &Path) -> Result<Vec<(String, u32)>> {
 fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
     let tag = format!("np{}-{}", at.scenario.services, kind.short());
     // n1: the node under test, no pods; n2: one pod holding the endpoints.
-    let cluster = Cluster::new(&tag, &[0, 1])?;
+    let mut cluster = Cluster::new(&tag, &[0, 1])?;
+    // Every arm on the test bed the XDP arm needs (a pass program on the
+    // switch ports, checksum offload off on the senders, GSO off on the
+    // switch ports): it changes what every sender and n1 do per packet, so
+    // the arms compare only when they share it.
+    cluster.accelerate()?;
     for a in at.scenario.target.iter().skip(1) {
         cluster.add_pod_address("n2p0", *a)?;
     }
@@ -273,6 +337,7 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
         cluster,
         targets: vec![node_port],
         tc_progs: Vec::new(),
+        xdp_tallies: None,
     };
     match kind {
         ArmKind::Direct => {
@@ -280,7 +345,7 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
             arm.cluster.route_via(&client_ns, "10.244.2.0/24", 1)?;
             arm.targets = at.scenario.backends();
         }
-        ArmKind::Ours => {
+        ArmKind::Ours | ArmKind::OursXdp => {
             // The same filler manifests as the ClusterIP experiment (cached
             // under its scenario), a Node object for n1, the NodePort target.
             let clusterip = Scenario::new(
@@ -301,6 +366,9 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
             )?;
             let mut extra = capacity_args(at.scenario.services, at.scenario.endpoints);
             extra.extend(["--devices".to_string(), "eth0".to_string()]);
+            if kind == ArmKind::OursXdp {
+                extra.push("--acceleration=native".to_string());
+            }
             let t0 = Instant::now();
             arm.cluster
                 .start_agent_on(1, &extra, Duration::from_secs(at.opts.load_timeout))?;
@@ -308,6 +376,9 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
             let agent = &arm.cluster.agents[0];
             setup.rss_mib = vm_hwm_mib(agent.pid());
             arm.tc_progs = tc_programs(agent.pin_dir())?;
+            if kind == ArmKind::OursXdp {
+                arm.xdp_tallies = Some(Mutex::new(Vec::new()));
+            }
         }
         _ => {
             let file = ruleset_file(kind, at.scenario, at.cache)?;
@@ -322,9 +393,32 @@ fn setup_arm(at: &ArmCtx, kind: ArmKind) -> Result<(NpArm, Setup)> {
     Ok((arm, setup))
 }
 
-/// One CRR run must work without errors before an arm is measured.
+/// One CRR run must work without errors before an arm is measured; the
+/// direct arm's packets must cross n1 (the pass programs on the switch
+/// ports must not change the client's route via n1).
 fn sanity(bench_bin: &Path, arm: &NpArm) -> Result<()> {
-    check_sanity(arm.kind, Mode::Crr, arm.measure(bench_bin, Mode::Crr, 200)?)
+    let n1 = &arm.cluster.nodes[0].netns;
+    let before = rx_packets(n1)?;
+    let run = arm.measure(bench_bin, Mode::Crr, 200)?;
+    let crossed = rx_packets(n1)?.saturating_sub(before);
+    let ops = run.ops;
+    check_sanity(arm.kind, Mode::Crr, run)?;
+    // A transaction is at least a SYN, an ACK, a request and a FIN from
+    // the client, each through n1.
+    if arm.kind == ArmKind::Direct && crossed < 4 * ops {
+        bail!("direct: {crossed} packets received by n1's eth0 for {ops} transactions");
+    }
+    Ok(())
+}
+
+/// Packets received by `netns`'s `eth0` so far.
+fn rx_packets(netns: &str) -> Result<u64> {
+    let text =
+        cmd::run(Command::new("ip").args(["-n", netns, "-s", "-j", "link", "show", "eth0"]))?;
+    let v: serde_json::Value = serde_json::from_str(&text)?;
+    v[0]["stats64"]["rx"]["packets"]
+        .as_u64()
+        .ok_or_else(|| anyhow!("no rx packets for eth0 in {netns}: {text}"))
 }
 
 /// Runs the experiment at every point into `np`.
@@ -358,6 +452,7 @@ fn point(
     let at = ArmCtx::new(opts, &scenario, cache, bench_bin);
     let mut arms = set_up_arms(
         "NodePort ",
+        &ArmKind::NODEPORT,
         services,
         bench_bin,
         skip,
@@ -368,9 +463,28 @@ fn point(
     // periodic resync would take a core from whichever arm runs. Paused, it
     // does not sweep conntrack either: LB_CONNTRACK is an LRU map.
     let paused: Vec<u32> = arms.iter().flat_map(Measured::agent_pids).collect();
+    // The XDP arm's packets of the rounds only, not of its sanity run.
+    let xdp_tallies = |arms: &[NpArm]| {
+        arms.iter()
+            .filter_map(|a| a.xdp_tallies.as_ref())
+            .flat_map(|t| std::mem::take(&mut *t.lock().unwrap_or_else(|e| e.into_inner())))
+            .collect::<Vec<XdpTally>>()
+    };
+    xdp_tallies(&arms);
     while_paused(&paused, || {
         rounds(opts, bench_bin, services, seed, &mut arms, np)
     })?;
+    for mut t in xdp_tallies(&arms) {
+        t.services = services;
+        say(format!(
+            "NodePort lb (ours, XDP) {}: {} packets translated in XDP, {} in tc, {} operations",
+            t.mode.as_str(),
+            t.xdp_translated,
+            t.tc_translated,
+            t.ops
+        ));
+        np.xdp_tallies.push(t);
+    }
     if let Some(ours) = arms.iter().find(|a| a.kind == ArmKind::Ours) {
         let pins = ours.cluster.agents[0].pin_dir();
         match (

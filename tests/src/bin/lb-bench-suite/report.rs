@@ -397,7 +397,7 @@ fn field(
 }
 
 fn arms_present(r: &Results) -> Vec<ArmKind> {
-    ArmKind::ALL
+    ArmKind::NODEPORT
         .into_iter()
         .filter(|a| r.samples.iter().any(|s| s.arm == *a))
         .collect()
@@ -747,7 +747,13 @@ fn nodeport_section(o: &mut String, r: &Results) {
          10.244.2.10… and runs `lb-bench server` pinned to core 1 (the client is pinned to core 0). \
          n1 forwards with a route to n2's pod CIDR, back out of the device it received on (ICMP \
          redirects off); n2 routes replies to the client via n1, so every arm's packets cross n1 in \
-         both directions.\n\n\
+         both directions. Every arm's namespaces are made ready for XDP as the XDP arm needs \
+         (`Cluster::accelerate`): a pass XDP program on the nodes' switch-side veth ports (veth \
+         delivers an `XDP_TX` frame to its peer promptly only when the peer runs XDP itself), \
+         checksum offload off on the senders (client and pod: XDP updates checksums as complete, \
+         as a NIC delivers them) and `tx off gso off` on the switch ports (no GRO-merged frame \
+         reaches a node's XDP). This changes every arm's per-packet work, so all arms share it; \
+         the direct arm's sanity run checks that its packets still cross n1.\n\n\
          - **direct**: the client has a route for the pod CIDR via n1 and connects to the pod \
          addresses; n1 and n2 only forward. The limit.\n\
          - **lb (ours)**: `lb-agent run` in n1 (`nsenter --net`, its own pins and child cgroup), \
@@ -757,6 +763,12 @@ fn nodeport_section(o: &mut String, r: &Results) {
          directions in `LB_CONNTRACK`; later packets and the replies are rewritten from there and \
          redirected out again; `tc_egress` runs on every packet leaving `eth0`. The agent is paused \
          (SIGSTOP) during the rounds, as in the ClusterIP experiment.\n\
+         - **lb (ours, XDP)**: the same with `--acceleration=native`: `lb_xdp` on n1's `eth0` \
+         translates a flow's established packets that leave n1 again (to n2, and the replies to \
+         the client) from the next hop tc_ingress cached in the flow's `LB_CONNTRACK` entry and \
+         sends them back out with `XDP_TX`, before the kernel builds a socket buffer; a flow's \
+         setup (SYN, SYN-ACK, the ACK of it), FIN and RST still go through tc. Its packets in \
+         XDP and in tc are counted from `LB_STATS` around each run (below).\n\
          - **iptables (nft)** / **iptables (legacy)**: kube-proxy's iptables-mode rules loaded into \
          n1: the ClusterIP experiment's shape plus `PREROUTING` → `KUBE-SERVICES`, walked to its \
          last rule (`-m addrtype --dst-type LOCAL -j KUBE-NODEPORTS`) → `KUBE-NODEPORTS` \
@@ -806,6 +818,42 @@ fn nodeport_section(o: &mut String, r: &Results) {
              |---:|---|---:|---:|---:|---:|\n",
         );
         tc_cost_table(o, np, &np.rr_costs);
+    }
+    if !np.xdp_tallies.is_empty() {
+        o.push_str(
+            "\nlb (ours, XDP): packets translated in XDP (`xdp_translated`) and in tc \
+             (`tc_translated`) during its runs of the rounds, read from `LB_STATS` before and \
+             after each run (the agent paused, so not through its metrics endpoint), per \
+             connection or transaction.\n\n\
+             | Services | test | operations | in XDP | in tc | XDP per operation | tc per operation | share in XDP |\n\
+             |---:|---|---:|---:|---:|---:|---:|---:|\n",
+        );
+        for t in &np.xdp_tallies {
+            let per = |x: u64| {
+                if t.ops == 0 {
+                    "–".into()
+                } else {
+                    format!("{:.2}", x as f64 / t.ops as f64)
+                }
+            };
+            let all = t.xdp_translated + t.tc_translated;
+            let share = if all == 0 {
+                "–".into()
+            } else {
+                format!("{:.1} %", 100.0 * t.xdp_translated as f64 / all as f64)
+            };
+            let _ = writeln!(
+                o,
+                "| {} | {} | {} | {} | {} | {} | {} | {share} |",
+                thousands(t.services),
+                t.mode.as_str(),
+                t.ops,
+                t.xdp_translated,
+                t.tc_translated,
+                per(t.xdp_translated),
+                per(t.tc_translated),
+            );
+        }
     }
     for (n, translated, failed) in &np.ours_stats {
         let _ = writeln!(
@@ -961,7 +1009,7 @@ fn markdown(r: &Results) -> String {
     );
     summary::summary(&mut o, r);
     let goals = goals::goals(r);
-    o.push_str("## Goals (issues 6, 13 and 39)\n\n");
+    o.push_str("## Goals (issues 6, 13, 39 and 42)\n\n");
     goals::goals_table(&mut o, &goals);
     o.push_str(
         "**met within noise**: the median is below the goal, but the goal lies inside the 90 % \
@@ -1342,9 +1390,10 @@ mod tests {
     fn the_summary_and_the_goals_are_a_short_line_a_row() {
         const CELL: usize = 200;
         let md = markdown(&fixture::whole_run());
-        // Every ClusterIP and NodePort table, the control plane and the
-        // schedulers; every goal the whole run judges.
-        for (heading, rows_wanted) in [("## Summary", 9), ("## Goals", 14)] {
+        // Every ClusterIP and NodePort table (the latter for ours and ours
+        // with XDP), the control plane and the schedulers; every goal the
+        // whole run judges.
+        for (heading, rows_wanted) in [("## Summary", 12), ("## Goals", 16)] {
             let table = table_after(&md, heading);
             assert_eq!(
                 table.len(),
@@ -1364,6 +1413,38 @@ mod tests {
         }
     }
 
+    /// The XDP arm: a row in each NodePort table and a summary row per
+    /// NodePort test, its packets in XDP in the NodePort section, and not
+    /// in the ClusterIP tables, where it does not run.
+    #[test]
+    fn the_xdp_arm_has_its_rows_in_the_nodeport_tables_and_the_summary() {
+        let md = markdown(&fixture::whole_run());
+        let xdp = ArmKind::OursXdp.label();
+        for t in &NODEPORT_TABLES {
+            let rows = table_after(&md, &format!("### {}", t.heading));
+            let ours: Vec<&&str> = rows.iter().filter(|r| cells(r)[1] == xdp).collect();
+            assert_eq!(ours.len(), 2, "{}: a row per point", t.heading);
+            assert_eq!(cells(ours[0])[3], "1.020", "{}", ours[0]);
+        }
+        for t in &CLUSTER_IP_TABLES {
+            let rows = table_after(&md, &format!("### {}", t.heading));
+            assert!(rows.iter().all(|r| cells(r)[1] != xdp), "{}", t.heading);
+        }
+        let summary = table_after(&md, "## Summary");
+        let with_xdp: Vec<&&str> = summary
+            .iter()
+            .filter(|r| r.contains("*with XDP*"))
+            .collect();
+        assert_eq!(with_xdp.len(), NODEPORT_TABLES.len());
+        // 1.02× direct, 1.275× nftables, at 10 000 Services (the same at 1:
+        // no span).
+        assert_eq!(cells(with_xdp[0])[3..5], ["1.02", "1.27"][..]);
+        assert!(md.contains("Rows marked *with XDP*"));
+        let tally = table_after(&md, "lb (ours, XDP): packets translated in XDP");
+        assert_eq!(tally.len(), 2 + 4, "{}", tally.join("\n"));
+        assert_eq!(cells(tally[3])[5..], ["4.00", "0.00", "100.0 %"][..]);
+    }
+
     #[test]
     fn every_goal_links_its_note_and_every_link_names_a_heading() {
         let r = fixture::whole_run();
@@ -1374,7 +1455,7 @@ mod tests {
             assert!(last.starts_with("[notes](#note-"), "{row}");
         }
         let all = links(&md);
-        assert!(all.len() >= 14 + 9, "{all:?}");
+        assert!(all.len() >= 16 + 12, "{all:?}");
         for link in all {
             assert!(
                 anchors.iter().any(|a| a == link),

@@ -1,7 +1,7 @@
 //! Made-up results for the report's tests: every experiment of a whole
 //! run, with round figures so that each ratio is plain.
 use crate::{
-    nodeport::{NodePortResults, TcCost, FLOOR_EGRESS, FLOOR_INGRESS},
+    nodeport::{NodePortResults, TcCost, XdpTally, FLOOR_EGRESS, FLOOR_INGRESS},
     schedulers::{AlgorithmCost, SchedulerResults, Spread, ALGORITHMS, BALANCED},
     ArmKind as A, ClusterStart, ControlPlane, Cost, Machine, Mode, NoiseFloor, Results, Run,
     Sample, Setup,
@@ -104,6 +104,7 @@ fn rate_of(arm: A, services: usize) -> f64 {
     10_000.0
         * match arm {
             A::Ours => 0.97,
+            A::OursXdp => 1.02,
             A::Nftables => 0.8,
             A::IptablesNft if many => 0.15,
             A::IptablesNft => 0.8,
@@ -113,14 +114,14 @@ fn rate_of(arm: A, services: usize) -> f64 {
         }
 }
 
-/// Every arm in every mode at `points`, 3 rounds, nftables only up to
-/// 10 000 Services (as when it does not load at 100 000).
-fn samples_of(points: &[usize], modes: &[Mode]) -> Vec<Sample> {
+/// Every arm of `arms` in every mode at `points`, 3 rounds, nftables only
+/// up to 10 000 Services (as when it does not load at 100 000).
+fn samples_of(points: &[usize], modes: &[Mode], arms: &[A]) -> Vec<Sample> {
     let mut v = Vec::new();
     for &n in points {
         for round in 0..3 {
             for &mode in modes {
-                for arm in A::ALL {
+                for &arm in arms {
                     if arm == A::Nftables && n > 10_000 {
                         continue;
                     }
@@ -141,7 +142,11 @@ pub(super) fn whole_run() -> Results {
     let points = vec![1, 10_000, 100_000];
     let mut r = results(
         points.clone(),
-        samples_of(&points, &[Mode::Cc, Mode::Crr, Mode::Rr, Mode::Udp]),
+        samples_of(
+            &points,
+            &[Mode::Cc, Mode::Crr, Mode::Rr, Mode::Udp],
+            &A::ALL,
+        ),
     );
     r.machine.srso = "Mitigation: Safe RET".into();
     r.costs = points
@@ -226,7 +231,7 @@ pub(super) fn whole_run() -> Results {
         durations_ms: vec![(Mode::Cc, 2000), (Mode::Crr, 1500), (Mode::Rr, 1000)],
         node_port: 30080,
         setups: Vec::new(),
-        samples: samples_of(&np_points, &[Mode::Cc, Mode::Crr, Mode::Rr]),
+        samples: samples_of(&np_points, &[Mode::Cc, Mode::Crr, Mode::Rr], &A::NODEPORT),
         costs: tc(&[
             ("tc_ingress_eth0", 1200),
             (FLOOR_INGRESS, 100),
@@ -235,6 +240,22 @@ pub(super) fn whole_run() -> Results {
         ]),
         rr_costs: tc(&[("tc_ingress_eth0", 400), (FLOOR_INGRESS, 100)]),
         ours_stats: vec![(1, 1_000_000, 0), (10_000, 900_000, 0)],
+        xdp_tallies: np_points
+            .iter()
+            .flat_map(|&services| {
+                [
+                    (Mode::Cc, 30_000, 120_000, 0),
+                    (Mode::Rr, 90_000, 0, 360_000),
+                ]
+                .map(|(mode, ops, tc, xdp)| XdpTally {
+                    services,
+                    mode,
+                    ops,
+                    xdp_translated: xdp,
+                    tc_translated: tc,
+                })
+            })
+            .collect(),
         notes: Vec::new(),
     });
     r.schedulers = Some(SchedulerResults {

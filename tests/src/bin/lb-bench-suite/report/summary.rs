@@ -23,11 +23,15 @@ pub(super) fn summary(o: &mut String, r: &Results) {
          |---|---:|---:|---:|---:|---:|---:|\n",
     );
     for t in &CLUSTER_IP_TABLES {
-        rate_row(o, r, t);
+        rate_row(o, r, t, ArmKind::Ours);
     }
-    if let Some(v) = nodeport_view(r) {
+    let nodeport = nodeport_view(r);
+    if let Some(v) = &nodeport {
         for t in &NODEPORT_TABLES {
-            rate_row(o, &v, t);
+            rate_row(o, v, t, ArmKind::Ours);
+        }
+        for t in &NODEPORT_TABLES {
+            rate_row(o, v, t, ArmKind::OursXdp);
         }
     }
     control_plane_row(o, r);
@@ -39,8 +43,20 @@ pub(super) fn summary(o: &mut String, r: &Results) {
          1, ours is the faster; against direct, 1 is the most a load balancer can reach. The \
          control-plane row divides each tool's time to load the same Services by ours' first \
          sync. –: the arm is not part of that experiment. The goals below judge the ClusterIP \
-         connect rate on the A/A control's rounds, not on these.\n\n",
+         connect rate on the A/A control's rounds, not on these.\n",
     );
+    let xdp_ran = nodeport
+        .as_ref()
+        .is_some_and(|v| v.samples.iter().any(|s| s.arm == ArmKind::OursXdp));
+    if xdp_ran {
+        o.push_str(
+            "\nRows marked *with XDP*: lb (ours, XDP), ours with `--acceleration=native`, in the lb \
+             (ours) column, divided the same way; its XDP stage translates the established \
+             packets that leave the node again, tc still a flow's setup and close. Every NodePort \
+             arm ran on the test bed XDP needs (see the NodePort section).\n",
+        );
+    }
+    o.push('\n');
 }
 
 /// How many times ours' figure is another's: two decimals, none from 10 up.
@@ -52,10 +68,11 @@ fn fmt_times(x: f64) -> String {
     }
 }
 
-/// Ours against each arm in one test of one experiment.
-fn rate_row(o: &mut String, r: &Results, t: &RateTable) {
+/// `subject` (ours, or ours with XDP) against each arm in one test of one
+/// experiment.
+fn rate_row(o: &mut String, r: &Results, t: &RateTable, subject: ArmKind) {
     let ran = |arm: ArmKind, n: usize| rate(r, n, arm, t.mode).is_some();
-    let arms: Vec<ArmKind> = ArmKind::ALL
+    let arms: Vec<ArmKind> = ArmKind::NODEPORT
         .into_iter()
         .filter(|a| r.points.iter().any(|n| ran(*a, *n)))
         .collect();
@@ -65,14 +82,8 @@ fn rate_row(o: &mut String, r: &Results, t: &RateTable) {
         .rev()
         .copied()
         .find(|n| arms.iter().all(|a| ran(*a, *n)))
-        .or_else(|| {
-            r.points
-                .iter()
-                .rev()
-                .copied()
-                .find(|n| ran(ArmKind::Ours, *n))
-        });
-    let (Some(at), Some(ours)) = (at, at.and_then(|n| rate(r, n, ArmKind::Ours, t.mode))) else {
+        .or_else(|| r.points.iter().rev().copied().find(|n| ran(subject, *n)));
+    let (Some(at), Some(ours)) = (at, at.and_then(|n| rate(r, n, subject, t.mode))) else {
         return;
     };
     let cells: Vec<String> = AGAINST
@@ -84,9 +95,9 @@ fn rate_row(o: &mut String, r: &Results, t: &RateTable) {
             let medians: Vec<f64> = r
                 .points
                 .iter()
-                .filter_map(|n| Some(ratio(r, *n, ArmKind::Ours, arm, t.mode)?.med))
+                .filter_map(|n| Some(ratio(r, *n, subject, arm, t.mode)?.med))
                 .collect();
-            let here = ratio(r, at, ArmKind::Ours, arm, t.mode);
+            let here = ratio(r, at, subject, arm, t.mode);
             match (here, span_of(&medians, fmt_times)) {
                 (Some(s), Some(span)) if span.contains('–') => {
                     format!("{} ({span})", fmt_times(s.med))
@@ -96,9 +107,14 @@ fn rate_row(o: &mut String, r: &Results, t: &RateTable) {
             }
         })
         .collect();
+    let with = if subject == ArmKind::OursXdp {
+        ", *with XDP*"
+    } else {
+        ""
+    };
     let _ = writeln!(
         o,
-        "| [{}](#{}) | {} | {} {} | {} |",
+        "| [{}{with}](#{}) | {} | {} {} | {} |",
         t.path,
         anchor(t.heading),
         thousands(at),
