@@ -54,7 +54,36 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
             "fix the errors above",
         )?;
         failures = failed;
-        Some(status.success())
+        // The XDP stage (`--acceleration`) on the tc path's flow-integrity
+        // and device tests again: every agent of their clusters with it,
+        // on test beds made ready for it (`Cluster::accelerate`).
+        // tests/tests/xdp.rs is in the run above.
+        let (accelerated, failed) = run_teed(
+            "integration tests with acceleration (flows, devices)",
+            Command::new("cargo")
+                .current_dir(root)
+                .args([
+                    "test",
+                    "--release",
+                    "--no-fail-fast",
+                    "--package",
+                    "integration-tests",
+                    "--test",
+                    "flows",
+                    "--test",
+                    "devices",
+                    "--",
+                ])
+                .arg("--test-threads=2")
+                .args(args)
+                .env("LB_TEST_ACCELERATION", "native")
+                .env("LB_AGENT_BIN", release.join("lb-agent"))
+                .env("LB_BIN_DIR", &release)
+                .env("LB_EBPF_OBJECT", &object),
+            "fix the errors above",
+        )?;
+        failures.extend(failed.into_iter().map(|l| format!("(accelerated) {l}")));
+        Some(status.success() && accelerated.success())
     } else {
         eprintln!(
             "xtask: error: the integration tests load eBPF programs and need root; \
