@@ -34,53 +34,39 @@ pub fn test(root: &Path, args: &[String]) -> Result<ExitCode> {
 
     let mut failures = Vec::new();
     let integration = if is_root() {
-        let (status, failed) = run_teed(
-            "integration tests",
-            Command::new("cargo")
-                .current_dir(root)
-                .args([
-                    "test",
-                    "--release",
-                    "--no-fail-fast",
-                    "--package",
-                    "integration-tests",
-                    "--",
-                ])
+        // `cargo test` of the integration tests: `tests` (`--test NAME`
+        // each, none for all), with `env` set too.
+        let integration_run = |what: &str, tests: &[&str], env: &[(&str, &str)]| {
+            let mut c = Command::new("cargo");
+            c.current_dir(root).args([
+                "test",
+                "--release",
+                "--no-fail-fast",
+                "--package",
+                "integration-tests",
+            ]);
+            for t in tests {
+                c.args(["--test", t]);
+            }
+            c.arg("--")
                 .arg("--test-threads=2")
                 .args(args)
+                .envs(env.iter().copied())
                 .env("LB_AGENT_BIN", release.join("lb-agent"))
                 .env("LB_BIN_DIR", &release)
-                .env("LB_EBPF_OBJECT", &object),
-            "fix the errors above",
-        )?;
+                .env("LB_EBPF_OBJECT", &object);
+            run_teed(what, &mut c, "fix the errors above")
+        };
+        let (status, failed) = integration_run("integration tests", &[], &[])?;
         failures = failed;
         // The XDP stage (`--acceleration`) on the tc path's flow-integrity
         // and device tests again: every agent of their clusters with it,
         // on test beds made ready for it (`Cluster::accelerate`).
         // tests/tests/xdp.rs is in the run above.
-        let (accelerated, failed) = run_teed(
+        let (accelerated, failed) = integration_run(
             "integration tests with acceleration (flows, devices)",
-            Command::new("cargo")
-                .current_dir(root)
-                .args([
-                    "test",
-                    "--release",
-                    "--no-fail-fast",
-                    "--package",
-                    "integration-tests",
-                    "--test",
-                    "flows",
-                    "--test",
-                    "devices",
-                    "--",
-                ])
-                .arg("--test-threads=2")
-                .args(args)
-                .env("LB_TEST_ACCELERATION", "native")
-                .env("LB_AGENT_BIN", release.join("lb-agent"))
-                .env("LB_BIN_DIR", &release)
-                .env("LB_EBPF_OBJECT", &object),
-            "fix the errors above",
+            &["flows", "devices"],
+            &[("LB_TEST_ACCELERATION", "native")],
         )?;
         failures.extend(failed.into_iter().map(|l| format!("(accelerated) {l}")));
         Some(status.success() && accelerated.success())

@@ -444,16 +444,7 @@ fn nftables_goal(r: &Results, pts: &[usize]) -> Goal {
         verdict: Verdict::of((!nft.is_empty()).then(|| nft.iter().all(|(_, s)| s.med >= 1.2))),
         measured: format!(
             "lb (ours) ÷ nftables in the same round, connect+close, medians: {}.",
-            nft.iter()
-                .map(|(n, s)| format!(
-                    "{}: {:.3} (min–max {:.3}–{:.3})",
-                    thousands(*n),
-                    s.med,
-                    s.min,
-                    s.max
-                ))
-                .collect::<Vec<_>>()
-                .join("; ")
+            ratios_measured(&nft)
         ),
         figure,
         reason: "nftables' conntrack and NAT, a fraction of a connect+close".into(),
