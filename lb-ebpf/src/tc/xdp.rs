@@ -6,8 +6,9 @@
 //! lookup): no socket buffer is ever built for it.
 //!
 //! Everything else passes to the tc programs, which do what they always
-//! did: a flow's setup (SYN, the handshake's ACK, a UDP flow's first
-//! datagrams until its backend answered), its end (FIN, RST), a local
+//! did: a flow's setup (SYN, the handshake's ACK; a UDP flow's first
+//! datagram, and its backend's first answer, which marks it answered),
+//! its end (FIN, RST), a local
 //! backend, fragments, ICMP errors, IP options and IPv6 extension
 //! headers, a hop not cached or cached for an earlier second or route
 //! epoch, and anything not ours. XDP changes nothing of what it passes, so
