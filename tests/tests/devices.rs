@@ -151,6 +151,11 @@ fn re_created_device_gets_its_programs_back(tag: &str, mode: &str) -> Cluster {
         "NodePort not served again within {WITHIN:?} of re-creating eth0\n{}",
         c.agent_logs()
     );
+    // The NodePort may answer as soon as the programs are attached, a
+    // moment before the agent writes the line that says so.
+    wait_until(Duration::from_secs(5), Duration::from_millis(100), || {
+        reattached_line(&c.agents[0].log_since(log_before)).is_some()
+    });
     let log = c.agents[0].log_since(log_before);
     let line = reattached_line(&log).unwrap_or_else(|| panic!("no re-attach logged:\n{log}"));
     assert!(line.contains(&format!("{now}")), "{line}");
@@ -201,6 +206,11 @@ fn a_re_created_device_gets_its_clsact_filters_back() {
         "NodePort not served again within {WITHIN:?} of deleting the clsact qdisc\n{}",
         c.agent_logs()
     );
+    // The NodePort may answer as soon as the programs are attached, a
+    // moment before the agent writes the line that says so.
+    wait_until(Duration::from_secs(5), Duration::from_millis(100), || {
+        reattached_line(&c.agents[0].log_since(log_before)).is_some()
+    });
     let log = c.agents[0].log_since(log_before);
     let line = reattached_line(&log).unwrap_or_else(|| panic!("no re-attach logged:\n{log}"));
     assert!(line.contains("missing"), "{line}");
